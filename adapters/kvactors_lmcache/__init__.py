@@ -1,0 +1,1 @@
+"""The LMCache device plugin backed by the kvactors runtime."""

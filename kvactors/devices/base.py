@@ -1,0 +1,180 @@
+"""The backend protocol: the device edge of kvactors.
+
+Theory of operation. A backend wraps one device kind (``cpu``, ``mlu``, ``musa``, ``cuda``)
+behind the few verbs the actors need. StreamActor calls the stream verbs on its own lane
+thread, never on the event loop: ``bind_thread`` once when the lane starts (vendors keep the
+current device and stream in thread-local storage), then ``launch`` to put device work on a
+stream (asynchronous on accelerators, immediate on CPU), ``synchronize`` to wait for a stream,
+and ``record_marker`` for a completion marker. ``copy_`` is the copy-policy hook the kernels go
+through (MLU turns strided device-to-host copies into blocking ones). ``probe`` never raises;
+``require`` raises :class:`~kvactors.errors.BackendUnavailableError` with the probe's reason.
+
+Streams and markers are opaque to the runtime: it only hands them back to the backend that
+made them. Raw pointers never leave the process: ``ipc_export`` returns a wire-safe
+:class:`IPCHandle` and ``ipc_open`` returns an :class:`IPCOwner` that IPCOwnerActor keeps
+until the stream that used its views has been synchronized.
+"""
+
+from __future__ import annotations
+
+import abc
+from typing import TYPE_CHECKING, Protocol, final
+
+import msgspec
+
+from kvactors.errors import BackendUnavailableError
+
+if TYPE_CHECKING:
+    from collections.abc import Callable, Sequence
+
+    import torch
+
+__all__ = ("Backend", "IPCHandle", "IPCOwner", "Marker", "Probe", "StreamLike")
+
+
+class Probe(msgspec.Struct, frozen=True, kw_only=True):
+    """Result of probing a backend: whether it can run here and, if not, why."""
+
+    backend: str
+    available: bool
+    reason: str = ""
+    details: dict[str, str] = msgspec.field(default_factory=dict)
+
+
+class IPCHandle(msgspec.Struct, frozen=True, kw_only=True, tag=True):
+    """A wire-safe description of exported device or shared memory; never a raw pointer."""
+
+    backend: str
+    name: str
+    dtype: str
+    shape: tuple[int, ...]
+    stride: tuple[int, ...]
+    storage_offset: int = 0
+    nbytes: int = 0
+    device_index: int = 0
+    extra: dict[str, str] = msgspec.field(default_factory=dict)
+
+
+class StreamLike(Protocol):
+    """What the runtime knows of a stream: nothing but its identity."""
+
+
+class Marker(Protocol):
+    """A completion marker recorded on a stream (an event on accelerators)."""
+
+    def query(self) -> bool:
+        """Whether all work recorded before the marker has completed (never blocks)."""
+        ...
+
+    def synchronize(self) -> None:
+        """Block the calling thread until the marker completed."""
+        ...
+
+
+class IPCOwner(Protocol):
+    """The receiver-side owner of an opened IPC mapping; its views die with ``close``."""
+
+    @property
+    def tensor(self) -> torch.Tensor:
+        """The tensor view onto the mapping (valid until ``close``)."""
+        ...
+
+    @property
+    def closed(self) -> bool:
+        """Whether ``close`` has run."""
+        ...
+
+    def close(self) -> None:
+        """Release the mapping; idempotent."""
+        ...
+
+
+class Backend(abc.ABC):
+    """One device kind behind the verbs the actors use. Subclasses fill in the device edge."""
+
+    kind: str = ""
+
+    @abc.abstractmethod
+    def probe(self) -> Probe:
+        """Report availability; never raises."""
+
+    @final
+    def require(self) -> None:
+        """Raise :class:`BackendUnavailableError` unless ``probe()`` reports available."""
+        p = self.probe()
+        if not p.available:
+            raise BackendUnavailableError(backend=self.kind, reason=p.reason)
+
+    @abc.abstractmethod
+    def device(self, index: int) -> torch.device:
+        """The torch device for ``index`` (validated against the devices present)."""
+
+    def is_device_tensor(self, t: torch.Tensor, index: int) -> bool:
+        """Whether ``t`` lives on this backend's device ``index``."""
+        d = t.device
+        return d.type == self.kind and (d.index or 0) == index
+
+    # Streams: every verb below runs on a StreamActor lane thread.
+
+    @abc.abstractmethod
+    def bind_thread(self, index: int, stream: StreamLike) -> None:
+        """Make ``index`` and ``stream`` current for the calling (lane) thread."""
+
+    @abc.abstractmethod
+    def new_stream(self, index: int) -> StreamLike:
+        """A stream owned by kvactors on device ``index``."""
+
+    @abc.abstractmethod
+    def stream_from_handle(self, handle: int, index: int) -> StreamLike:
+        """Handle 0: the default stream of ``index``; nonzero: borrow the caller's stream."""
+
+    @abc.abstractmethod
+    def stream_handle(self, stream: StreamLike) -> int:
+        """The native handle of ``stream`` as an int (process-local; never sent away)."""
+
+    @abc.abstractmethod
+    def current_stream_handle(self, index: int) -> int:
+        """The native handle of the calling thread's current stream on ``index``."""
+
+    @abc.abstractmethod
+    def launch(self, stream: StreamLike, fn: Callable[[], None]) -> None:
+        """Run ``fn`` so that the device work it issues is ordered on ``stream``."""
+
+    @abc.abstractmethod
+    def synchronize(self, stream: StreamLike) -> None:
+        """Block until every piece of work enqueued on ``stream`` has completed."""
+
+    @abc.abstractmethod
+    def record_marker(self, stream: StreamLike) -> Marker:
+        """Record a completion marker on ``stream``."""
+
+    def copy_(self, dst: torch.Tensor, src: torch.Tensor) -> None:
+        """Copy ``src`` into ``dst`` under this backend's copy policy (default: async)."""
+        dst.copy_(src, non_blocking=True)
+
+    # Memory.
+
+    @abc.abstractmethod
+    def tensor_from_ptr(
+        self,
+        ptr: int,
+        shape: Sequence[int],
+        dtype: torch.dtype,
+        *,
+        index: int = 0,
+        stride: Sequence[int] | None = None,
+        storage_offset: int = 0,
+    ) -> torch.Tensor:
+        """A validated, non-owning view of process-local memory at ``ptr``."""
+
+    @abc.abstractmethod
+    def ipc_export(self, t: torch.Tensor) -> IPCHandle:
+        """Export ``t`` for another process; the handle is wire-safe."""
+
+    @abc.abstractmethod
+    def ipc_open(self, handle: IPCHandle) -> IPCOwner:
+        """Open an exported handle; the owner must be closed after the stream sync."""
+
+    def pin(self, t: torch.Tensor) -> torch.Tensor:
+        """Pin a host tensor if this backend can; otherwise return it unchanged."""
+        return t
