@@ -1,0 +1,199 @@
+"""Map LMCache's transfer arguments onto kvactors' own request and operand types.
+
+Theory of operation. LMCache hands the op native enums (``EngineKVFormat``,
+``TransferDirection``), a pybind ``PageBufferShapeDesc`` with a dynamic ``dtype`` attribute,
+engine block ids as a list (tensor mode) or a device tensor (pointer mode), and the paged
+operand in the per-format structure LMCache normalised it to. kvactors speaks plain ints and
+frozen structs: :class:`kvactors.plans.TransferRequest` with a
+:class:`kvactors.layouts.ShapeDesc`. Everything here is pure and raises before any memory is
+touched: ``TypeError`` for operand structure (raw pointers included), ``ValueError`` for
+values; kvactors' own validation runs again inside the runtime.
+
+The enum numbers are LMCache's, so the mapping is by value (``int(...)``); LMCache's native
+enums are never imported here.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Sequence
+from typing import TYPE_CHECKING, Any
+
+import torch
+from kvactors.layouts import Direction, KVFormat, ShapeDesc
+from kvactors.plans import TransferRequest
+
+from kvactors.errors import OperandTypeError, TransferValidationError
+
+if TYPE_CHECKING:
+    from kvactors.devices.base import Backend
+
+__all__ = (
+    "POINTER_MODE_MESSAGE",
+    "block_ids_tuple",
+    "check_tensor_operands",
+    "direction_of",
+    "dtype_name",
+    "format_of",
+    "shape_desc_of",
+    "to_transfer_request",
+)
+
+POINTER_MODE_MESSAGE = (
+    "kvactors adapter: multi_layer_block_kv_transfer takes tensor operands only "
+    "(LMCache's tensor calling convention); got raw pointers for {what}. Raw pointers are "
+    "process-local and ambiguous (pinned host memory on the engine-driven path, device "
+    "memory on the LMCache-driven path), so kvactors refuses to reinterpret them."
+)
+
+
+def format_of(engine_kv_format: Any) -> KVFormat:
+    """kvactors' :class:`KVFormat` for LMCache's ``EngineKVFormat`` (same numbers)."""
+    try:
+        value = int(engine_kv_format)
+    except (TypeError, ValueError) as exc:
+        raise TransferValidationError(
+            f"engine_kv_format {engine_kv_format!r} is not an EngineKVFormat",
+            field="engine_kv_format",
+        ) from exc
+    try:
+        return KVFormat(value)
+    except ValueError as exc:
+        raise TransferValidationError(
+            f"unknown engine_kv_format {engine_kv_format!r} (value {value})",
+            field="engine_kv_format",
+        ) from exc
+
+
+def direction_of(direction: Any) -> Direction:
+    """kvactors' :class:`Direction` for LMCache's ``TransferDirection`` (H2D=0, D2H=1)."""
+    try:
+        return Direction(int(direction))
+    except (TypeError, ValueError) as exc:
+        raise TransferValidationError(
+            f"direction {direction!r} is neither H2D (0) nor D2H (1)", field="direction"
+        ) from exc
+
+
+def dtype_name(dtype: object) -> str | None:
+    """``torch.bfloat16`` -> ``"bfloat16"``; ``None`` stays ``None``."""
+    if dtype is None:
+        return None
+    if isinstance(dtype, torch.dtype):
+        return str(dtype).removeprefix("torch.")
+    if isinstance(dtype, str):
+        return dtype.removeprefix("torch.")
+    raise OperandTypeError(f"shape_desc.dtype {dtype!r} is not a torch.dtype", field="dtype")
+
+
+def shape_desc_of(shape_desc: Any) -> ShapeDesc:
+    """kvactors' :class:`ShapeDesc` for LMCache's ``PageBufferShapeDesc``.
+
+    ``dtype`` is the dynamic attribute ``make_page_buffer_shape_desc`` sets; it is absent on
+    hand-built descriptors, and kvactors then takes the dtype from the tensors.
+    """
+    try:
+        fields = {
+            name: int(getattr(shape_desc, name))
+            for name in ("kv_size", "nl", "nb", "bs", "nh", "hs", "element_size")
+        }
+        block_stride = int(getattr(shape_desc, "block_stride_elems", 0) or 0)
+    except (AttributeError, TypeError, ValueError) as exc:
+        raise OperandTypeError(
+            f"shape_desc {shape_desc!r} is not a PageBufferShapeDesc: {exc}", field="shape_desc"
+        ) from exc
+    return ShapeDesc(
+        **fields,
+        block_stride_elems=block_stride,
+        dtype=dtype_name(getattr(shape_desc, "dtype", None)),
+    )
+
+
+def block_ids_tuple(block_ids: Any) -> tuple[int, ...]:
+    """Engine block ids as a tuple of ints (a list in tensor mode; a tensor is accepted)."""
+    if isinstance(block_ids, torch.Tensor):
+        if block_ids.dtype.is_floating_point or block_ids.dim() != 1:
+            raise OperandTypeError(
+                f"block_ids tensor must be 1-D integer, got {block_ids.dtype} "
+                f"{tuple(block_ids.shape)}",
+                field="block_ids",
+            )
+        return tuple(int(b) for b in block_ids.tolist())
+    if isinstance(block_ids, (str, bytes)) or not isinstance(block_ids, Sequence):
+        raise OperandTypeError(
+            f"block_ids must be a list of ints, got {type(block_ids).__name__}", field="block_ids"
+        )
+    out: list[int] = []
+    for b in block_ids:
+        if isinstance(b, bool) or not isinstance(b, int):
+            raise OperandTypeError(f"block_ids must hold ints, got {b!r}", field="block_ids")
+        out.append(b)
+    return tuple(out)
+
+
+def to_transfer_request(
+    engine_kv_format: Any,
+    direction: Any,
+    block_ids: Any,
+    lmcache_chunk_size: int,
+    skip_prefix_n_blocks: int,
+    shape_desc: Any,
+) -> TransferRequest:
+    """Build the kvactors request for one ``multi_layer_block_kv_transfer`` call."""
+    if isinstance(lmcache_chunk_size, bool) or not isinstance(lmcache_chunk_size, int):
+        raise OperandTypeError(
+            f"lmcache_chunk_size must be an int, got {lmcache_chunk_size!r}", field="chunk_size"
+        )
+    if isinstance(skip_prefix_n_blocks, bool) or not isinstance(skip_prefix_n_blocks, int):
+        raise OperandTypeError(
+            f"skip_prefix_n_blocks must be an int, got {skip_prefix_n_blocks!r}",
+            field="skip_blocks",
+        )
+    return TransferRequest(
+        fmt=int(format_of(engine_kv_format)),
+        direction=int(direction_of(direction)),
+        block_ids=block_ids_tuple(block_ids),
+        chunk_size=lmcache_chunk_size,
+        skip_blocks=skip_prefix_n_blocks,
+        shape=shape_desc_of(shape_desc),
+    )
+
+
+def _is_pointer_list(value: object) -> bool:
+    return isinstance(value, (list, tuple)) and any(
+        isinstance(v, int) and not isinstance(v, bool) for v in value
+    )
+
+
+def check_tensor_operands(paged: object, objects: object, backend: Backend | None = None) -> None:
+    """Refuse LMCache's pointer calling convention before anything else runs.
+
+    Raises:
+        TypeError: ``objects`` holds raw pointers, or ``paged`` is a packed pointer tensor
+            while the objects are not tensors.
+    """
+    del backend  # reserved: device checks are the runtime's
+    if isinstance(objects, int) or _is_pointer_list(objects):
+        raise OperandTypeError(
+            POINTER_MODE_MESSAGE.format(what="lmcache_objects_ptrs"), field="objects"
+        )
+    if not isinstance(objects, (list, tuple)) or not all(
+        isinstance(o, torch.Tensor) for o in objects
+    ):
+        raise OperandTypeError(
+            "kvactors adapter: lmcache_objects_ptrs must be a list of host chunk tensors, got "
+            f"{type(objects).__name__}",
+            field="objects",
+        )
+    if isinstance(paged, int) or _is_pointer_list(paged):
+        raise OperandTypeError(
+            POINTER_MODE_MESSAGE.format(what="paged_buffer_ptrs_tensor"), field="paged"
+        )
+    if (
+        isinstance(paged, torch.Tensor)
+        and paged.dim() == 1
+        and paged.dtype in (torch.int64, torch.uint64)
+    ):
+        raise OperandTypeError(
+            POINTER_MODE_MESSAGE.format(what="paged_buffer_ptrs_tensor (a packed pointer tensor)"),
+            field="paged",
+        )

@@ -1,0 +1,498 @@
+"""LMCache ``DeviceOps`` subclasses that route transfers into the kvactors runtime.
+
+Theory of operation. LMCache's engine-driven worker calls ``multi_layer_block_kv_transfer``
+from its own threads (the caller thread for retrieve, up to 4 commit threads for async
+stores), resolved per KV tensor device type. Each call is converted (``convert``) into a
+:class:`kvactors.plans.TransferRequest` and handed to the process-wide runtime of that
+(backend, device index), whose blocking facade is thread-safe and returns only once the copy
+has completed. On accelerators the calling thread's *current* stream handle goes with the
+request, so the copy is ordered after the work the caller already queued there (LMCache's
+async store waits an event on its copy stream first); on CPU the handle is 0 and the call is
+complete on return, as LMCache requires (it never synchronizes a CPU device).
+
+Tensor mode only: ``lmcache_objects_ptrs`` carries a string annotation containing
+``Tensor``, which is how LMCache 0.5.6 picks the tensor calling convention. Raw pointers are
+refused with a ``TypeError`` before anything is touched.
+
+Completions and events are published sync-then-publish by the runtime's StreamActor: a
+record becomes drainable only after every earlier piece of work on its stream completed.
+Records go to this ops instance's *home* runtime (the device current when it was first
+needed); drains return records in submission order. Nothing here retains a paged or object
+tensor after returning.
+"""
+
+from __future__ import annotations
+
+import ctypes
+import threading
+from collections import Counter
+from collections.abc import Callable
+from typing import TYPE_CHECKING, Any, ClassVar
+
+import torch
+from lmcache.v1.platform.base.device_ops import DeviceOps
+
+from kvactors.errors import OperandTypeError, UnsupportedOperationError
+from kvactors_lmcache import convert
+
+if TYPE_CHECKING:
+    from kvactors.runtime import Runtime
+
+__all__ = (
+    "DELIBERATELY_INHERITED",
+    "KvactorsCpuOps",
+    "KvactorsDeviceOps",
+    "KvactorsMluOps",
+    "KvactorsMusaOps",
+    "RuntimeFactory",
+    "ops_class_for",
+    "reset_transfer_counts",
+    "transfer_counts",
+)
+
+RuntimeFactory = Callable[[str, int], "Runtime"]
+
+# Every public DeviceOps member of lmcache 0.5.6 that the kvactors ops do NOT override, with
+# the reason. tests/adapters/test_contract.py walks the installed class and fails on any
+# public member that is neither overridden nor listed here.
+DELIBERATELY_INHERITED: dict[str, str] = {
+    # Shared types: LMCache's own classes, used by make_page_buffer_shape_desc.
+    "PageBufferShapeDesc": "LMCache's native shape descriptor type (needs dynamic dtype attr)",
+    "StagingCopy": "LMCache plan type, only used by native object-group transfers",
+    "LaunchVar": "LMCache plan type, only used by native object-group transfers",
+    "BatchStep": "LMCache plan type, only used by native object-group transfers",
+    "KernelGroupSpec": "LMCache plan type, only used by native object-group transfers",
+    "device_type": "ClassVar, overridden per subclass as a class attribute",
+    "ensure_native": "no native extension: kvactors is the implementation (no bind_native)",
+    "bind_native": "never called: rebinding would drop the Tensor annotation (pointer mode)",
+    # Host memory management: server-side L1 allocators; CPU memory, not a device concern.
+    "alloc_hugepage_pinned_numa_ptr": "server L1 host allocator (torch baseline)",
+    "alloc_hugepage_pinned_ptr": "server L1 host allocator (torch baseline)",
+    "alloc_numa_ptr": "server L1 host allocator (torch baseline)",
+    "alloc_pinned_numa_ptr": "server L1 host allocator (torch baseline)",
+    "alloc_pinned_ptr": "server L1 host allocator (torch baseline)",
+    "alloc_shm_pinned_ptr": "server L1 host allocator (torch baseline)",
+    "free_hugepage_pinned_numa_ptr": "server L1 host allocator (torch baseline)",
+    "free_hugepage_pinned_ptr": "server L1 host allocator (torch baseline)",
+    "free_numa_ptr": "server L1 host allocator (torch baseline)",
+    "free_pinned_numa_ptr": "server L1 host allocator (torch baseline)",
+    "free_pinned_ptr": "server L1 host allocator (torch baseline)",
+    "free_shm_pinned_ptr": "server L1 host allocator (torch baseline)",
+    "batched_memcpy": "host-to-host pointer copies of the L1 allocator (torch baseline)",
+    "get_gpu_pci_bus_id": "NUMA placement hint; the torch baseline answers without CUDA",
+    # Non-MP (in-process connector) transfer and reshape ops: not on the MP path kvactors
+    # serves; the torch baseline keeps working for tensors on any device.
+    "multi_layer_kv_transfer": "non-MP vLLM connector op, not on the MP path",
+    "multi_layer_kv_transfer_unilateral": "non-MP vLLM connector op, not on the MP path",
+    "single_layer_kv_transfer": "non-MP vLLM connector op, not on the MP path",
+    "single_layer_kv_transfer_sgl": "non-MP SGLang connector op, not on the MP path",
+    "load_and_reshape_flash": "non-MP vLLM connector op, not on the MP path",
+    "reshape_and_cache_back_flash": "non-MP vLLM connector op, not on the MP path",
+    "rotary_embedding_k_fused": "CacheBlend positional op, compute not transfer",
+    "rotary_embedding_k_fused_strided": "CacheBlend positional op, compute not transfer",
+    # CacheGen codec: compute kernels, not transfers.
+    "calculate_cdf": "CacheGen codec kernel, compute not transfer",
+    "decode_fast_new": "CacheGen codec kernel, compute not transfer",
+    "decode_fast_prefsum": "CacheGen codec kernel, compute not transfer",
+    "encode_fast_new": "CacheGen codec kernel, compute not transfer",
+}
+
+_counts_lock = threading.Lock()
+_counts: Counter[str] = Counter()
+
+
+def transfer_counts() -> dict[str, int]:
+    """Transfers served by the kvactors ops in this process, keyed ``"<backend>:<H2D|D2H>"``."""
+    with _counts_lock:
+        return dict(_counts)
+
+
+def reset_transfer_counts() -> None:
+    """Zero :func:`transfer_counts` (tests)."""
+    with _counts_lock:
+        _counts.clear()
+
+
+def _default_runtime_factory(backend: str, device_index: int) -> Runtime:
+    from kvactors.runtime import get_runtime
+
+    return get_runtime(backend=backend, device_index=device_index)
+
+
+class KvactorsDeviceOps(DeviceOps):
+    """The kvactors-backed op surface shared by the CPU, MLU and MUSA plugins.
+
+    Args:
+        runtime_factory: ``(backend, device_index) -> Runtime``; defaults to
+            ``kvactors.runtime.get_runtime`` (process-wide, started lazily).
+    """
+
+    device_type: ClassVar[str] = ""
+    kvactors_backend: ClassVar[str] = ""
+    #: Whether transfers carry the caller's current stream (accelerators) or handle 0.
+    uses_streams: ClassVar[bool] = True
+
+    def __init__(self, *, runtime_factory: RuntimeFactory | None = None) -> None:
+        super().__init__()
+        self._runtime_factory = runtime_factory or _default_runtime_factory
+        self._lock = threading.Lock()
+        self._runtimes: dict[int, Runtime] = {}
+        self._home: Runtime | None = None
+
+    # -- runtime plumbing ---------------------------------------------------------------
+
+    def _runtime(self, index: int) -> Runtime:
+        with self._lock:
+            rt = self._runtimes.get(index)
+            if rt is None:
+                rt = self._runtime_factory(self.kvactors_backend, index)
+                self._runtimes[index] = rt
+            return rt
+
+    def _current_index(self) -> int:
+        mod = getattr(torch, self.kvactors_backend, None)
+        current = getattr(mod, "current_device", None)
+        if self.uses_streams and callable(current):
+            return int(current())
+        return 0
+
+    def _device_index(self, device: object) -> int:
+        if isinstance(device, torch.device):
+            dev = device
+        else:
+            try:
+                dev = torch.device(str(device))
+            except (RuntimeError, TypeError) as exc:
+                raise OperandTypeError(f"bad device {device!r}", field="device") from exc
+        if dev.type != self.device_type:
+            raise OperandTypeError(
+                f"{type(self).__name__} serves {self.device_type!r} tensors, got device {dev}",
+                field="device",
+            )
+        return self._current_index() if dev.index is None else int(dev.index)
+
+    def _home_runtime(self) -> Runtime:
+        home = self._home
+        if home is None:
+            home = self._runtime(self._current_index())
+            self._home = home
+        return home
+
+    def _stream_handle(self, rt: Runtime, index: int) -> int:
+        if not self.uses_streams:
+            return 0
+        return int(rt.backend.current_stream_handle(index))
+
+    # -- the engine-driven hot op ---------------------------------------------------------
+
+    def multi_layer_block_kv_transfer(
+        self,
+        paged_buffer_ptrs_tensor: torch.Tensor | list[Any],
+        lmcache_objects_ptrs: list[int] | list[torch.Tensor],
+        block_ids: torch.Tensor | list[int],
+        device: torch.device | str,
+        direction: Any,
+        shape_desc: Any,
+        lmcache_chunk_size: int,
+        engine_kv_format: Any,
+        skip_prefix_n_blocks: int,
+    ) -> None:
+        """Gather (D2H) or scatter (H2D) whole blocks through the kvactors runtime.
+
+        Complete on return; on accelerators also ordered after the work the calling thread
+        queued on its current stream.
+
+        Raises:
+            TypeError: raw-pointer operands, or malformed operand structure.
+            ValueError: the request fails validation (nothing is copied).
+        """
+        convert.check_tensor_operands(paged_buffer_ptrs_tensor, lmcache_objects_ptrs)
+        request = convert.to_transfer_request(
+            engine_kv_format,
+            direction,
+            block_ids,
+            lmcache_chunk_size,
+            skip_prefix_n_blocks,
+            shape_desc,
+        )
+        index = self._device_index(device)
+        rt = self._runtime(index)
+        rt.transfer(
+            request,
+            paged_buffer_ptrs_tensor,
+            list(lmcache_objects_ptrs),
+            stream_handle=self._stream_handle(rt, index),
+        )
+        key = f"{self.kvactors_backend}:{'H2D' if request.direction == 0 else 'D2H'}"
+        with _counts_lock:
+            _counts[key] += 1
+
+    # -- completions and events (sync-then-publish through the StreamActor) ----------------
+
+    def record_completion_on_stream(self, stream_ptr: int, kind: str, payload: bytes) -> None:
+        """Publish ``(kind, payload)`` once all earlier work on ``stream_ptr`` completed.
+
+        Handle 0 is the device's default stream (and the only stream on CPU).
+        """
+        if not isinstance(stream_ptr, int) or isinstance(stream_ptr, bool):
+            raise TypeError(f"stream_ptr must be an int, got {stream_ptr!r}")
+        self._home_runtime().record_completion(stream_ptr, str(kind), bytes(payload))
+
+    def drain_recorded_completions(self) -> list[tuple[str, bytes]]:
+        """Every published completion since the last drain, in submission order."""
+        if self._home is None:
+            return []
+        return [(str(k), bytes(p)) for k, p in self._home.drain_completions()]
+
+    def record_event_on_stream(
+        self,
+        stream_ptr: int,
+        event_type_name: str,
+        session_id: str,
+        str_metadata: dict[str, str],
+        int_metadata: dict[str, int],
+    ) -> None:
+        """Publish an observability event once all earlier work on ``stream_ptr`` completed.
+
+        The record is ``(event_type_name, session_id, wall_ts, str_md, int_md)``; the
+        timestamp is taken when the stream reached the record.
+        """
+        if not isinstance(stream_ptr, int) or isinstance(stream_ptr, bool):
+            raise TypeError(f"stream_ptr must be an int, got {stream_ptr!r}")
+        self._home_runtime().record_event(
+            stream_ptr,
+            (str(event_type_name), str(session_id), dict(str_metadata), dict(int_metadata)),
+        )
+
+    def drain_recorded_events(self) -> list[tuple[str, str, float, dict[str, str], dict[str, int]]]:
+        """Every published event since the last drain, in submission order."""
+        if self._home is None:
+            return []
+        return [tuple(rec) for rec in self._home.drain_events()]  # type: ignore[misc]
+
+    # -- raw pointers ----------------------------------------------------------------------
+
+    def tensor_from_ptr(
+        self,
+        ptr: int,
+        shape: tuple[int, ...],
+        dtype: torch.dtype,
+        device: torch.device,
+    ) -> torch.Tensor:
+        """A validated, non-owning view of process-local memory; the caller keeps it alive."""
+        index = self._device_index(device)
+        return self._runtime(index).tensor_from_ptr(ptr, tuple(shape), dtype)
+
+    def lmcache_memcpy_async(
+        self,
+        dest: int | torch.Tensor,
+        src: int | torch.Tensor,
+        nbytes: int,
+        direction: Any,
+        host_buffer_offset: int,
+        host_buffer_alignments: int,
+    ) -> None:
+        """Copy ``nbytes`` between a host staging buffer and device memory.
+
+        Tensor mode copies the first ``nbytes`` of the flattened tensors. Pointer mode builds
+        non-owning views and splits the copy at ``host_buffer_alignments`` boundaries
+        measured from ``host_buffer_offset``. Enqueued on the current stream.
+        """
+        if host_buffer_alignments <= 0 or host_buffer_alignments & (host_buffer_alignments - 1):
+            raise ValueError("host_buffer_alignments must be a power of two")
+        if isinstance(nbytes, bool) or not isinstance(nbytes, int) or nbytes < 0:
+            raise ValueError(f"nbytes must be a non-negative int, got {nbytes!r}")
+        d = int(convert.direction_of(direction))
+        if isinstance(dest, torch.Tensor) and isinstance(src, torch.Tensor):
+            device_side = dest if d == 0 else src
+            index = self._device_index(device_side.device)
+            rt = self._runtime(index)
+            self._copy_bytes(rt, _byte_view(dest)[:nbytes], _byte_view(src)[:nbytes])
+            return
+        if not all(isinstance(p, int) and not isinstance(p, bool) for p in (dest, src)):
+            raise TypeError("lmcache_memcpy_async: dest and src must both be tensors or ints")
+        if nbytes == 0:
+            return
+        host, dev_ptr = (src, dest) if d == 0 else (dest, src)
+        assert isinstance(host, int)
+        assert isinstance(dev_ptr, int)
+        index = self._current_index()
+        rt = self._runtime(index)
+        copied = 0
+        while copied < nbytes:
+            room = host_buffer_alignments - ((host_buffer_offset + copied) % host_buffer_alignments)
+            n = min(nbytes - copied, room)
+            host_view = _host_bytes(host + copied, n)
+            dev_view = rt.tensor_from_ptr(dev_ptr + copied, (n,), torch.uint8)
+            if d == 0:
+                self._copy_bytes(rt, dev_view, host_view)
+            else:
+                self._copy_bytes(rt, host_view, dev_view)
+            copied += n
+
+    def _copy_bytes(self, rt: Runtime, dst: torch.Tensor, src: torch.Tensor) -> None:
+        rt.backend.copy_(dst, src)
+
+
+def _byte_view(t: torch.Tensor) -> torch.Tensor:
+    if not t.is_contiguous():
+        raise ValueError("lmcache_memcpy_async needs contiguous tensors")
+    return t.reshape(-1).view(torch.uint8)
+
+
+def _host_bytes(ptr: int, nbytes: int) -> torch.Tensor:
+    if ptr <= 0:
+        raise ValueError("host pointer must be a positive integer")
+    buf = (ctypes.c_uint8 * nbytes).from_address(ptr)
+    return torch.frombuffer(buf, dtype=torch.uint8)
+
+
+_KV_LIST_FORMATS = frozenset({4, 9})
+_CROSS_LAYER_FORMATS = frozenset({0, 8})
+
+
+def _resolve_registered(
+    paged: object, objects: list[Any], fmt: int
+) -> tuple[torch.Tensor | list[Any], list[torch.Tensor]]:
+    """Handle-path pointers -> the tensors a kvactors cache context registered, or TypeError."""
+    from kvactors_lmcache.handle import REGISTRY
+
+    def refuse(what: str, ptr: int) -> OperandTypeError:
+        return OperandTypeError(
+            convert.POINTER_MODE_MESSAGE.format(what=what)
+            + f" Pointer {ptr:#x} was not registered by a kvactors MUSA cache context.",
+            field=what,
+        )
+
+    objs: list[torch.Tensor] = []
+    for p in objects:
+        if isinstance(p, bool) or not isinstance(p, int):
+            raise OperandTypeError("mixed pointer/tensor lmcache_objects_ptrs", field="objects")
+        t = REGISTRY.resolve(p)
+        if t is None:
+            raise refuse("lmcache_objects_ptrs", p)
+        objs.append(t)
+    if not (isinstance(paged, torch.Tensor) and paged.dim() == 1 and not paged.is_floating_point()):
+        raise OperandTypeError(
+            "handle path: paged_buffer_ptrs_tensor must be a 1-D int64 pointer tensor",
+            field="paged",
+        )
+    layers: list[torch.Tensor] = []
+    for p in (int(v) for v in paged.tolist()):
+        t = REGISTRY.resolve(p)
+        if t is None:
+            raise refuse("paged_buffer_ptrs_tensor", p)
+        layers.append(t)
+    if fmt in _CROSS_LAYER_FORMATS:
+        if len(layers) != 1:
+            raise OperandTypeError("cross-layer formats take one paged pointer", field="paged")
+        return layers[0], objs
+    if fmt in _KV_LIST_FORMATS:
+        if len(layers) % 2:
+            raise OperandTypeError("KV-list formats take 2*NL paged pointers", field="paged")
+        half = len(layers) // 2
+        return [layers[:half], layers[half:]], objs
+    return layers, objs
+
+
+class KvactorsCpuOps(KvactorsDeviceOps):
+    """CPU: synchronous (complete on return), stream handle always 0."""
+
+    device_type: ClassVar[str] = "cpu"
+    kvactors_backend: ClassVar[str] = "cpu"
+    uses_streams: ClassVar[bool] = False
+
+
+class KvactorsMusaOps(KvactorsDeviceOps):
+    """MUSA: transfers ordered on the caller's current stream and complete on return."""
+
+    device_type: ClassVar[str] = "musa"
+    kvactors_backend: ClassVar[str] = "musa"
+
+    def multi_layer_block_kv_transfer(
+        self,
+        paged_buffer_ptrs_tensor: torch.Tensor | list[Any],
+        lmcache_objects_ptrs: list[int] | list[torch.Tensor],
+        block_ids: torch.Tensor | list[int],
+        device: torch.device | str,
+        direction: Any,
+        shape_desc: Any,
+        lmcache_chunk_size: int,
+        engine_kv_format: Any,
+        skip_prefix_n_blocks: int,
+    ) -> None:
+        """As the base op; additionally serves the handle path's registered device pointers.
+
+        Pointer operands are accepted only when *every* pointer is one a kvactors MUSA cache
+        context registered (``kvactors_lmcache.handle``); anything else raises ``TypeError``.
+        """
+        if isinstance(lmcache_objects_ptrs, list) and any(
+            isinstance(p, int) and not isinstance(p, bool) for p in lmcache_objects_ptrs
+        ):
+            paged_buffer_ptrs_tensor, lmcache_objects_ptrs = _resolve_registered(
+                paged_buffer_ptrs_tensor, lmcache_objects_ptrs, int(engine_kv_format)
+            )
+        super().multi_layer_block_kv_transfer(
+            paged_buffer_ptrs_tensor,
+            lmcache_objects_ptrs,
+            block_ids,
+            device,
+            direction,
+            shape_desc,
+            lmcache_chunk_size,
+            engine_kv_format,
+            skip_prefix_n_blocks,
+        )
+
+
+class KvactorsMluOps(KvactorsDeviceOps):
+    """MLU: tensor transfers only; raw-pointer entry points raise a clear error."""
+
+    device_type: ClassVar[str] = "mlu"
+    kvactors_backend: ClassVar[str] = "mlu"
+
+    def tensor_from_ptr(
+        self,
+        ptr: int,
+        shape: tuple[int, ...],
+        dtype: torch.dtype,
+        device: torch.device,
+    ) -> torch.Tensor:
+        """Unsupported on MLU: kvactors never turns MLU device addresses into views here."""
+        raise UnsupportedOperationError(
+            "tensor_from_ptr is not supported through the LMCache adapter on MLU "
+            "(raw device pointers are only produced by the LMCache-driven path, which has "
+            "no MLU support in LMCache 0.5.6); use tensor operands",
+            backend="mlu",
+        )
+
+    def lmcache_memcpy_async(
+        self,
+        dest: int | torch.Tensor,
+        src: int | torch.Tensor,
+        nbytes: int,
+        direction: Any,
+        host_buffer_offset: int,
+        host_buffer_alignments: int,
+    ) -> None:
+        """Unsupported on MLU: only the LMCache-driven (handle) path calls it."""
+        raise UnsupportedOperationError(
+            "lmcache_memcpy_async is an LMCache-driven (server-side staging) op; the MLU "
+            "plugin serves the engine-driven path only",
+            backend="mlu",
+        )
+
+
+_OPS_BY_BACKEND: dict[str, type[KvactorsDeviceOps]] = {
+    "cpu": KvactorsCpuOps,
+    "mlu": KvactorsMluOps,
+    "musa": KvactorsMusaOps,
+}
+
+
+def ops_class_for(backend: str) -> type[KvactorsDeviceOps]:
+    """The ops class for kvactors backend ``backend`` (``cpu``, ``mlu``, ``musa``)."""
+    try:
+        return _OPS_BY_BACKEND[backend]
+    except KeyError:
+        raise ValueError(f"no kvactors LMCache ops for backend {backend!r}") from None

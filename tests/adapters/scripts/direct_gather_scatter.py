@@ -1,0 +1,163 @@
+"""Plugin vs LMCache's built-in CPU ops through LMCache's gather/scatter callers (bit-exact).
+
+Run in a fresh interpreter with KVACTORS_LMCACHE_CPU=1 (LMCache caches device detection at
+import). Prints one JSON object on the last line of stdout.
+"""
+
+from __future__ import annotations
+
+import json
+import sys
+from typing import Any
+
+import torch
+
+torch.set_num_threads(1)
+
+import lmcache.v1.multiprocess.transfer_context.base as tc_base  # noqa: E402
+from kvactors_lmcache import ops as kops  # noqa: E402
+from lmcache.utils import EngineType  # noqa: E402
+from lmcache.v1.platform import resolve_device_ops  # noqa: E402
+from lmcache.v1.platform.devices.cpu.device_ops import CpuDeviceOps  # noqa: E402
+
+NL, NB, BS, NH, HS = 2, 16, 4, 2, 8
+BPC = 2  # blocks per chunk
+BLOCKS = [3, 0, 9, 12, 5, 7]  # three chunks, out of order on purpose
+
+
+def _rand(shape: tuple[int, ...], dtype: torch.dtype, gen: torch.Generator) -> torch.Tensor:
+    return torch.randn(shape, generator=gen, dtype=torch.float32).to(dtype)
+
+
+def make_kv(case: str, dtype: torch.dtype, gen: torch.Generator) -> dict[str, Any]:
+    if case == "nhd":
+        return {
+            "kv": {f"l{i}": _rand((2, NB, BS, NH, HS), dtype, gen) for i in range(NL)},
+            "hints": {"kv_layout": "NHD"},
+            "engine": EngineType.VLLM,
+        }
+    if case == "hnd":
+        return {
+            "kv": {f"l{i}": _rand((2, NB, NH, BS, HS), dtype, gen) for i in range(NL)},
+            "hints": {"kv_layout": "HND"},
+            "engine": EngineType.VLLM,
+        }
+    if case == "mla":
+        return {
+            "kv": {f"l{i}": _rand((NB, BS, HS * 4), dtype, gen) for i in range(NL)},
+            "hints": {"kv_layout": "NHD"},
+            "engine": EngineType.VLLM,
+        }
+    if case == "sglang":
+        kv = {f"k{i}": _rand((NB * BS, NH, HS), dtype, gen) for i in range(NL)}
+        kv.update({f"v{i}": _rand((NB * BS, NH, HS), dtype, gen) for i in range(NL)})
+        return {
+            "kv": kv,
+            "hints": {"kv_list_layout": "k_v", "tokens_per_block": BS},
+            "engine": EngineType.SGLANG,
+        }
+    raise ValueError(case)
+
+
+def bits(t: torch.Tensor) -> torch.Tensor:
+    return t.contiguous().view(torch.uint8)
+
+
+def run_case(case: str, dtype: torch.dtype, builtin: Any) -> dict[str, Any]:
+    gen = torch.Generator().manual_seed(1234)
+    spec = make_kv(case, dtype, gen)
+    kv, hints, engine = spec["kv"], spec["hints"], spec["engine"]
+    real_resolve = tc_base.resolve_device_ops
+
+    def gather(use_builtin: bool, src: dict[str, torch.Tensor] | None = None) -> list[torch.Tensor]:
+        tc_base.resolve_device_ops = (lambda _dt: builtin) if use_builtin else real_resolve
+        try:
+            return tc_base.gather_paged_kv_to_cpu(
+                src if src is not None else kv,
+                list(BLOCKS),
+                BPC,
+                layout_hints=hints,
+                engine_type=engine,
+            )
+        finally:
+            tc_base.resolve_device_ops = real_resolve
+
+    def scatter(chunks: list[torch.Tensor], skip_tokens: int, use_builtin: bool) -> dict:
+        dst = {k: torch.zeros_like(v) for k, v in kv.items()}
+        tc_base.resolve_device_ops = (lambda _dt: builtin) if use_builtin else real_resolve
+        try:
+            tc_base.scatter_cpu_to_paged_kv(
+                dst,
+                list(BLOCKS),
+                chunks,
+                BPC,
+                skip_first_n_tokens=skip_tokens,
+                layout_hints=hints,
+                engine_type=engine,
+            )
+        finally:
+            tc_base.resolve_device_ops = real_resolve
+        return dst
+
+    before = kops.transfer_counts()
+    got = gather(False)
+    ref = gather(True)
+    gather_ok = len(got) == len(ref) and all(
+        torch.equal(bits(a), bits(b)) for a, b in zip(got, ref, strict=True)
+    )
+    scatter_ok = {}
+    for skip in (0, BS, BPC * BS):
+        d_p = scatter(ref, skip, False)
+        d_b = scatter(ref, skip, True)
+        same = all(torch.equal(bits(d_p[k]), bits(d_b[k])) for k in kv)
+        # Round trip: non-skipped target blocks equal the source, the rest stays zero.
+        scatter_ok[str(skip)] = bool(same)
+    # Round trip through the plugin alone: scatter into zeros, gather again (bit-exact), then
+    # scatter zero chunks over the same blocks: nothing outside the target blocks was written.
+    roundtrip = scatter(got, 0, False)
+    again = gather(False, roundtrip)
+    rt_ok = all(torch.equal(bits(a), bits(b)) for a, b in zip(got, again, strict=True))
+    tc_base.scatter_cpu_to_paged_kv(
+        roundtrip,
+        list(BLOCKS),
+        [torch.zeros_like(c) for c in got],
+        BPC,
+        layout_hints=hints,
+        engine_type=engine,
+    )
+    untouched_ok = all(not bits(v).any() for v in roundtrip.values())
+    after = kops.transfer_counts()
+    served = {k: after.get(k, 0) - before.get(k, 0) for k in after}
+    return {
+        "case": case,
+        "dtype": str(dtype),
+        "chunk_shape": list(got[0].shape) if got else [],
+        "gather_bit_exact": bool(gather_ok),
+        "scatter_bit_exact": scatter_ok,
+        "roundtrip": bool(rt_ok),
+        "untouched": bool(untouched_ok),
+        "plugin_calls": served,
+    }
+
+
+def main() -> int:
+    ops = resolve_device_ops("cpu")
+    builtin = CpuDeviceOps()
+    results = {
+        "ops_type": f"{type(ops).__module__}.{type(ops).__qualname__}",
+        "cases": [],
+    }
+    cases = [
+        ("nhd", torch.bfloat16),
+        ("hnd", torch.float16),
+        ("mla", torch.float32),
+        ("sglang", torch.bfloat16),
+    ]
+    for case, dtype in cases:
+        results["cases"].append(run_case(case, dtype, builtin))
+    print(json.dumps(results))
+    return 0
+
+
+if __name__ == "__main__":
+    sys.exit(main())
