@@ -1,1 +1,1 @@
-"""kvactors.protocols."""
+"""Message protocols: one module of frozen, tagged msgspec Structs per actor, plus the codec."""

@@ -1,0 +1,158 @@
+"""GatherActor: validate, plan and order gathers/scatters; own operands; fence block ids.
+
+Theory of operation. A ``Transfer`` is validated and planned on the event loop from tensor
+metadata alone (``plan_transfer`` reads shapes, strides, dtypes and devices, never data), so a
+bad request fails its ask before anything is enqueued (rule 5, fail closed). A valid plan
+becomes one ``Launch`` on the StreamActor of the requested stream, with the kernel and the
+operands in its lease. The transfer enters the :class:`~kvactors.ordering.BlockLedger` on the
+blocks it touches and leaves it when the StreamActor answers, that is, after the device
+completed the copy (or failed). A ``Fence`` snapshots the transfers in flight on its blocks
+and is answered when the last of them left the ledger (rule 4, fence before reuse). A failed
+transfer answers its ask with the failure: it is never reported as done.
+"""
+
+from __future__ import annotations
+
+import itertools
+from typing import TYPE_CHECKING, Any, final
+
+from kvactors.actors.mailbox import DEFERRED, Actor, Envelope
+from kvactors.actors.stream import Work
+from kvactors.errors import OperandTypeError
+from kvactors.kernels.fast import ScratchCache, run_fast
+from kvactors.ordering import BlockLedger
+from kvactors.plans import plan_transfer
+from kvactors.protocols.gather import (
+    Fence,
+    Fenced,
+    GatherRequest,
+    Ping,
+    Pong,
+    Transfer,
+    TransferDone,
+)
+from kvactors.protocols.stream import Launch
+
+if TYPE_CHECKING:
+    import asyncio
+    from collections.abc import Callable, Sequence
+
+    import torch
+
+    from kvactors.actors.streams import StreamDirectory
+    from kvactors.devices.base import Backend
+
+__all__ = ("GatherActor", "TransferOperands")
+
+
+@final
+class TransferOperands:
+    """The operand bundle of a :class:`Transfer`: paged KV structure and host chunks."""
+
+    __slots__ = ("objects", "paged")
+
+    def __init__(self, paged: Any, objects: Sequence[torch.Tensor]) -> None:
+        self.paged = paged
+        self.objects = objects
+
+
+class GatherActor(Actor[GatherRequest]):
+    """Plans and orders transfers for one device and answers fences on block ids."""
+
+    accepts = (Transfer, Fence, Ping)
+
+    def __init__(
+        self,
+        name: str,
+        *,
+        backend: Backend,
+        index: int,
+        streams: StreamDirectory,
+        capacity: int = 1024,
+    ) -> None:
+        super().__init__(name, capacity=capacity)
+        self.backend = backend
+        self.index = index
+        self._streams = streams
+        self._ledger = BlockLedger()
+        self._fences: dict[int, tuple[Callable[..., None], tuple[int, ...], int]] = {}
+        self._fence_ids = itertools.count()
+        self._scratch: dict[int, ScratchCache] = {}
+        self.bytes_moved = 0
+        self.transfers_ok = 0
+        self.transfers_failed = 0
+
+    @property
+    def inflight(self) -> int:
+        """Transfers planned and not yet completed."""
+        return self._ledger.inflight
+
+    async def receive(self, env: Envelope[GatherRequest]) -> Any:
+        """Dispatch one message."""
+        msg = env.msg
+        if isinstance(msg, Ping):
+            return Pong(seq=msg.seq)
+        if isinstance(msg, Transfer):
+            return self._transfer(env, msg)
+        if isinstance(msg, Fence):
+            return self._fence(env, msg)
+        raise TypeError(f"unhandled message {type(msg).__name__}")
+
+    def _transfer(self, env: Envelope[GatherRequest], msg: Transfer) -> Any:
+        ops = env.operands
+        env.operands = None
+        if not isinstance(ops, TransferOperands):
+            raise OperandTypeError(
+                f"Transfer needs a TransferOperands bundle, got {type(ops).__name__}",
+                field="operands",
+            )
+        plan = plan_transfer(
+            msg.request,
+            ops.paged,
+            ops.objects,
+            device_type=self.backend.kind,
+            device_index=self.index,
+        )
+        stream = self._streams.get(msg.stream_handle)
+        scratch = self._scratch.get(msg.stream_handle)
+        if scratch is None:
+            scratch = self._scratch[msg.stream_handle] = ScratchCache()
+        paged, objects, copy = ops.paged, ops.objects, self.backend.copy_
+
+        def kernel() -> None:
+            run_fast(plan, paged, objects, copy=copy, scratch=scratch)
+
+        launch = Launch(transfer_id=msg.transfer_id, nbytes=plan.nbytes)
+        fut = stream.ask_nowait(launch, Work(kernel, keepalive=(paged, objects)))
+        self._ledger.begin(msg.transfer_id, plan.touched_blocks)
+        settle = self.defer(env)
+        blocks = len(plan.touched_blocks)
+        tid = msg.transfer_id
+
+        def on_done(f: asyncio.Future[Any]) -> None:
+            released = self._ledger.finish(tid)
+            exc = f.exception() if not f.cancelled() else None
+            if f.cancelled() or exc is not None:
+                self.transfers_failed += 1
+                settle(exc or RuntimeError("transfer cancelled"), None)
+            else:
+                self.transfers_ok += 1
+                self.bytes_moved += plan.nbytes
+                settle(None, TransferDone(transfer_id=tid, nbytes=plan.nbytes, blocks=blocks))
+            self._release(released)
+
+        fut.add_done_callback(on_done)
+        return DEFERRED
+
+    def _fence(self, env: Envelope[GatherRequest], msg: Fence) -> Any:
+        fid = next(self._fence_ids)
+        waits = self._ledger.fence(fid, msg.block_ids)
+        if waits == 0:
+            return Fenced(block_ids=msg.block_ids, waited_for=0)
+        self._fences[fid] = (self.defer(env), msg.block_ids, waits)
+        return DEFERRED
+
+    def _release(self, fence_ids: list[int]) -> None:
+        for fid in fence_ids:
+            settle, block_ids, waits = self._fences.pop(fid)
+            settle(None, Fenced(block_ids=block_ids, waited_for=waits))

@@ -1,0 +1,116 @@
+"""The actors of one device, wired together: streams, GatherActor, IPCOwnerActor, outboxes.
+
+The actor graph is a DAG: GatherActor and IPCOwnerActor ask StreamActors; StreamActors answer
+through reply futures and never send to anyone, so no cycle of bounded sends exists. Stopping
+goes down the graph: GatherActor (its transfers finish or fail), IPCOwnerActor (its owners
+close after a sync), then the StreamActors (their lanes finish or are abandoned, bounded).
+"""
+
+from __future__ import annotations
+
+from typing import TYPE_CHECKING
+
+import msgspec
+
+from kvactors.actors.gather import GatherActor
+from kvactors.actors.ipc_owner import IPCOwnerActor
+from kvactors.actors.mailbox import ActorStatistics
+from kvactors.actors.outbox import Outbox
+from kvactors.actors.streams import StreamDirectory
+
+if TYPE_CHECKING:
+    from kvactors.devices.base import Backend
+    from kvactors.protocols.stream import EventRecord
+
+__all__ = ("DeviceActors", "DeviceStatistics")
+
+
+class DeviceStatistics(msgspec.Struct, frozen=True, kw_only=True):
+    """A frozen snapshot of every actor of one device, plus transfer counters."""
+
+    device: str
+    actors: tuple[ActorStatistics, ...]
+    transfers_ok: int
+    transfers_failed: int
+    bytes_moved: int
+    inflight: int
+    ipc_owners_open: int
+    completions_pending: int
+    events_pending: int
+
+
+class DeviceActors:
+    """Creates, starts and stops the actors of one device on the running event loop."""
+
+    def __init__(
+        self,
+        backend: Backend,
+        index: int = 0,
+        *,
+        capacity: int = 1024,
+        stop_timeout: float = 10.0,
+    ) -> None:
+        self.backend = backend
+        self.index = index
+        self.device = f"{backend.kind}:{index}"
+        self.completions: Outbox[tuple[str, bytes]] = Outbox()
+        self.events: Outbox[EventRecord] = Outbox()
+        self.streams = StreamDirectory(
+            backend=backend,
+            index=index,
+            completions=self.completions,
+            events=self.events,
+            capacity=capacity,
+            stop_timeout=stop_timeout,
+        )
+        self.gather = GatherActor(
+            f"gather:{self.device}",
+            backend=backend,
+            index=index,
+            streams=self.streams,
+            capacity=capacity,
+        )
+        self.ipc = IPCOwnerActor(
+            f"ipc:{self.device}",
+            backend=backend,
+            streams=self.streams,
+            capacity=capacity,
+            sync_timeout=stop_timeout,
+        )
+        self._stop_timeout = stop_timeout
+
+    def start(self) -> None:
+        """Start every actor (call on the event loop)."""
+        self.streams.get(0)
+        self.gather.start()
+        self.ipc.start()
+
+    async def stop(self, *, timeout: float | None = None) -> None:
+        """Stop down the graph; every pending ask completes or fails within ``timeout`` each."""
+        t = self._stop_timeout if timeout is None else timeout
+        await self.gather.stop(graceful=True, timeout=t)
+        await self.ipc.stop(graceful=True, timeout=t)
+        await self.streams.stop(timeout=t)
+
+    async def __aenter__(self) -> DeviceActors:
+        self.start()
+        return self
+
+    async def __aexit__(self, *exc: object) -> None:
+        await self.stop()
+
+    def statistics(self) -> DeviceStatistics:
+        """Snapshot every actor of this device."""
+        streams = [s.statistics() for s in self.streams.all()]
+        actors = (self.gather.statistics(), self.ipc.statistics(), *streams)
+        return DeviceStatistics(
+            device=self.device,
+            actors=actors,
+            transfers_ok=self.gather.transfers_ok,
+            transfers_failed=self.gather.transfers_failed,
+            bytes_moved=self.gather.bytes_moved,
+            inflight=self.gather.inflight,
+            ipc_owners_open=self.ipc.open_owners,
+            completions_pending=self.completions.pending,
+            events_pending=self.events.pending,
+        )

@@ -1,0 +1,155 @@
+"""IPCOwnerActor: receiver-side owners of IPC-opened memory, closed only after a stream sync.
+
+Theory of operation. Opening a handle yields an owner (a MUSA ``open_tensor`` owner, a CPU
+shared-memory mapping) and a view onto it; the actor keeps both in the handle's context. A
+view is only valid while its owner is open, and a device stream may still be reading or
+writing through it after the host moved on. So closing a context is a fixed sequence (rule 2,
+close after sync): synchronize every stream that used the context (a ``Sync`` barrier on each
+StreamActor, answered only after all earlier work on that stream ran) -> drop every view the
+actor holds -> close each owner, each in its own ``finally`` so one failure cannot leak the
+rest -> forget the context. A second close of the same context is a no-op. Nothing is ever
+sent across processes but the handle, which carries a name and tensor metadata, never a
+pointer.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import itertools
+from typing import TYPE_CHECKING, Any
+
+from kvactors.actors.mailbox import DEFERRED, Actor, Envelope
+from kvactors.errors import IPCError, ProtocolError
+from kvactors.protocols.ipc import CloseContext, ContextClosed, IPCRequest, Opened, OpenHandle
+from kvactors.protocols.stream import Sync
+
+if TYPE_CHECKING:
+    import torch
+
+    from kvactors.actors.stream import StreamActor
+    from kvactors.actors.streams import StreamDirectory
+    from kvactors.devices.base import Backend, IPCOwner
+
+__all__ = ("IPCOwnerActor",)
+
+
+class IPCOwnerActor(Actor[IPCRequest]):
+    """Holds opened IPC owners per context and closes them in the safe order."""
+
+    accepts = (OpenHandle, CloseContext)
+
+    def __init__(
+        self,
+        name: str,
+        *,
+        backend: Backend,
+        streams: StreamDirectory,
+        capacity: int = 1024,
+        sync_timeout: float | None = None,
+    ) -> None:
+        super().__init__(name, capacity=capacity)
+        self.backend = backend
+        self._streams = streams
+        self._owners: dict[int, dict[int, IPCOwner]] = {}
+        self._views: dict[int, dict[int, torch.Tensor]] = {}
+        self._closing: set[int] = set()
+        self._closed: set[int] = set()
+        self._owner_ids = itertools.count(1)
+        self._sync_timeout = sync_timeout
+        self.owners_opened = 0
+        self.owners_closed = 0
+
+    @property
+    def open_owners(self) -> int:
+        """Owners currently open across every context."""
+        return sum(len(o) for o in self._owners.values())
+
+    async def receive(self, env: Envelope[IPCRequest]) -> Any:
+        """Dispatch one message."""
+        msg = env.msg
+        if isinstance(msg, OpenHandle):
+            return self._open(msg)
+        if isinstance(msg, CloseContext):
+            return self._close(env, msg)
+        raise TypeError(f"unhandled message {type(msg).__name__}")
+
+    def _open(self, msg: OpenHandle) -> tuple[Opened, torch.Tensor]:
+        ctx = msg.context_id
+        if ctx in self._closed or ctx in self._closing:
+            raise ProtocolError(
+                f"context {ctx} is closed or closing", actor=self.name, state="closed"
+            )
+        owner = self.backend.ipc_open(msg.handle)
+        oid = next(self._owner_ids)
+        self._owners.setdefault(ctx, {})[oid] = owner
+        view = owner.tensor
+        self._views.setdefault(ctx, {})[oid] = view
+        self.owners_opened += 1
+        return Opened(context_id=ctx, owner_id=oid), view
+
+    def _close(self, env: Envelope[IPCRequest], msg: CloseContext) -> Any:
+        ctx = msg.context_id
+        if ctx in self._closing or ctx not in self._owners:
+            return ContextClosed(context_id=ctx, owners_closed=0)
+        self._closing.add(ctx)
+        settle = self.defer(env)
+        syncs = self._barriers([self._streams.get(h) for h in dict.fromkeys(msg.stream_handles)])
+        gathered = asyncio.gather(*syncs, return_exceptions=True)
+
+        def after_sync(f: asyncio.Future[list[Any]]) -> None:
+            sync_errors = [r for r in f.result() if isinstance(r, BaseException)]
+            closed, close_errors = self._release(ctx)
+            errors = sync_errors + close_errors
+            if errors:
+                exc = IPCError(f"context {ctx} closed with errors: {errors!r}")
+                exc.__cause__ = errors[0]
+                settle(exc, None)
+            else:
+                settle(None, ContextClosed(context_id=ctx, owners_closed=closed))
+
+        gathered.add_done_callback(after_sync)
+        return DEFERRED
+
+    def _barriers(self, streams: list[StreamActor]) -> list[asyncio.Future[Any]]:
+        # A stream that cannot take a Sync (broken, closed) yields a failed barrier, so the
+        # close still runs to the end and reports the failure instead of stalling.
+        loop = asyncio.get_running_loop()
+        out: list[asyncio.Future[Any]] = []
+        for stream in streams:
+            try:
+                out.append(stream.ask_nowait(Sync(), timeout=self._sync_timeout))
+            except Exception as exc:
+                failed: asyncio.Future[Any] = loop.create_future()
+                failed.set_exception(exc)
+                out.append(failed)
+        return out
+
+    def _release(self, ctx: int) -> tuple[int, list[BaseException]]:
+        # Drop the views first: an owner must never be closed under a live view we hold.
+        self._views.pop(ctx, None)
+        owners = self._owners.pop(ctx, {})
+        errors: list[BaseException] = []
+        closed = 0
+        for owner in owners.values():
+            try:
+                owner.close()
+                closed += 1
+            except Exception as exc:
+                errors.append(exc)
+            finally:
+                self.owners_closed += 1
+        self._closing.discard(ctx)
+        self._closed.add(ctx)
+        return closed, errors
+
+    async def on_stop(self, closed: Any) -> None:
+        """Close every context still open, after a sync of every stream (bounded)."""
+        if not self._owners:
+            return
+        syncs = self._barriers(self._streams.all())
+        # Failed syncs are reported by the streams; the owners are closed regardless, since
+        # leaking mappings at shutdown is worse than closing after a failed barrier.
+        await asyncio.gather(*syncs, return_exceptions=True)
+        for ctx in list(self._owners):
+            if ctx not in self._closing:
+                self._release(ctx)

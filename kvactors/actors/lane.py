@@ -1,0 +1,130 @@
+"""Lane threads: where device work runs, off the event loop.
+
+Theory of operation. Every stream gets one lane: a FIFO worker thread that binds the device
+and the stream once (vendors keep both in thread-local storage) and then runs jobs in the order
+they were submitted, which is the StreamActor's mailbox order. Jobs launch device work and
+return; on CPU the work is done when ``launch`` returns, on an accelerator it is only enqueued.
+
+A launched job's completion marker and its *lease* (the callable and the tensors it reads and
+writes) go to the lane's reaper, a second thread that waits for markers in FIFO order. Only
+when a marker completed does the reaper drop the lease and report back, so operands outlive
+the device work that uses them even when the caller has long forgotten them (rule 3). The
+event loop never blocks: threads report back through ``call_soon_threadsafe``.
+"""
+
+from __future__ import annotations
+
+import queue
+import threading
+from typing import TYPE_CHECKING, Any
+
+if TYPE_CHECKING:
+    from collections.abc import Callable
+
+    from kvactors.devices.base import Backend, Marker, StreamLike
+
+__all__ = ("Lane",)
+
+_STOP = object()
+
+
+class Lane:
+    """A FIFO worker thread (plus a completion reaper) bound to one device stream."""
+
+    def __init__(self, name: str, backend: Backend, index: int, stream: StreamLike) -> None:
+        self.name = name
+        self.backend = backend
+        self.index = index
+        self.stream = stream
+        self._jobs: queue.SimpleQueue[Any] = queue.SimpleQueue()
+        self._watch: queue.SimpleQueue[Any] = queue.SimpleQueue()
+        self._lock = threading.Lock()
+        self._submitted = 0
+        self._completed = 0
+        self._thread = threading.Thread(target=self._run, name=f"lane:{name}", daemon=True)
+        self._reaper = threading.Thread(target=self._reap, name=f"reap:{name}", daemon=True)
+        self._bind_error: BaseException | None = None
+
+    @property
+    def pending(self) -> int:
+        """Jobs submitted and not yet finished (including launched work not yet completed)."""
+        with self._lock:
+            return self._submitted - self._completed
+
+    @property
+    def completed(self) -> int:
+        """Jobs finished so far."""
+        with self._lock:
+            return self._completed
+
+    def start(self) -> None:
+        """Start the lane and reaper threads."""
+        self._thread.start()
+        self._reaper.start()
+
+    def submit(self, job: Callable[[], None]) -> None:
+        """Queue ``job`` behind every job submitted before it."""
+        with self._lock:
+            self._submitted += 1
+        self._jobs.put(job)
+
+    def watch(
+        self, marker: Marker, lease: Any, done: Callable[[BaseException | None], None]
+    ) -> None:
+        """Hold ``lease`` until ``marker`` completed, then call ``done`` (from the reaper)."""
+        with self._lock:
+            self._submitted += 1
+        self._watch.put((marker, lease, done))
+
+    def stop(self, timeout: float | None) -> bool:
+        """Let queued jobs finish, then end both threads; False if they did not end in time."""
+        self._jobs.put(_STOP)
+        self._thread.join(timeout)
+        if self._thread.is_alive():
+            return False
+        self._watch.put(_STOP)
+        self._reaper.join(timeout)
+        return not self._reaper.is_alive()
+
+    def _finish_one(self) -> None:
+        with self._lock:
+            self._completed += 1
+
+    def _run(self) -> None:
+        try:
+            self.backend.bind_thread(self.index, self.stream)
+        except BaseException as exc:  # reported to every job below
+            self._bind_error = exc
+        while True:
+            job = self._jobs.get()
+            if job is _STOP:
+                return
+            try:
+                job()
+            finally:
+                del job
+                self._finish_one()
+
+    def _reap(self) -> None:
+        while True:
+            item = self._watch.get()
+            if item is _STOP:
+                return
+            marker, lease, done = item
+            del item
+            err: BaseException | None = None
+            try:
+                marker.synchronize()
+            except BaseException as exc:
+                err = exc
+            del lease
+            try:
+                done(err)
+            finally:
+                del marker, done
+                self._finish_one()
+
+    @property
+    def bind_error(self) -> BaseException | None:
+        """Why binding the device/stream on the lane thread failed, if it did."""
+        return self._bind_error

@@ -1,0 +1,190 @@
+"""StreamActor: one device stream, its lane thread, and sync-then-publish.
+
+Theory of operation. The actor's mailbox order is the stream order: every message becomes one
+job on the stream's lane, submitted in the order the messages arrived. ``Launch`` puts device
+work on the stream and hands its lease to the reaper, which answers only when the work's marker
+completed (rule 3, own until done). ``RecordCompletion`` and ``RecordEvent`` reserve their slot
+in the outbox at once (submission order) but publish from the lane only after synchronizing the
+stream, so no record becomes drainable before every earlier piece of work on the stream ran
+(rule 1, sync-then-publish). ``Sync`` is the same barrier with a reply.
+
+A failure reported by the device is a failure: a launch that fails answers with
+:class:`~kvactors.errors.TransferFailedError`; a record whose sync failed is withdrawn (never
+published) and breaks the actor, since a stream with a sticky error cannot order anything.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import contextlib
+from typing import TYPE_CHECKING, Any, final
+
+from kvactors.actors.lane import Lane
+from kvactors.actors.mailbox import DEFERRED, Actor, Envelope
+from kvactors.errors import DeviceOpError, KvactorsError, TransferFailedError
+from kvactors.protocols.stream import (
+    EventRecord,
+    Launch,
+    Launched,
+    RecordCompletion,
+    RecordEvent,
+    StreamRequest,
+    Sync,
+    Synced,
+)
+
+if TYPE_CHECKING:
+    from collections.abc import Callable
+
+    from kvactors.actors.outbox import Outbox
+    from kvactors.devices.base import Backend, StreamLike
+
+__all__ = ("StreamActor", "Work")
+
+
+@final
+class Work:
+    """The operand bundle of a :class:`Launch`: the device work and what it must keep alive."""
+
+    __slots__ = ("fn", "keepalive")
+
+    def __init__(self, fn: Callable[[], None], keepalive: Any = None) -> None:
+        self.fn = fn
+        self.keepalive = keepalive
+
+
+class StreamActor(Actor[StreamRequest]):
+    """Owns one stream (or a borrowed caller stream) and orders all work and records on it."""
+
+    accepts = (Launch, RecordCompletion, RecordEvent, Sync)
+
+    def __init__(
+        self,
+        name: str,
+        *,
+        backend: Backend,
+        index: int,
+        stream: StreamLike,
+        completions: Outbox[tuple[str, bytes]],
+        events: Outbox[EventRecord],
+        capacity: int = 1024,
+        stop_timeout: float = 10.0,
+    ) -> None:
+        super().__init__(name, capacity=capacity)
+        self.backend = backend
+        self.index = index
+        self.stream = stream
+        self.lane = Lane(name, backend, index, stream)
+        self._completions = completions
+        self._events = events
+        self._stop_timeout = stop_timeout
+        self._device = f"{backend.kind}:{index}"
+
+    def start(self) -> None:
+        """Start the lane threads, then the actor task."""
+        self.lane.start()
+        super().start()
+
+    async def on_stop(self, closed: Any) -> None:
+        """Let the lane finish queued work (bounded), then end its threads."""
+        loop = asyncio.get_running_loop()
+        await loop.run_in_executor(None, self.lane.stop, self._stop_timeout)
+
+    def _post(self) -> Callable[..., None]:
+        loop = self._loop
+        assert loop is not None
+
+        def post(fn: Callable[..., None], *args: Any) -> None:
+            # A closed loop means the runtime is shutting down; its stop settles everything.
+            with contextlib.suppress(RuntimeError):
+                loop.call_soon_threadsafe(fn, *args)
+
+        return post
+
+    async def receive(self, env: Envelope[StreamRequest]) -> Any:
+        """Turn the message into one lane job, in mailbox order."""
+        msg = env.msg
+        post = self._post()
+        backend, stream, lane = self.backend, self.stream, self.lane
+        if isinstance(msg, Launch):
+            work = env.operands
+            if not isinstance(work, Work):
+                raise TypeError(f"Launch needs a Work operand bundle, got {type(work).__name__}")
+            env.operands = None
+            settle = self.defer(env)
+            tid, nbytes, device = msg.transfer_id, msg.nbytes, self._device
+
+            def done(err: BaseException | None) -> None:
+                if err is None:
+                    post(settle, None, Launched(transfer_id=tid, nbytes=nbytes))
+                else:
+                    post(settle, _failed(err, tid, device), None)
+
+            def launch() -> None:
+                lease = work
+                try:
+                    if lane.bind_error is not None:
+                        raise lane.bind_error
+                    backend.launch(stream, lease.fn)
+                    marker = backend.record_marker(stream)
+                except BaseException as exc:
+                    done(exc)
+                    return
+                lane.watch(marker, lease, done)
+
+            lane.submit(launch)
+            return DEFERRED
+        if isinstance(msg, (RecordCompletion, RecordEvent)):
+            if isinstance(msg, RecordCompletion):
+                outbox: Outbox[Any] = self._completions
+                record: Any = (msg.kind, msg.payload)
+            else:
+                outbox = self._events
+                record = msg.record
+            seq = outbox.reserve()
+            settle = self.defer(env)
+
+            def publish() -> None:
+                try:
+                    backend.synchronize(stream)
+                except BaseException as exc:
+                    outbox.withdraw(seq)
+                    post(settle, _sync_failed(exc, self._device), None)
+                    return
+                outbox.publish(seq, record)
+                post(settle, None, None)
+
+            lane.submit(publish)
+            return DEFERRED
+        if isinstance(msg, Sync):
+            settle = self.defer(env)
+
+            def sync() -> None:
+                try:
+                    backend.synchronize(stream)
+                except BaseException as exc:
+                    post(settle, _sync_failed(exc, self._device), None)
+                    return
+                post(settle, None, Synced(completed=lane.completed))
+
+            lane.submit(sync)
+            return DEFERRED
+        raise TypeError(f"unhandled message {type(msg).__name__}")
+
+
+def _failed(err: BaseException, transfer_id: int, device: str) -> BaseException:
+    if isinstance(err, KvactorsError):
+        return err
+    exc = TransferFailedError(
+        str(err) or type(err).__name__, transfer_id=transfer_id, device=device
+    )
+    exc.__cause__ = err
+    return exc
+
+
+def _sync_failed(err: BaseException, device: str) -> BaseException:
+    if isinstance(err, KvactorsError):
+        return err
+    exc = DeviceOpError(str(err) or type(err).__name__, device=device, op="synchronize")
+    exc.__cause__ = err
+    return exc

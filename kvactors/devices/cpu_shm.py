@@ -1,0 +1,171 @@
+"""CPU shared-memory IPC: named POSIX segments described by wire-safe handles.
+
+Theory of operation. The exporting process allocates KV tensors in a named segment
+(:func:`alloc_shared`); exporting sends only the segment name and the tensor metadata (dtype,
+shape, stride, storage offset) in an :class:`~kvactors.devices.base.IPCHandle`. The receiving
+process attaches by name and builds a view through the buffer protocol, so the mapping cannot
+be unmapped while a view still references it: closing with a live view raises instead of
+leaving a dangling pointer. Attached segments are not registered with multiprocessing's
+resource tracker (it would unlink the exporter's segment when the receiver exits); the
+exporter alone unlinks.
+"""
+
+from __future__ import annotations
+
+import threading
+from multiprocessing import resource_tracker, shared_memory
+from typing import TYPE_CHECKING
+
+import torch
+
+from kvactors.devices.base import IPCHandle
+from kvactors.errors import IPCError
+from kvactors.pointers import check_view_request
+
+if TYPE_CHECKING:
+    from collections.abc import Sequence
+
+__all__ = ("SharedTensor", "ShmOwner", "alloc_shared", "export_shared", "open_shared")
+
+_registry_lock = threading.Lock()
+_exported: dict[int, SharedTensor] = {}
+
+
+def _dtype(name: str) -> torch.dtype:
+    dt = getattr(torch, name, None)
+    if not isinstance(dt, torch.dtype):
+        raise IPCError(f"unknown dtype {name!r} in IPC handle")
+    return dt
+
+
+def _dtype_name(dt: torch.dtype) -> str:
+    return str(dt).removeprefix("torch.")
+
+
+class SharedTensor:
+    """An exporter-side tensor in a named shared-memory segment; ``close`` unlinks it."""
+
+    def __init__(self, shape: Sequence[int], dtype: torch.dtype) -> None:
+        numel = 1
+        for n in shape:
+            numel *= n
+        used = numel * torch.empty((), dtype=dtype).element_size()
+        self._shm = shared_memory.SharedMemory(create=True, size=max(used, 1))
+        flat = torch.frombuffer(self._shm.buf, dtype=torch.uint8, count=max(used, 1))
+        self.tensor: torch.Tensor | None = flat[:used].view(dtype).view(*shape)
+        self.name = self._shm.name
+        with _registry_lock:
+            _exported[self._shm_base()] = self
+
+    def _shm_base(self) -> int:
+        assert self.tensor is not None
+        return self.tensor.untyped_storage().data_ptr()
+
+    def close(self) -> None:
+        """Drop the exporter's view, unmap and unlink the segment (idempotent)."""
+        if self.tensor is None:
+            return
+        with _registry_lock:
+            _exported.pop(self._shm_base(), None)
+        self.tensor = None
+        try:
+            self._shm.close()
+        finally:
+            self._shm.unlink()
+
+
+def alloc_shared(shape: Sequence[int], dtype: torch.dtype) -> SharedTensor:
+    """Allocate a zero-filled CPU tensor in a fresh named shared-memory segment."""
+    return SharedTensor(shape, dtype)
+
+
+def export_shared(t: torch.Tensor) -> IPCHandle:
+    """Describe ``t`` (a view into a segment from :func:`alloc_shared`) for another process."""
+    if t.device.type != "cpu":
+        raise IPCError(f"cannot export a {t.device} tensor through CPU shared memory")
+    base = t.untyped_storage().data_ptr()
+    with _registry_lock:
+        owner = _exported.get(base)
+    if owner is None or owner.tensor is None:
+        raise IPCError(
+            "tensor is not in kvactors shared memory; allocate it with alloc_shared() to export"
+        )
+    return IPCHandle(
+        backend="cpu",
+        name=owner.name,
+        dtype=_dtype_name(t.dtype),
+        shape=tuple(t.shape),
+        stride=tuple(t.stride()),
+        storage_offset=int(t.storage_offset()),
+        nbytes=owner._shm.size,
+    )
+
+
+class ShmOwner:
+    """Receiver-side owner of an attached segment and the view built on it."""
+
+    def __init__(self, handle: IPCHandle) -> None:
+        if handle.backend != "cpu":
+            raise IPCError(f"not a CPU handle: backend {handle.backend!r}", handle=handle.name)
+        dtype = _dtype(handle.dtype)
+        itemsize = torch.empty((), dtype=dtype).element_size()
+        try:
+            shm = shared_memory.SharedMemory(name=handle.name, create=False)
+        except FileNotFoundError as exc:
+            raise IPCError(f"no shared-memory segment {handle.name!r}", handle=handle.name) from exc
+        # Python < 3.13 registers attached segments with the resource tracker, which would
+        # unlink the exporter's segment when this process exits.
+        resource_tracker.unregister(shm._name, "shared_memory")  # type: ignore[attr-defined]
+        self._shm: shared_memory.SharedMemory | None = shm
+        try:
+            req = check_view_request(
+                shm.size,  # any positive placeholder: the view is built from the buffer below
+                handle.shape,
+                itemsize,
+                stride=handle.stride,
+                storage_offset=handle.storage_offset,
+                available_nbytes=shm.size,
+            )
+            flat = torch.frombuffer(shm.buf, dtype=torch.uint8, count=shm.size)
+            usable = shm.size - shm.size % itemsize
+            typed = flat[:usable].view(dtype)
+            self._tensor: torch.Tensor | None = typed.as_strided(
+                req.shape, req.stride, req.storage_offset
+            )
+        except BaseException:
+            self._shm = None
+            shm.close()
+            raise
+        self.name = handle.name
+
+    @property
+    def tensor(self) -> torch.Tensor:
+        """The view onto the segment (valid until ``close``)."""
+        if self._tensor is None:
+            raise IPCError("owner is closed", handle=self.name)
+        return self._tensor
+
+    @property
+    def closed(self) -> bool:
+        """Whether ``close`` has run."""
+        return self._shm is None
+
+    def close(self) -> None:
+        """Drop the view and unmap; raises :class:`IPCError` if a view is still alive elsewhere."""
+        shm = self._shm
+        if shm is None:
+            return
+        self._tensor = None
+        try:
+            shm.close()
+        except BufferError as exc:
+            raise IPCError(
+                f"segment {self.name!r} still has live views; drop them before closing",
+                handle=self.name,
+            ) from exc
+        self._shm = None
+
+
+def open_shared(handle: IPCHandle) -> ShmOwner:
+    """Attach to an exported segment and build the described view."""
+    return ShmOwner(handle)

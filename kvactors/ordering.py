@@ -1,0 +1,158 @@
+"""Pure ordering core: block fences and publication order (no asyncio, no devices).
+
+Theory of operation. Two rules of kvactors are bookkeeping, not I/O, so they live here where
+plain synchronous tests (and hypothesis) can drive them through every interleaving:
+
+* Fence before reuse. :class:`BlockLedger` remembers which in-flight transfers touch which
+  engine block ids. A fence taken on some blocks snapshots the transfers in flight on them
+  *at that moment*; it is released when the last of those finishes. Transfers started after the
+  fence never delay it, so a fence cannot starve behind new traffic.
+* Submission order of records. :class:`PublishOrder` numbers records when they are submitted
+  and lets them be published in any order (different streams finish at different times), but
+  drains only the longest published prefix, so a reader always sees records in submission
+  order and never a later record before an earlier one. A record whose stream failed is
+  withdrawn so it cannot block the records behind it.
+"""
+
+from __future__ import annotations
+
+from typing import TYPE_CHECKING, Generic, TypeVar
+
+from kvactors.errors import ProtocolError
+
+if TYPE_CHECKING:
+    from collections.abc import Iterable
+
+__all__ = ("BlockLedger", "PublishOrder")
+
+R = TypeVar("R")
+
+
+class BlockLedger:
+    """In-flight transfers per engine block, and the fences waiting on them."""
+
+    def __init__(self) -> None:
+        self._blocks_of: dict[int, frozenset[int]] = {}
+        self._inflight_on: dict[int, set[int]] = {}
+        self._fence_waits: dict[int, set[int]] = {}
+        self._fences_on: dict[int, set[int]] = {}
+
+    @property
+    def inflight(self) -> int:
+        """Number of transfers begun and not finished."""
+        return len(self._blocks_of)
+
+    @property
+    def fences(self) -> int:
+        """Number of fences still waiting."""
+        return len(self._fence_waits)
+
+    def begin(self, transfer_id: int, blocks: Iterable[int]) -> None:
+        """Record that ``transfer_id`` is in flight on ``blocks``."""
+        if transfer_id in self._blocks_of:
+            raise ProtocolError(
+                f"transfer {transfer_id} begun twice", actor="BlockLedger", state="inflight"
+            )
+        bs = frozenset(blocks)
+        self._blocks_of[transfer_id] = bs
+        for b in bs:
+            self._inflight_on.setdefault(b, set()).add(transfer_id)
+
+    def finish(self, transfer_id: int) -> list[int]:
+        """Record completion (or failure) of ``transfer_id``; return the fences it released."""
+        bs = self._blocks_of.pop(transfer_id, None)
+        if bs is None:
+            raise ProtocolError(
+                f"transfer {transfer_id} finished but never begun",
+                actor="BlockLedger",
+                state="idle",
+            )
+        for b in bs:
+            on = self._inflight_on[b]
+            on.discard(transfer_id)
+            if not on:
+                del self._inflight_on[b]
+        released: list[int] = []
+        for fence_id in sorted(self._fences_on.pop(transfer_id, ())):
+            waits = self._fence_waits[fence_id]
+            waits.discard(transfer_id)
+            if not waits:
+                del self._fence_waits[fence_id]
+                released.append(fence_id)
+        return released
+
+    def fence(self, fence_id: int, blocks: Iterable[int]) -> int:
+        """Take a fence on ``blocks``; return how many transfers it waits for (0: ready now)."""
+        if fence_id in self._fence_waits:
+            raise ProtocolError(
+                f"fence {fence_id} taken twice", actor="BlockLedger", state="fencing"
+            )
+        waits: set[int] = set()
+        for b in set(blocks):
+            waits |= self._inflight_on.get(b, set())
+        if waits:
+            self._fence_waits[fence_id] = waits
+            for t in waits:
+                self._fences_on.setdefault(t, set()).add(fence_id)
+        return len(waits)
+
+    def busy(self, blocks: Iterable[int]) -> bool:
+        """Whether any transfer is in flight on any of ``blocks``."""
+        return any(b in self._inflight_on for b in blocks)
+
+
+class PublishOrder(Generic[R]):
+    """Records published in any order, drained in submission order (published prefix only)."""
+
+    def __init__(self) -> None:
+        self._next = 0
+        self._head = 0
+        self._slots: dict[int, tuple[bool, R | None]] = {}
+
+    @property
+    def pending(self) -> int:
+        """Submitted records not drained yet (published or not)."""
+        return len(self._slots)
+
+    def submit(self) -> int:
+        """Reserve the next sequence number."""
+        seq = self._next
+        self._next += 1
+        self._slots[seq] = (False, None)
+        return seq
+
+    def publish(self, seq: int, record: R) -> None:
+        """Make record ``seq`` drainable (once every earlier record is too)."""
+        slot = self._slots.get(seq)
+        if slot is None or slot[0]:
+            raise ProtocolError(
+                f"record {seq} published twice or never submitted",
+                actor="PublishOrder",
+                state="publish",
+            )
+        self._slots[seq] = (True, record)
+
+    def withdraw(self, seq: int) -> None:
+        """Drop record ``seq`` (its stream failed) so it does not hold back later records."""
+        self._slots.pop(seq, None)
+        self._advance_over_gaps()
+
+    def drain(self) -> list[R]:
+        """Return and forget the published prefix, in submission order."""
+        out: list[R] = []
+        while self._head < self._next:
+            slot = self._slots.get(self._head)
+            if slot is None:
+                self._head += 1
+                continue
+            done, record = slot
+            if not done:
+                break
+            del self._slots[self._head]
+            out.append(record)  # type: ignore[arg-type]
+            self._head += 1
+        return out
+
+    def _advance_over_gaps(self) -> None:
+        while self._head < self._next and self._head not in self._slots:
+            self._head += 1

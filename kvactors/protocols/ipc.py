@@ -1,0 +1,46 @@
+"""IPCOwnerActor protocol: opened IPC owners, closed only after a stream-sync barrier."""
+
+from __future__ import annotations
+
+from typing import TypeAlias
+
+from kvactors.devices.base import IPCHandle
+from kvactors.protocols._base import Message
+
+__all__ = ("CloseContext", "ContextClosed", "IPCReply", "IPCRequest", "OpenHandle", "Opened")
+
+
+class OpenHandle(Message, frozen=True):
+    """Open ``handle`` and keep its owner in context ``context_id``."""
+
+    context_id: int
+    handle: IPCHandle
+
+
+class CloseContext(Message, frozen=True):
+    """Close a context: stream sync, drop views, close every owner (always), forget.
+
+    ``stream_handles`` names the streams that used the context's views; each is synchronized
+    before any owner is released. Closing an unknown or closed context is a no-op.
+    """
+
+    context_id: int
+    stream_handles: tuple[int, ...] = (0,)
+
+
+class Opened(Message, frozen=True):
+    """Reply to :class:`OpenHandle` (the view rides beside it in-process)."""
+
+    context_id: int
+    owner_id: int
+
+
+class ContextClosed(Message, frozen=True):
+    """Reply to :class:`CloseContext`: how many owners were closed now."""
+
+    context_id: int
+    owners_closed: int
+
+
+IPCRequest: TypeAlias = OpenHandle | CloseContext
+IPCReply: TypeAlias = Opened | ContextClosed

@@ -1,0 +1,475 @@
+"""The runtime: one event-loop thread per process and a thread-safe facade onto the actors.
+
+Theory of operation. A :class:`Runtime` owns a private asyncio loop running in its own daemon
+thread, and on it the :class:`~kvactors.actors.group.DeviceActors` of one device. Callers on
+any other thread (LMCache calls from its worker thread and up to four commit threads at once)
+use the blocking methods: each call hops to the loop once with ``call_soon_threadsafe``, is
+queued in the target actor's mailbox there, and the calling thread sleeps on a lock until the
+reply future settles, so a call costs one hop each way and never a coroutine or executor task.
+Asyncio users call the ``a*`` twins, which await the same replies from their own loop.
+
+Every blocking call has a deadline (``default_timeout`` unless given). ``close`` stops the
+actors down their graph with a bounded grace period; whatever is still pending then fails with
+:class:`~kvactors.errors.ActorClosedError`, and a call made after ``close`` fails at once.
+Nothing waits forever: a reply that never comes turns into
+:class:`~kvactors.errors.DeadlineExceededError` in the calling thread.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import atexit
+import concurrent.futures
+import itertools
+import threading
+from typing import TYPE_CHECKING, Any, TypeVar
+
+from kvactors.actors.gather import TransferOperands
+from kvactors.actors.group import DeviceActors, DeviceStatistics
+from kvactors.devices.base import Backend
+from kvactors.errors import ActorClosedError, DeadlineExceededError, MailboxFullError
+from kvactors.protocols.gather import Fence, Fenced, Ping, Pong, Transfer, TransferDone
+from kvactors.protocols.ipc import CloseContext, ContextClosed, Opened, OpenHandle
+from kvactors.protocols.stream import EventRecord, RecordCompletion, RecordEvent, Sync, Synced
+
+if TYPE_CHECKING:
+    from collections.abc import Callable, Iterable, Sequence
+
+    import torch
+
+    from kvactors.actors.mailbox import Actor
+    from kvactors.devices.base import IPCHandle
+    from kvactors.plans import TransferRequest
+
+__all__ = ("Runtime", "get_runtime", "resolve_backend")
+
+T = TypeVar("T")
+
+_GRACE = 2.0
+
+
+def resolve_backend(backend: str | Backend) -> Backend:
+    """A backend instance for a kind name (``cpu``, ``mlu``, ``musa``, ``cuda``) or itself."""
+    if isinstance(backend, Backend):
+        return backend
+    from kvactors.devices import get_backend
+
+    return get_backend(backend)
+
+
+class _Reply:
+    """A one-shot reply slot a foreign thread can sleep on (a pre-acquired lock)."""
+
+    __slots__ = ("_exc", "_lock", "_value")
+
+    def __init__(self) -> None:
+        self._lock = threading.Lock()
+        self._lock.acquire()
+        self._value: Any = None
+        self._exc: BaseException | None = None
+
+    def set(self, value: Any, exc: BaseException | None) -> None:
+        self._value, self._exc = value, exc
+        self._lock.release()
+
+    def from_future(self, fut: asyncio.Future[Any]) -> None:
+        if fut.cancelled():
+            self.set(None, ActorClosedError("request cancelled", actor="runtime"))
+        else:
+            exc = fut.exception()
+            self.set(None if exc else fut.result(), exc)
+
+    def wait(self, timeout: float, what: str) -> Any:
+        if not self._lock.acquire(timeout=timeout):
+            raise DeadlineExceededError(actor="runtime", message_type=what, timeout=timeout)
+        if self._exc is not None:
+            raise self._exc
+        return self._value
+
+
+class Runtime:
+    """The kvactors runtime of one device in this process.
+
+    ``Runtime("cpu")`` (or ``"mlu"``, ``"musa"``, ``"cuda"``, or a :class:`Backend`) starts on
+    first use or with :meth:`start`, and is a context manager. Blocking methods are safe from
+    any thread except the runtime's own loop thread; ``a*`` methods serve asyncio callers.
+    """
+
+    def __init__(
+        self,
+        backend: str | Backend = "cpu",
+        *,
+        device_index: int = 0,
+        capacity: int = 1024,
+        default_timeout: float = 60.0,
+        stop_timeout: float = 10.0,
+    ) -> None:
+        self.backend = resolve_backend(backend)
+        self.device_index = device_index
+        self.default_timeout = default_timeout
+        self._capacity = capacity
+        self._stop_timeout = stop_timeout
+        self._lock = threading.Lock()
+        self._loop: asyncio.AbstractEventLoop | None = None
+        self._thread: threading.Thread | None = None
+        self._actors: DeviceActors | None = None
+        self._closed = False
+        self._ids = itertools.count(1)
+        self._outstanding: set[_Reply] = set()
+
+    # ---- lifecycle -----------------------------------------------------------------
+
+    def start(self) -> Runtime:
+        """Check the backend, start the loop thread and the actors; idempotent."""
+        with self._lock:
+            if self._closed:
+                raise ActorClosedError("runtime is closed", actor="runtime")
+            if self._loop is not None:
+                return self
+            self.backend.require()
+            self.backend.device(self.device_index)
+            loop = asyncio.new_event_loop()
+            ready = threading.Event()
+            failure: list[BaseException] = []
+
+            def run() -> None:
+                asyncio.set_event_loop(loop)
+                try:
+                    self._actors = DeviceActors(
+                        self.backend,
+                        self.device_index,
+                        capacity=self._capacity,
+                        stop_timeout=self._stop_timeout,
+                    )
+                    loop.call_soon(self._actors.start)
+                except BaseException as exc:
+                    failure.append(exc)
+                    ready.set()
+                    return
+                loop.call_soon(ready.set)
+                try:
+                    loop.run_forever()
+                finally:
+                    loop.close()
+
+            thread = threading.Thread(target=run, name="kvactors-loop", daemon=True)
+            thread.start()
+            ready.wait()
+            if failure:
+                raise failure[0]
+            self._loop, self._thread = loop, thread
+            return self
+
+    @property
+    def closed(self) -> bool:
+        """Whether :meth:`close` was called."""
+        return self._closed
+
+    def close(self, timeout: float | None = None) -> None:
+        """Stop the actors (bounded), then the loop; idempotent. Pending calls fail."""
+        with self._lock:
+            if self._closed:
+                return
+            self._closed = True
+            loop, thread, actors = self._loop, self._thread, self._actors
+        if loop is None or thread is None or actors is None:
+            return
+        t = self._stop_timeout if timeout is None else timeout
+        stopped = asyncio.run_coroutine_threadsafe(actors.stop(timeout=t), loop)
+        try:
+            stopped.result(timeout=3 * t + _GRACE)
+        except Exception:  # the loop is stopped regardless; pending calls are failed below
+            stopped.cancel()
+        loop.call_soon_threadsafe(loop.stop)
+        thread.join(timeout=t + _GRACE)
+        closed = ActorClosedError("runtime closed before replying", actor="runtime")
+        with self._lock:
+            leftovers, self._outstanding = self._outstanding, set()
+        for reply in leftovers:
+            reply.set(None, closed)
+
+    def __enter__(self) -> Runtime:
+        return self.start()
+
+    def __exit__(self, *exc: object) -> None:
+        self.close()
+
+    def __repr__(self) -> str:
+        state = "closed" if self._closed else ("running" if self._loop else "idle")
+        return f"<Runtime {self.backend.kind}:{self.device_index} {state}>"
+
+    # ---- plumbing ------------------------------------------------------------------
+
+    def _running(self) -> tuple[asyncio.AbstractEventLoop, DeviceActors]:
+        if self._closed:
+            raise ActorClosedError("runtime is closed", actor="runtime")
+        if self._loop is None:
+            self.start()
+        loop, actors = self._loop, self._actors
+        assert loop is not None
+        assert actors is not None
+        return loop, actors
+
+    def _ask(
+        self,
+        pick: Callable[[DeviceActors], Actor[Any]],
+        msg: Any,
+        operands: Any = None,
+        timeout: float | None = None,
+    ) -> Any:
+        loop, actors = self._running()
+        t = self.default_timeout if timeout is None else timeout
+        reply = _Reply()
+        with self._lock:
+            self._outstanding.add(reply)
+
+        def submit() -> None:
+            try:
+                fut = pick(actors).ask_nowait(msg, operands, timeout=t)
+            except BaseException as exc:
+                reply.set(None, exc)
+                return
+            fut.add_done_callback(reply.from_future)
+
+        loop.call_soon_threadsafe(submit)
+        try:
+            return reply.wait(t + _GRACE, type(msg).__name__)
+        finally:
+            with self._lock:
+                self._outstanding.discard(reply)
+
+    def _tell(self, pick: Callable[[DeviceActors], Actor[Any]], msg: Any) -> None:
+        # Returns once the message is queued (mailbox order = call order per thread); waits
+        # for mailbox space instead of dropping the message when the mailbox is full.
+        loop, actors = self._running()
+        reply = _Reply()
+        with self._lock:
+            self._outstanding.add(reply)
+
+        def submit() -> None:
+            actor = None
+            try:
+                actor = pick(actors)
+                actor.tell_nowait(msg)
+            except MailboxFullError:
+                assert actor is not None
+                task = loop.create_task(actor.tell(msg))
+                task.add_done_callback(reply.from_future)
+                return
+            except BaseException as exc:
+                reply.set(None, exc)
+                return
+            reply.set(None, None)
+
+        loop.call_soon_threadsafe(submit)
+        try:
+            reply.wait(self.default_timeout + _GRACE, type(msg).__name__)
+        finally:
+            with self._lock:
+                self._outstanding.discard(reply)
+
+    def _aask(
+        self,
+        pick: Callable[[DeviceActors], Actor[Any]],
+        msg: Any,
+        operands: Any = None,
+        timeout: float | None = None,
+    ) -> asyncio.Future[Any]:
+        loop, actors = self._running()
+        t = self.default_timeout if timeout is None else timeout
+        cf: concurrent.futures.Future[Any] = concurrent.futures.Future()
+
+        def submit() -> None:
+            try:
+                fut = pick(actors).ask_nowait(msg, operands, timeout=t)
+            except BaseException as exc:
+                cf.set_exception(exc)
+                return
+            fut.add_done_callback(lambda f: _settle_concurrent(f, cf))
+
+        loop.call_soon_threadsafe(submit)
+        return asyncio.wrap_future(cf)
+
+    # ---- transfers -----------------------------------------------------------------
+
+    def transfer(
+        self,
+        request: TransferRequest,
+        paged: Any,
+        objects: Sequence[torch.Tensor],
+        *,
+        stream_handle: int = 0,
+        timeout: float | None = None,
+    ) -> TransferDone:
+        """Gather or scatter per ``request``; returns once the device completed the copy.
+
+        Raises ``TransferValidationError`` (a ``ValueError``) or ``OperandTypeError`` (a
+        ``TypeError``) before any memory is touched, ``TransferFailedError`` if the copy failed.
+        """
+        msg = Transfer(transfer_id=next(self._ids), request=request, stream_handle=stream_handle)
+        result: TransferDone = self._ask(_gather, msg, TransferOperands(paged, objects), timeout)
+        return result
+
+    async def atransfer(
+        self,
+        request: TransferRequest,
+        paged: Any,
+        objects: Sequence[torch.Tensor],
+        *,
+        stream_handle: int = 0,
+        timeout: float | None = None,
+    ) -> TransferDone:
+        """Asyncio twin of :meth:`transfer`."""
+        msg = Transfer(transfer_id=next(self._ids), request=request, stream_handle=stream_handle)
+        result: TransferDone = await self._aask(
+            _gather, msg, TransferOperands(paged, objects), timeout
+        )
+        return result
+
+    def fence(self, block_ids: Iterable[int], *, timeout: float | None = None) -> Fenced:
+        """Return once every transfer begun earlier on ``block_ids`` has completed."""
+        result: Fenced = self._ask(_gather, Fence(block_ids=tuple(block_ids)), None, timeout)
+        return result
+
+    async def afence(self, block_ids: Iterable[int], *, timeout: float | None = None) -> Fenced:
+        """Asyncio twin of :meth:`fence`."""
+        result: Fenced = await self._aask(_gather, Fence(block_ids=tuple(block_ids)), None, timeout)
+        return result
+
+    def ping(self, seq: int = 0, *, timeout: float | None = None) -> Pong:
+        """Round trip to the GatherActor (liveness; the messaging benchmark's unit)."""
+        result: Pong = self._ask(_gather, Ping(seq=seq), None, timeout)
+        return result
+
+    async def aping(self, seq: int = 0, *, timeout: float | None = None) -> Pong:
+        """Asyncio twin of :meth:`ping`."""
+        result: Pong = await self._aask(_gather, Ping(seq=seq), None, timeout)
+        return result
+
+    # ---- streams, completions, events ---------------------------------------------
+
+    def synchronize(self, stream_handle: int = 0, *, timeout: float | None = None) -> Synced:
+        """Barrier on a stream: returns once all work submitted to it earlier ran."""
+        result: Synced = self._ask(_stream(stream_handle), Sync(), None, timeout)
+        return result
+
+    def record_completion(self, stream_handle: int, kind: str, payload: bytes) -> None:
+        """Queue a completion record; it is drainable once all earlier work on the stream ran."""
+        self._tell(_stream(stream_handle), RecordCompletion(kind=kind, payload=bytes(payload)))
+
+    def drain_completions(self) -> list[tuple[str, bytes]]:
+        """Return and clear the published completion records, in submission order."""
+        _, actors = self._running()
+        return actors.completions.drain()
+
+    def record_event(self, stream_handle: int, record: EventRecord) -> None:
+        """Queue an event record; it is drainable once all earlier work on the stream ran."""
+        self._tell(_stream(stream_handle), RecordEvent(record=record))
+
+    def drain_events(self) -> list[EventRecord]:
+        """Return and clear the published event records, in submission order."""
+        _, actors = self._running()
+        return actors.events.drain()
+
+    # ---- memory and IPC ------------------------------------------------------------
+
+    def tensor_from_ptr(
+        self,
+        ptr: int,
+        shape: Sequence[int],
+        dtype: torch.dtype,
+        *,
+        stride: Sequence[int] | None = None,
+        storage_offset: int = 0,
+    ) -> torch.Tensor:
+        """A validated non-owning view of process-local memory (backend-specific rules)."""
+        return self.backend.tensor_from_ptr(
+            ptr,
+            shape,
+            dtype,
+            index=self.device_index,
+            stride=stride,
+            storage_offset=storage_offset,
+        )
+
+    def open_ipc(
+        self, handle: IPCHandle, *, context_id: int, timeout: float | None = None
+    ) -> torch.Tensor:
+        """Open an exported handle into ``context_id``; the view lives until the context closes."""
+        opened: tuple[Opened, torch.Tensor] = self._ask(
+            _ipc, OpenHandle(context_id=context_id, handle=handle), None, timeout
+        )
+        return opened[1]
+
+    def close_ipc_context(
+        self,
+        context_id: int,
+        *,
+        stream_handles: Sequence[int] = (0,),
+        timeout: float | None = None,
+    ) -> ContextClosed:
+        """Sync the streams, drop views, close every owner of the context (idempotent)."""
+        msg = CloseContext(context_id=context_id, stream_handles=tuple(stream_handles))
+        result: ContextClosed = self._ask(_ipc, msg, None, timeout)
+        return result
+
+    # ---- observability -------------------------------------------------------------
+
+    def statistics(self, *, timeout: float | None = None) -> DeviceStatistics:
+        """A frozen snapshot of every actor of this runtime's device."""
+        loop, actors = self._running()
+        cf = asyncio.run_coroutine_threadsafe(_snapshot(actors), loop)
+        return cf.result(self.default_timeout if timeout is None else timeout)
+
+
+def _settle_concurrent(fut: asyncio.Future[Any], cf: concurrent.futures.Future[Any]) -> None:
+    if fut.cancelled():
+        cf.cancel()
+    elif (exc := fut.exception()) is not None:
+        cf.set_exception(exc)
+    else:
+        cf.set_result(fut.result())
+
+
+async def _snapshot(actors: DeviceActors) -> DeviceStatistics:
+    return actors.statistics()
+
+
+def _gather(actors: DeviceActors) -> Actor[Any]:
+    return actors.gather
+
+
+def _ipc(actors: DeviceActors) -> Actor[Any]:
+    return actors.ipc
+
+
+def _stream(handle: int) -> Callable[[DeviceActors], Actor[Any]]:
+    def pick(actors: DeviceActors) -> Actor[Any]:
+        return actors.streams.get(handle)
+
+    return pick
+
+
+_runtimes: dict[tuple[str, int], Runtime] = {}
+_runtimes_lock = threading.Lock()
+
+
+def get_runtime(backend: str = "cpu", device_index: int = 0) -> Runtime:
+    """The process-wide runtime for ``(backend, device_index)``, started on first use and
+    closed at interpreter exit."""
+    key = (backend, device_index)
+    with _runtimes_lock:
+        rt = _runtimes.get(key)
+        if rt is None or rt.closed:
+            rt = Runtime(backend, device_index=device_index)
+            _runtimes[key] = rt
+    return rt.start()
+
+
+@atexit.register
+def _close_all() -> None:
+    with _runtimes_lock:
+        rts = list(_runtimes.values())
+        _runtimes.clear()
+    for rt in rts:
+        rt.close(timeout=2.0)
