@@ -98,6 +98,10 @@ def check_view_request(
             f"view needs {nbytes} bytes but only {available_nbytes} are available", field="nbytes"
         )
     return ViewRequest(
-        ptr=ptr, shape=shp, stride=strd, storage_offset=storage_offset, itemsize=itemsize,
+        ptr=ptr,
+        shape=shp,
+        stride=strd,
+        storage_offset=storage_offset,
+        itemsize=itemsize,
         nbytes=nbytes,
     )

@@ -315,6 +315,7 @@ class Actor(Generic[M]):
                     if self._state is ActorState.BROKEN
                     else ActorClosedError("actor stopped", actor=self.name)
                 )
+                del env
                 self._busy = False
                 continue
             try:
@@ -330,6 +331,10 @@ class Actor(Generic[M]):
             else:
                 if result is not DEFERRED:
                     env.resolve(result)
+                del result
+            # Drop the envelope now: an idle actor must not keep the last reply (and any
+            # tensors riding beside it) alive while it waits for the next message.
+            del env
             self._processed += 1
             self._busy = False
             if queue.empty() and not self._deferred:

@@ -12,6 +12,7 @@ exporter alone unlinks.
 
 from __future__ import annotations
 
+import ctypes
 import threading
 from multiprocessing import resource_tracker, shared_memory
 from typing import TYPE_CHECKING
@@ -29,6 +30,15 @@ __all__ = ("SharedTensor", "ShmOwner", "alloc_shared", "export_shared", "open_sh
 
 _registry_lock = threading.Lock()
 _exported: dict[int, SharedTensor] = {}
+
+
+def _pinned_view(shm: shared_memory.SharedMemory) -> torch.Tensor:
+    # A ctypes array made with from_buffer holds a buffer export on the mapping for as long
+    # as it lives, and the tensor keeps the array alive: so the mapping cannot be unmapped
+    # (``close`` raises BufferError) while any view of it exists. torch.frombuffer on the
+    # memoryview alone would not hold the export and could leave a dangling view.
+    raw = (ctypes.c_uint8 * shm.size).from_buffer(shm.buf)
+    return torch.frombuffer(raw, dtype=torch.uint8)
 
 
 def _dtype(name: str) -> torch.dtype:
@@ -51,7 +61,7 @@ class SharedTensor:
             numel *= n
         used = numel * torch.empty((), dtype=dtype).element_size()
         self._shm = shared_memory.SharedMemory(create=True, size=max(used, 1))
-        flat = torch.frombuffer(self._shm.buf, dtype=torch.uint8, count=max(used, 1))
+        flat = _pinned_view(self._shm)
         self.tensor: torch.Tensor | None = flat[:used].view(dtype).view(*shape)
         self.name = self._shm.name
         with _registry_lock:
@@ -115,7 +125,11 @@ class ShmOwner:
             raise IPCError(f"no shared-memory segment {handle.name!r}", handle=handle.name) from exc
         # Python < 3.13 registers attached segments with the resource tracker, which would
         # unlink the exporter's segment when this process exits.
-        resource_tracker.unregister(shm._name, "shared_memory")  # type: ignore[attr-defined]
+        # (Segments exported by this very process stay registered: their exporter unlinks.)
+        with _registry_lock:
+            local = any(t.name == handle.name for t in _exported.values())
+        if not local:
+            resource_tracker.unregister(shm._name, "shared_memory")  # type: ignore[attr-defined]
         self._shm: shared_memory.SharedMemory | None = shm
         try:
             req = check_view_request(
@@ -126,7 +140,7 @@ class ShmOwner:
                 storage_offset=handle.storage_offset,
                 available_nbytes=shm.size,
             )
-            flat = torch.frombuffer(shm.buf, dtype=torch.uint8, count=shm.size)
+            flat = _pinned_view(shm)
             usable = shm.size - shm.size % itemsize
             typed = flat[:usable].view(dtype)
             self._tensor: torch.Tensor | None = typed.as_strided(
