@@ -1,0 +1,232 @@
+"""Module objects shaped like torch_mlu / torch_musa, and their installation.
+
+Theory of operation. The real packages differ in shape: ``torch.mlu`` is the *submodule*
+``torch_mlu.mlu`` (with the C extension at ``torch_mlu._MLUC``), while ``torch.musa`` *is*
+the ``torch_musa`` package (C extension ``torch_musa._MUSAC``, IPC at ``torch_musa.ipc``).
+Installation puts those module objects in ``sys.modules`` and on ``torch``, and patches the
+few torch entry points real vendors also extend, so that fake device names are understood:
+tensor factories (``torch.empty(..., device=dev)``),
+``torch._C._construct_storage_from_data_pointer`` (only inside live fake device memory),
+``Tensor.pin_memory``/``Tensor.is_pinned`` (torch_musa patches these too) and, for MLU,
+``UntypedStorage._share_mlu_``/``_new_shared_mlu``.
+Every patch is undone on exit, in reverse order, so fakes can nest (one of each kind).
+"""
+
+from __future__ import annotations
+
+import functools
+import sys
+import types
+from typing import TYPE_CHECKING, Any
+
+import torch
+
+from kvactors.testing import _ipc
+from kvactors.testing._device import FakeDevice, FakeDeviceError, parse_fake_device
+from kvactors.testing._memory import FakeMusart
+from kvactors.testing._tensor import FakeDeviceTensor, plain, wrap
+from kvactors.testing.vendor import new_module
+
+if TYPE_CHECKING:
+    from collections.abc import Callable
+
+    from kvactors.testing.vendor import FakeVendor
+
+__all__ = ("Installation",)
+
+_MISSING = object()
+_FACTORIES = ("empty", "zeros", "ones", "full", "empty_strided", "tensor", "as_tensor", "arange")
+
+
+def _ours(vendor: FakeVendor, device: object) -> int | None:
+    if device is None or isinstance(device, (torch.device, int)):
+        return None
+    if isinstance(device, (FakeDevice, str)):
+        idx = parse_fake_device(device, vendor.kind, vendor.current_device())
+        return None if idx is None else vendor.device_index(idx)
+    return None
+
+
+def _construct_from_storage(vendor: FakeVendor, metadata: dict[str, Any], storage: Any) -> Any:
+    index = vendor.memory.device_of(storage.data_ptr(), storage.nbytes())
+    if index is None:
+        raise FakeDeviceError(f"storage is not {vendor.kind} device memory")
+    view = torch.empty(0, dtype=metadata["dtype"]).set_(
+        storage, int(metadata.get("storage_offset", 0)), tuple(metadata["size"]),
+        tuple(metadata["stride"]),
+    )
+    return wrap(view, vendor, index)
+
+
+def _forget_module(name: str) -> None:
+    sys.modules.pop(name, None)
+
+
+class Installation:
+    """Builds the module objects for one vendor and (un)installs them and the patches."""
+
+    def __init__(self, vendor: FakeVendor) -> None:
+        self.vendor = vendor
+        self._undo: list[Callable[[], None]] = []
+        self.modules = self._build()
+
+    # ---- module objects -----------------------------------------------------------
+
+    def _build(self) -> dict[str, types.ModuleType]:
+        v = self.vendor
+        knobs = v.knobs
+        ctor = knobs.vendor_constructor if knobs.vendor_constructor is not None else (
+            v.kind == "musa"
+        )
+        api = new_module(f"torch_{v.kind}" if v.kind == "musa" else "torch_mlu.mlu",
+                         f"Fake torch.{v.kind} (kvactors.testing).")
+        for name, value in v.module_functions():
+            setattr(api, name, value)
+        if not knobs.event_ipc:
+            v.Event.from_ipc_handle = None  # type: ignore[assignment,method-assign]
+        cext = new_module(f"torch_{v.kind}._{v.kind.upper()}C", "Fake C extension.")
+        setattr(cext, f"_{v.kind}_getDeviceCount", v.device_count)
+        if ctor:
+            setattr(cext, f"_construct_{v.kind.upper()}_Tensor_From_Storage_And_Metadata",
+                    functools.partial(_construct_from_storage, v))
+        if v.kind == "musa":
+            pkg = api
+            pkg.__path__ = []  # a package, so "torch_musa.ipc" imports
+            pkg._MUSAC = cext  # type: ignore[attr-defined]
+            pkg.__version__ = "0.0.0+kvactors.fake"  # type: ignore[attr-defined]
+            mods = {"torch_musa": pkg, "torch_musa._MUSAC": cext}
+            if knobs.musart:
+                rt = FakeMusart(v.memory)
+                pkg.musart = lambda: rt  # type: ignore[attr-defined]
+            if knobs.ipc:
+                ipc = new_module("torch_musa.ipc", "Fake torch.musa.ipc.")
+                ipc.MUSAIPCTensorHandle = _ipc.MUSAIPCTensorHandle  # type: ignore[attr-defined]
+                ipc.MUSAIPCTensor = _ipc.FakeMUSAIPCTensor  # type: ignore[attr-defined]
+                ipc.export_tensor = functools.partial(_ipc.export_tensor, v)  # type: ignore[attr-defined]
+                ipc.open_tensor = functools.partial(_ipc.open_tensor, v)  # type: ignore[attr-defined]
+                pkg.ipc = ipc  # type: ignore[attr-defined]
+                mods["torch_musa.ipc"] = ipc
+            return mods
+        pkg = new_module("torch_mlu", "Fake torch_mlu (kvactors.testing).")
+        pkg.__path__ = []
+        pkg.mlu = api  # type: ignore[attr-defined]
+        pkg._MLUC = cext  # type: ignore[attr-defined]
+        pkg.__version__ = "0.0.0+kvactors.fake"  # type: ignore[attr-defined]
+        api.cnrt = lambda: types.SimpleNamespace(  # type: ignore[attr-defined]
+            mluError=types.SimpleNamespace(success=0), mluGetErrorStr=str
+        )
+        return {"torch_mlu": pkg, "torch_mlu.mlu": api, "torch_mlu._MLUC": cext}
+
+    @property
+    def torch_attr(self) -> types.ModuleType:
+        """What becomes ``torch.<kind>``."""
+        key = "torch_musa" if self.vendor.kind == "musa" else "torch_mlu.mlu"
+        return self.modules[key]
+
+    # ---- install / uninstall ------------------------------------------------------
+
+    def _set(self, owner: Any, name: str, value: Any) -> None:
+        old = owner.__dict__.get(name, _MISSING) if isinstance(owner, type) else getattr(
+            owner, name, _MISSING
+        )
+
+        def undo() -> None:
+            if old is _MISSING:
+                delattr(owner, name)
+            else:
+                setattr(owner, name, old)
+
+        setattr(owner, name, value)
+        self._undo.append(undo)
+
+    def install(self) -> None:
+        """Put the fake in ``sys.modules``/``torch`` and apply the torch patches."""
+        v = self.vendor
+        for name in self.modules:
+            if name in sys.modules:
+                raise RuntimeError(f"{name} is already imported; cannot install a fake over it")
+        if hasattr(torch, v.kind):
+            raise RuntimeError(f"torch.{v.kind} already exists; cannot install a fake over it")
+        for name, mod in self.modules.items():
+            sys.modules[name] = mod
+            self._undo.append(functools.partial(_forget_module, name))
+        self._set(torch, v.kind, self.torch_attr)
+        for fname in _FACTORIES:
+            self._set(torch, fname, self._factory(getattr(torch, fname)))
+        self._set(torch._C, "_construct_storage_from_data_pointer",
+                  self._storage_from_ptr(torch._C._construct_storage_from_data_pointer))
+        self._set(torch.Tensor, "pin_memory", self._pin_memory(torch.Tensor.pin_memory))
+        self._set(torch.Tensor, "is_pinned", self._is_pinned(torch.Tensor.is_pinned))
+        if v.kind == "mlu" and v.knobs.ipc:
+            self._set(torch.UntypedStorage, "_share_mlu_",
+                      lambda storage: _ipc.share_storage(v, storage))
+            self._set(torch.UntypedStorage, "_new_shared_mlu",
+                      staticmethod(lambda *info: _ipc.new_shared(v, tuple(info))))
+
+    def uninstall(self) -> None:
+        """Undo every patch, in reverse order (idempotent)."""
+        while self._undo:
+            self._undo.pop()()
+
+    # ---- patched torch entry points ------------------------------------------------
+
+    def _factory(self, orig: Callable[..., Any]) -> Callable[..., Any]:
+        v = self.vendor
+
+        @functools.wraps(orig)
+        def factory(*args: Any, **kwargs: Any) -> Any:
+            idx = _ours(v, kwargs.get("device"))
+            if idx is None:
+                if kwargs.get("pin_memory") and kwargs.get("device") in (None, "cpu"):
+                    kwargs = {**kwargs, "pin_memory": False}
+                    out = orig(*args, **kwargs)
+                    v.memory.add_pinned(out)
+                    return out
+                return orig(*args, **kwargs)
+            kwargs = {**kwargs, "device": "cpu"}
+            args = tuple(plain(a) if isinstance(a, FakeDeviceTensor) else a for a in args)
+            out = orig(*args, **kwargs)
+            v.memory.add_device(out, idx)
+            return wrap(out, v, idx)
+
+        return factory
+
+    def _storage_from_ptr(self, orig: Callable[..., Any]) -> Callable[..., Any]:
+        v = self.vendor
+
+        def construct(ptr: int, device: Any, nbytes: int) -> Any:
+            idx = _ours(v, device)
+            if idx is None:
+                return orig(ptr, device, nbytes)
+            if nbytes > 0 and v.memory.device_of(ptr, nbytes) != idx:
+                raise FakeDeviceError(
+                    f"[{ptr:#x}, +{nbytes}) is not memory of {v.kind}:{idx} (a host pointer?)"
+                )
+            return orig(ptr, torch.device("cpu"), nbytes)
+
+        return construct
+
+    def _pin_memory(self, orig: Callable[..., Any]) -> Callable[..., Any]:
+        v = self.vendor
+
+        def pin_memory(self_: torch.Tensor, device: object = None) -> torch.Tensor:
+            if isinstance(self_, FakeDeviceTensor):
+                if self_.device.type != v.kind:
+                    out: torch.Tensor = orig(self_) if device is None else orig(self_, device)
+                    return out
+                raise RuntimeError("cannot pin a device tensor")
+            out = self_.clone(memory_format=torch.contiguous_format)
+            v.memory.add_pinned(out)
+            return out
+
+        return pin_memory
+
+    def _is_pinned(self, orig: Callable[..., Any]) -> Callable[..., Any]:
+        v = self.vendor
+
+        def is_pinned(self_: torch.Tensor, device: object = None) -> bool:
+            if isinstance(self_, FakeDeviceTensor):
+                return False
+            return v.memory.is_pinned(self_) or bool(orig(self_))
+
+        return is_pinned

@@ -1,0 +1,279 @@
+"""Fake accelerator tensors whose device work runs asynchronously on fake streams.
+
+Theory of operation. A :class:`FakeDeviceTensor` is a ``torch.Tensor`` subclass over CPU
+memory that reports a :class:`~kvactors.testing.FakeDevice` as ``.device``. Its
+``__torch_function__`` sorts every torch call touching it into one of five kinds:
+
+* metadata (``size``, ``stride``, ``data_ptr``, views such as ``view``/``permute``/basic
+  indexing, ``set_``): run at once, as a device runtime does (no data is read);
+* host reads (``cpu``, ``item``, ``tolist``, ``repr``, ``equal`` ...): synchronize the
+  current stream of the tensor's device, then read, as a device-to-host sync does;
+* ``copy_``: enqueued on the calling thread's current stream; ``non_blocking=False`` or an
+  unpinned host side (unless ``pageable_async``) then synchronizes that stream. With the
+  ``strided_d2h_bug`` knob an async D2H into a non-contiguous or dtype-changing host
+  destination copies a zeroed staging buffer into the destination immediately while the
+  device data lands in the staging later (torch_mlu's bug, device-apis.md section 6.1);
+* other in-place ops and ``out=`` ops: enqueued as a closure on the current stream;
+* other ops producing tensors: output metadata comes from running the op on ``meta``
+  tensors; fresh outputs are allocated at once and filled by an enqueued closure. Ops the
+  meta device cannot describe (data-dependent shapes) synchronize and run at once.
+
+Host tensors passed to enqueued work (other than copy sources and destinations) are
+snapshotted at call time, modelling the implicit synchronous upload a real runtime does.
+Closures run on plain aliases of the same memory, so a reader that forgot to wait for the
+writer's stream observes stale bytes, which is the point.
+"""
+
+from __future__ import annotations
+
+from typing import TYPE_CHECKING, Any
+
+import torch
+import torch.utils._pytree as pytree
+
+from kvactors.testing._device import FakeDevice
+
+if TYPE_CHECKING:
+    from collections.abc import Callable
+
+    from kvactors.testing.vendor import FakeVendor
+
+__all__ = ("FakeDeviceTensor", "plain", "wrap")
+
+_NoTF = torch._C.DisableTorchFunctionSubclass
+
+_METADATA_INPLACE = frozenset({
+    "set_", "resize_", "resize_as_", "as_strided_", "squeeze_", "unsqueeze_", "transpose_",
+    "t_", "swapdims_", "swapaxes_", "requires_grad_", "share_memory_", "retain_grad",
+    "__set__", "_fix_weakref", "__setstate__",
+})
+_HOST_READS = frozenset({
+    "cpu", "item", "tolist", "numpy", "__bool__", "__float__", "__int__", "__index__",
+    "__complex__", "__repr__", "__str__", "__format__", "__array__", "equal", "allclose",
+    "__reduce_ex__", "__deepcopy__", "__dlpack__",
+})
+
+
+class FakeDeviceTensor(torch.Tensor):
+    """A tensor on a fake accelerator (CPU memory; device work runs on fake streams)."""
+
+    _fake_vendor: FakeVendor
+    _fake_index: int
+
+    @property  # type: ignore[override]
+    def device(self) -> FakeDevice:  # type: ignore[override]
+        """The fake device (``FakeDevice("mlu", 0)``-like)."""
+        return FakeDevice(self._fake_vendor.kind, self._fake_index)
+
+    @property
+    def is_cpu(self) -> bool:  # type: ignore[override]
+        """Always False: this is device memory."""
+        return False
+
+    @property
+    def is_mlu(self) -> bool:
+        """Whether this is a fake MLU tensor."""
+        return self._fake_vendor.kind == "mlu"
+
+    @property
+    def is_musa(self) -> bool:
+        """Whether this is a fake MUSA tensor."""
+        return self._fake_vendor.kind == "musa"
+
+    @classmethod
+    def __torch_function__(
+        cls,
+        func: Callable[..., Any],
+        types: Any,
+        args: tuple[Any, ...] = (),
+        kwargs: dict[str, Any] | None = None,
+    ) -> Any:
+        return _dispatch(func, args, kwargs or {})
+
+
+def wrap(t: torch.Tensor, vendor: FakeVendor, index: int) -> FakeDeviceTensor:
+    """View ``t`` (a CPU tensor) as a tensor on fake device ``index`` of ``vendor``."""
+    with _NoTF():
+        out = torch.Tensor._make_subclass(FakeDeviceTensor, t)
+    out._fake_vendor = vendor
+    out._fake_index = index
+    return out
+
+
+def plain(t: torch.Tensor) -> torch.Tensor:
+    """A plain CPU alias of a (fake device) tensor's memory; host tensors pass through."""
+    if isinstance(t, FakeDeviceTensor):
+        with _NoTF():
+            return t.as_subclass(torch.Tensor)
+    return t
+
+
+def _name(func: Callable[..., Any]) -> str:
+    name = getattr(func, "__name__", "")
+    if name in ("__get__", "__set__"):
+        owner = getattr(func, "__self__", None)
+        return "__set__" if name == "__set__" else "get:" + getattr(owner, "__name__", "")
+    return str(name)
+
+
+def _dispatch(func: Callable[..., Any], args: tuple[Any, ...], kwargs: dict[str, Any]) -> Any:
+    flat, _ = pytree.tree_flatten((args, kwargs))
+    first = next(x for x in flat if isinstance(x, FakeDeviceTensor))
+    vendor, index = first._fake_vendor, first._fake_index
+    name = _name(func)
+
+    if name.startswith("get:") or name in _METADATA_INPLACE:
+        with _NoTF():
+            out = func(*args, **kwargs)
+        if name in _METADATA_INPLACE:
+            return args[0] if args else out
+        return _wrap_all(out, vendor, index)
+    if name in _HOST_READS or (name == "to" and _targets_cpu(args, kwargs)):
+        return _host_read(func, args, kwargs, vendor, index)
+    if name == "copy_":
+        return _copy(args, kwargs, vendor, index)
+    if (name.endswith("_") and not name.startswith("__")) or name == "__setitem__" or (
+        "out" in kwargs and kwargs["out"] is not None
+    ):
+        return _enqueue_mutation(func, args, kwargs, vendor, index)
+    return _compute(func, args, kwargs, vendor, index)
+
+
+def _wrap_all(out: Any, vendor: FakeVendor, index: int) -> Any:
+    def w(x: Any) -> Any:
+        if isinstance(x, torch.Tensor) and not isinstance(x, FakeDeviceTensor):
+            return wrap(x, vendor, index)
+        return x
+
+    return pytree.tree_map(w, out)
+
+
+def _unwrap(tree: Any, *, snapshot_host: bool, keep: tuple[object, ...] = ()) -> Any:
+    def u(x: Any) -> Any:
+        if isinstance(x, FakeDeviceTensor):
+            return plain(x)
+        if snapshot_host and isinstance(x, torch.Tensor) and not any(x is k for k in keep):
+            with _NoTF():
+                return x.clone()
+        return x
+
+    return pytree.tree_map(u, tree)
+
+
+def _targets_cpu(args: tuple[Any, ...], kwargs: dict[str, Any]) -> bool:
+    for x in (*args[1:], kwargs.get("device")):
+        if isinstance(x, torch.device) and x.type == "cpu":
+            return True
+        if isinstance(x, str) and x.split(":")[0] == "cpu":
+            return True
+        if isinstance(x, torch.Tensor) and not isinstance(x, FakeDeviceTensor):
+            return True
+    return False
+
+
+def _host_read(
+    func: Callable[..., Any], args: Any, kwargs: Any, vendor: FakeVendor, index: int
+) -> Any:
+    vendor.current_stream(index).synchronize()
+    pa, pk = _unwrap((args, kwargs), snapshot_host=False)
+    with _NoTF():
+        return func(*pa, **pk)
+
+
+def _copy(args: tuple[Any, ...], kwargs: dict[str, Any], vendor: FakeVendor, index: int) -> Any:
+    dst, src = args[0], args[1]
+    non_blocking = bool(args[2] if len(args) > 2 else kwargs.get("non_blocking", False))
+    src_dev, dst_dev = isinstance(src, FakeDeviceTensor), isinstance(dst, FakeDeviceTensor)
+    if src_dev:
+        index = src._fake_index
+    stream = vendor.current_stream(index)
+    pd, ps = plain(dst), plain(src)
+    cfg = vendor.knobs
+
+    def run() -> None:
+        pd.copy_(ps)
+
+    if src_dev and not dst_dev:  # device to host
+        converting = pd.dtype != ps.dtype or not pd.is_contiguous() or pd.stride() != ps.stride()
+        if non_blocking and converting and cfg.strided_d2h_bug:
+            staging = torch.zeros(ps.shape, dtype=ps.dtype)
+            stream.enqueue(lambda: staging.copy_(ps))
+            pd.copy_(staging)  # reads the zeroed staging now: the bug
+            return dst
+        stream.enqueue(run)
+        if not non_blocking or not (cfg.pageable_async or vendor.memory.is_pinned(pd)):
+            stream.synchronize()
+    elif dst_dev and not src_dev:  # host to device
+        stream.enqueue(run)
+        if not non_blocking or not (cfg.pageable_async or vendor.memory.is_pinned(ps)):
+            stream.synchronize()
+    else:  # device to device: asynchronous regardless of non_blocking
+        stream.enqueue(run)
+    return dst
+
+
+def _enqueue_mutation(
+    func: Callable[..., Any], args: Any, kwargs: Any, vendor: FakeVendor, index: int
+) -> Any:
+    target = kwargs["out"] if kwargs.get("out") is not None else args[0]
+    keep = tuple(pytree.tree_flatten(target)[0])
+    pa, pk = _unwrap((args, kwargs), snapshot_host=True, keep=keep)
+    vendor.current_stream(index).enqueue(lambda: func(*pa, **pk))
+    return target
+
+
+def _is_alias(a: torch.Tensor, b: torch.Tensor) -> bool:
+    return bool(torch._C._is_alias_of(a, b))  # type: ignore[attr-defined]
+
+
+def _to_meta(x: Any) -> Any:
+    if isinstance(x, torch.Tensor):
+        with _NoTF():
+            return torch.empty_strided(x.size(), x.stride(), dtype=x.dtype, device="meta")
+    return x
+
+
+def _compute(
+    func: Callable[..., Any], args: Any, kwargs: Any, vendor: FakeVendor, index: int
+) -> Any:
+    margs, mkwargs = pytree.tree_map(_to_meta, (args, kwargs))
+    try:
+        with _NoTF():
+            mout = func(*margs, **mkwargs)
+    except Exception:
+        vendor.current_stream(index).synchronize()
+        pa, pk = _unwrap((args, kwargs), snapshot_host=False)
+        with _NoTF():
+            return _wrap_all(func(*pa, **pk), vendor, index)
+    mflat, spec = pytree.tree_flatten(mout)
+    mtensors = [t for t in mflat if isinstance(t, torch.Tensor)]
+    if not mtensors:  # metadata answer (size, data_ptr, ...): ask the real tensors
+        pa, pk = _unwrap((args, kwargs), snapshot_host=False)
+        with _NoTF():
+            return func(*pa, **pk)
+    if any(t.device.type != "meta" for t in mtensors):
+        return _host_read(func, args, kwargs, vendor, index)
+    minputs = [t for t in pytree.tree_flatten((margs, mkwargs))[0] if isinstance(t, torch.Tensor)]
+    if any(_is_alias(o, i) for o in mtensors for i in minputs):  # a view
+        pa, pk = _unwrap((args, kwargs), snapshot_host=False)
+        with _NoTF():
+            return _wrap_all(func(*pa, **pk), vendor, index)
+    outs: list[Any] = []
+    fresh: list[torch.Tensor] = []
+    for m in mflat:
+        if isinstance(m, torch.Tensor):
+            t = torch.empty_strided(m.size(), m.stride(), dtype=m.dtype)
+            vendor.memory.add_device(t, index)
+            fresh.append(t)
+            outs.append(wrap(t, vendor, index))
+        else:
+            outs.append(m)
+    pa, pk = _unwrap((args, kwargs), snapshot_host=True)
+
+    def run() -> None:
+        res = [r for r in pytree.tree_flatten(func(*pa, **pk))[0] if isinstance(r, torch.Tensor)]
+        for dst, r in zip(fresh, res, strict=True):
+            dst.copy_(r)
+
+    vendor.current_stream(index).enqueue(run)
+    return pytree.tree_unflatten(outs, spec)

@@ -1,0 +1,150 @@
+"""One FIFO worker thread per fake stream: the engine of the fakes' asynchrony.
+
+Theory of operation. Every piece of "device work" (a copy, a kernel, an event record, a
+wait on another stream's event) is a closure appended to the stream's queue and run later,
+in order, on the stream's own daemon thread, after an optional seeded delay (``delay`` plus
+``jitter * U[0,1)`` seconds). The submitting thread returns at once, exactly as a kernel
+launch does, so code that reads results before waiting for the stream sees stale bytes.
+
+Errors are sticky as on real drivers: once a work item raises, later work items on the
+stream are skipped (their outputs keep stale bytes), markers complete carrying the error,
+and the next ``synchronize`` raises it and clears it. Barriers (``wait_event``) always run;
+they block the worker until the awaited marker completed, which is how cross-stream order
+is expressed. ``stop`` lets the queue drain and joins the thread.
+"""
+
+from __future__ import annotations
+
+import collections
+import random
+import threading
+import time
+from typing import TYPE_CHECKING, Literal
+
+from kvactors.testing._device import FakeDeviceError
+
+if TYPE_CHECKING:
+    from collections.abc import Callable
+
+__all__ = ("Marker", "StreamWorker")
+
+_Kind = Literal["work", "marker", "barrier"]
+
+
+class Marker:
+    """A point in one stream's queue; ``done`` is set once everything before it has run."""
+
+    __slots__ = ("done", "error", "time")
+
+    def __init__(self) -> None:
+        self.done = threading.Event()
+        self.error: BaseException | None = None
+        self.time = 0.0
+
+    def complete(self, error: BaseException | None) -> None:
+        """Mark the point reached (carrying the stream's sticky error, if any)."""
+        self.error = error
+        self.time = time.perf_counter()
+        self.done.set()
+
+
+class StreamWorker:
+    """The FIFO queue and thread behind one fake stream."""
+
+    def __init__(self, name: str, *, seed: int, delay: float, jitter: float) -> None:
+        self.name = name
+        self._queue: collections.deque[tuple[_Kind, Callable[[], None] | Marker]] = (
+            collections.deque()
+        )
+        self._cv = threading.Condition()
+        self._rng = random.Random(seed)
+        self._delay = delay
+        self._jitter = jitter
+        self.submitted = 0
+        self.completed = 0
+        self.error: BaseException | None = None
+        self._stopping = False
+        self._thread = threading.Thread(target=self._run, name=name, daemon=True)
+        self._thread.start()
+
+    @property
+    def thread(self) -> threading.Thread:
+        """The worker thread (exposed so tests can check it is gone after exit)."""
+        return self._thread
+
+    def submit(self, fn: Callable[[], None]) -> None:
+        """Enqueue device work; returns immediately."""
+        self._put("work", fn)
+
+    def submit_marker(self, marker: Marker) -> None:
+        """Enqueue a marker that completes when all earlier work has run."""
+        self._put("marker", marker)
+
+    def submit_barrier(self, marker: Marker) -> None:
+        """Enqueue a wait: later work runs only after ``marker`` (of any stream) completed."""
+        self._put("barrier", marker)
+
+    def _put(self, kind: _Kind, item: Callable[[], None] | Marker) -> None:
+        with self._cv:
+            if self._stopping:
+                raise FakeDeviceError(f"{self.name}: stream used after the fake was removed")
+            self.submitted += 1
+            self._queue.append((kind, item))
+            self._cv.notify_all()
+
+    def idle(self) -> bool:
+        """Whether every submitted item has run (``Stream.query``)."""
+        with self._cv:
+            return self.completed >= self.submitted
+
+    def synchronize(self, *, clear_error: bool = True) -> None:
+        """Block until everything submitted before the call ran; raise the sticky error."""
+        with self._cv:
+            target = self.submitted
+            while self.completed < target and self._thread.is_alive():
+                self._cv.wait(0.1)
+            err = self.error
+            if clear_error:
+                self.error = None
+        if err is not None:
+            raise FakeDeviceError(f"{self.name}: {err}") from err
+
+    def stop(self, timeout: float = 10.0) -> None:
+        """Drain the queue and join the thread (idempotent)."""
+        with self._cv:
+            self._stopping = True
+            self._cv.notify_all()
+        if self._thread is not threading.current_thread():
+            self._thread.join(timeout)
+
+    def _pause(self) -> None:
+        wait = self._delay + self._jitter * self._rng.random()
+        if wait > 0:
+            time.sleep(wait)
+
+    def _run(self) -> None:
+        while True:
+            with self._cv:
+                while not self._queue and not self._stopping:
+                    self._cv.wait()
+                if not self._queue:
+                    return
+                kind, item = self._queue.popleft()
+            if kind == "work":
+                self._pause()
+                if self.error is None:
+                    try:
+                        item()  # type: ignore[operator]
+                    except BaseException as exc:
+                        self.error = exc
+            elif kind == "marker":
+                assert isinstance(item, Marker)
+                item.complete(self.error)
+            else:
+                assert isinstance(item, Marker)
+                while not item.done.wait(0.1):
+                    if self._stopping and not self._queue:
+                        break
+            with self._cv:
+                self.completed += 1
+                self._cv.notify_all()

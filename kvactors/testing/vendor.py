@@ -1,0 +1,373 @@
+"""The fake vendor runtime: devices, streams, knobs and test-side inspection.
+
+Theory of operation. One :class:`FakeVendor` backs one installed fake (``torch.mlu`` or
+``torch.musa``). It owns the per-thread state (current device and current stream per
+device live in a ``threading.local``, as the vendors keep them in C++ thread-local storage,
+so a stream made current on one thread is not current on another), the registry from native
+stream handles to streams, the lazily created default and pool streams, the fake memory
+bookkeeping, and the IPC registries. ``kvactors.testing._assembly`` turns its bound methods
+and per-vendor classes into module objects shaped like the real packages.
+"""
+
+from __future__ import annotations
+
+import contextlib
+import dataclasses
+import functools
+import itertools
+import threading
+import types
+from typing import TYPE_CHECKING, Any
+
+import torch
+
+from kvactors.testing._device import FakeDeviceError, parse_fake_device
+from kvactors.testing._events import FakeEvent
+from kvactors.testing._memory import FakeMemory
+from kvactors.testing._streams import FakeExternalStream, FakeStream, FakeStreamContext
+from kvactors.testing._tensor import FakeDeviceTensor, plain, wrap
+from kvactors.testing._worker import StreamWorker
+
+if TYPE_CHECKING:
+    from collections.abc import Iterator, Sequence
+
+__all__ = ("FakeKnobs", "FakeVendor")
+
+_KINDS = ("mlu", "musa")
+
+
+@dataclasses.dataclass(frozen=True)
+class FakeKnobs:
+    """Behaviour switches of a fake vendor module (pass them to ``fake_vendor``).
+
+    Attributes:
+        seed: seeds every stream's delay generator (per stream: seed and handle).
+        delay: seconds every enqueued work item waits before it runs.
+        jitter: extra random wait in ``[0, jitter)`` seconds per work item.
+        devices: number of fake devices.
+        available: ``is_available()``; False also makes ``device_count()`` 0.
+        strided_d2h_bug: reproduce torch_mlu's async strided/converting D2H bug.
+        pageable_async: let ``non_blocking`` copies with unpinned host memory stay async.
+        pool_size: streams per device in the pool ``ExternalStream(0)`` draws from.
+        vendor_constructor: provide the vendor tensor-from-storage constructor (default:
+            MUSA yes, MLU no, matching torch_mlu pt2.1/pt2.4).
+        ipc: provide memory IPC (MUSA ``torch.musa.ipc``; MLU storage sharing shims).
+        event_ipc: provide interprocess events (``interprocess=``, ``from_ipc_handle``).
+        musart: provide ``torch.musa.musart()`` (host registration).
+        uuid: device properties carry a ``uuid``.
+    """
+
+    seed: int = 0
+    delay: float = 0.0
+    jitter: float = 0.0
+    devices: int = 1
+    available: bool = True
+    strided_d2h_bug: bool = False
+    pageable_async: bool = False
+    pool_size: int = 4
+    vendor_constructor: bool | None = None
+    ipc: bool = True
+    event_ipc: bool = True
+    musart: bool = True
+    uuid: bool = True
+
+
+@dataclasses.dataclass(frozen=True)
+class FakeDeviceProperties:
+    """``get_device_properties(d)`` of a fake device."""
+
+    name: str
+    major: int
+    minor: int
+    total_memory: int
+    multi_processor_count: int
+    uuid: str | None
+
+
+class _DeviceContext:
+    """``device(d)``: switch the calling thread's current device for a block."""
+
+    def __init__(self, vendor: FakeVendor, device: object) -> None:
+        self._vendor = vendor
+        self._index = -1 if device is None or device == -1 else vendor.device_index(device)
+        self._prev = -1
+
+    def __enter__(self) -> None:
+        if self._index >= 0:
+            self._prev = self._vendor.current_device()
+            self._vendor.set_device(self._index)
+
+    def __exit__(self, *exc: object) -> None:
+        if self._prev >= 0:
+            self._vendor.set_device(self._prev)
+
+
+class FakeVendor:
+    """The state behind one fake vendor module; yielded by ``fake_vendor`` for inspection.
+
+    Besides the vendor API (``Stream``, ``Event``, ``current_stream`` ...) it offers test
+    helpers: :meth:`empty`, :meth:`to_device`, :meth:`peek`, :meth:`inject_error`,
+    :meth:`streams`, :meth:`threads`.
+    """
+
+    def __init__(self, kind: str, knobs: FakeKnobs) -> None:
+        if kind not in _KINDS:
+            raise ValueError(f"fake vendor kind must be one of {_KINDS}, got {kind!r}")
+        self.kind = kind
+        self.knobs = knobs
+        self.memory = FakeMemory()
+        self.ipc_events: dict[bytes, Any] = {}
+        self.ipc_storages: dict[bytes, Any] = {}
+        self.open_owners: list[Any] = []
+        self._tls = threading.local()
+        self._lock = threading.RLock()
+        self._streams: dict[int, FakeStream] = {}
+        self._defaults: dict[int, FakeStream] = {}
+        self._pools: dict[int, list[FakeStream]] = {}
+        self._pool_next: dict[int, int] = {}
+        self._workers: list[StreamWorker] = []
+        self._handles = itertools.count(1)
+        self._closed = False
+        self._initialized = False
+        attrs: dict[str, Any] = {"_vendor": self, "__module__": f"torch_{kind}"}
+        handle = property(lambda s: s.handle)
+        self.Stream: type[FakeStream] = type(
+            "Stream", (FakeStream,), {**attrs, f"{kind}_stream": handle}
+        )
+        self.ExternalStream: type[FakeStream] = type(
+            "ExternalStream", (FakeExternalStream, self.Stream), attrs
+        )
+        ev_attrs: dict[str, Any] = {**attrs, f"{kind}_event": property(lambda s: s.handle)}
+        self.Event: type[FakeEvent] = type("Event", (FakeEvent,), ev_attrs)
+        self.StreamContext: type[FakeStreamContext] = type(
+            "StreamContext", (FakeStreamContext,), attrs
+        )
+        count = knobs.devices if knobs.available else 0
+        self.device_count = functools.lru_cache(maxsize=None)(lambda: count)
+
+    # ---- devices -------------------------------------------------------------------
+
+    def device_index(self, device: object) -> int:
+        """The ordinal ``device`` names on this vendor; ValueError for another kind."""
+        idx = parse_fake_device(device, self.kind, self.current_device())
+        if idx is None:
+            raise ValueError(f"Expected a {self.kind} device, but got: {device}")
+        if idx == -1:
+            idx = self.current_device()
+        if not 0 <= idx < self.device_count():
+            raise FakeDeviceError(f"invalid device ordinal {idx} ({self.device_count()} present)")
+        return idx
+
+    def is_available(self) -> bool:
+        """Whether a fake device is present."""
+        return self.device_count() > 0
+
+    def current_device(self) -> int:
+        """The calling thread's current device."""
+        return int(getattr(self._tls, "device", 0))
+
+    def set_device(self, device: object) -> None:
+        """Set the calling thread's current device."""
+        self._tls.device = self.device_index(device)
+
+    def device(self, device: object) -> _DeviceContext:
+        """Context manager switching the calling thread's current device."""
+        return _DeviceContext(self, device)
+
+    def device_of(self, obj: torch.Tensor) -> _DeviceContext:
+        """Context manager making ``obj``'s device current (no-op for host tensors)."""
+        return _DeviceContext(self, obj.device if isinstance(obj, FakeDeviceTensor) else None)
+
+    def get_device_properties(self, device: object = None) -> FakeDeviceProperties:
+        """Properties of a fake device."""
+        idx = self.device_index(device)
+        uuid = f"fake-{self.kind}-{idx:04d}" if self.knobs.uuid else None
+        return FakeDeviceProperties(
+            name=f"Fake {self.kind.upper()}", major=1, minor=0, total_memory=1 << 34,
+            multi_processor_count=8, uuid=uuid,
+        )
+
+    def mem_get_info(self, device: object = None) -> tuple[int, int]:
+        """(free, total) bytes."""
+        self.device_index(device)
+        return (1 << 33, 1 << 34)
+
+    def init(self) -> None:
+        """Initialise the fake runtime (no-op besides bookkeeping)."""
+        self._initialized = True
+
+    def is_initialized(self) -> bool:
+        """Whether ``init`` (or any stream use) ran."""
+        return self._initialized
+
+    def empty_cache(self) -> None:
+        """No-op."""
+
+    def ipc_collect(self) -> None:
+        """Drop registry entries of IPC storages whose producer memory is gone."""
+        for key in [k for k, v in self.ipc_storages.items() if v.ref.expired()]:
+            del self.ipc_storages[key]
+
+    # ---- streams -------------------------------------------------------------------
+
+    def next_stream_handle(self) -> int:
+        """A fresh nonzero native stream handle."""
+        return 0x7F00_0000_0000 + 0x40 * next(self._handles)
+
+    def next_event_handle(self) -> int:
+        """A fresh nonzero native event handle."""
+        return 0x7E00_0000_0000 + 0x40 * next(self._handles)
+
+    def register_stream(self, stream: FakeStream) -> StreamWorker:
+        """Start the worker of a new stream and index it by handle."""
+        with self._lock:
+            if self._closed:
+                raise FakeDeviceError(f"fake {self.kind} was removed")
+            self._initialized = True
+            worker = StreamWorker(
+                f"fake-{self.kind}{stream.device_index}-stream-{stream.handle:#x}",
+                seed=hash((self.knobs.seed, stream.handle)) & 0xFFFF_FFFF,
+                delay=self.knobs.delay, jitter=self.knobs.jitter,
+            )
+            self._workers.append(worker)
+            self._streams[stream.handle] = stream
+            return worker
+
+    def default_stream(self, device: object = None) -> FakeStream:
+        """The default stream of ``device`` (handle 0 on MUSA, nonzero on MLU)."""
+        idx = self.device_index(device)
+        with self._lock:
+            s = self._defaults.get(idx)
+            if s is None:
+                s = object.__new__(self.Stream)
+                handle = 0 if self.kind == "musa" else self.next_stream_handle()
+                s._init(idx, 0, handle)
+                self._defaults[idx] = s
+            return s
+
+    def pool_stream(self, index: int) -> FakeStream:
+        """The next stream of ``index``'s pool (what ``ExternalStream(0)`` returns)."""
+        with self._lock:
+            pool = self._pools.setdefault(index, [])
+            n = self._pool_next.get(index, 0)
+            self._pool_next[index] = n + 1
+            if len(pool) < self.knobs.pool_size:
+                pool.append(self.Stream(device=index))
+            return pool[n % len(pool)]
+
+    def stream_by_handle(self, handle: int) -> FakeStream:
+        """The stream registered under ``handle``."""
+        with self._lock:
+            s = self._streams.get(handle)
+        if s is None or (handle == 0 and self.kind == "musa"):
+            raise FakeDeviceError(f"no {self.kind} stream with handle {handle:#x}")
+        return s
+
+    def current_stream(self, device: object = None) -> FakeStream:
+        """The calling thread's current stream on ``device`` (default: its default stream)."""
+        idx = self.device_index(device)
+        current: dict[int, FakeStream] = getattr(self._tls, "streams", {})
+        s = current.get(idx)
+        return s if s is not None else self.default_stream(idx)
+
+    def set_stream(self, stream: FakeStream | None) -> None:
+        """Make ``stream`` current (and its device) for the calling thread."""
+        if stream is None:
+            return
+        if not hasattr(self._tls, "streams"):
+            self._tls.streams = {}
+        self._tls.streams[stream.device_index] = stream
+        self._tls.device = stream.device_index
+
+    def stream(self, stream: FakeStream | None) -> FakeStreamContext:
+        """``with stream(s):`` make ``s`` current for the block (None is a no-op)."""
+        return self.StreamContext(stream)
+
+    def synchronize(self, device: object = None) -> None:
+        """Wait for every stream of ``device``; raise the first sticky error."""
+        idx = self.device_index(device)
+        with self._lock:
+            streams = [s for s in self._all_streams() if s.device_index == idx]
+        errors: list[BaseException] = []
+        for s in streams:
+            try:
+                s.synchronize()
+            except FakeDeviceError as exc:
+                errors.append(exc)
+        if errors:
+            raise errors[0]
+
+    def _all_streams(self) -> list[FakeStream]:
+        return [*self._streams.values(), *self._defaults.values()]
+
+    # ---- test helpers --------------------------------------------------------------
+
+    def streams(self) -> list[FakeStream]:
+        """Every stream created so far (default, pool and user streams)."""
+        with self._lock:
+            return list(dict.fromkeys(self._all_streams()))
+
+    def threads(self) -> list[threading.Thread]:
+        """The worker threads of every stream."""
+        with self._lock:
+            return [w.thread for w in self._workers]
+
+    def empty(
+        self, shape: Sequence[int], dtype: torch.dtype = torch.float32, index: int = 0
+    ) -> FakeDeviceTensor:
+        """Allocate uninitialised fake device memory (synchronously)."""
+        t = torch.empty(tuple(shape), dtype=dtype)
+        self.memory.add_device(t, self.device_index(index))
+        return wrap(t, self, index)
+
+    def to_device(self, t: torch.Tensor, index: int = 0) -> FakeDeviceTensor:
+        """A new fake device tensor holding a copy of host ``t`` (synchronous)."""
+        out = self.empty(t.shape, t.dtype, index)
+        plain(out).copy_(t)
+        return out
+
+    def peek(self, t: torch.Tensor) -> torch.Tensor:
+        """The bytes of device tensor ``t`` right now, ignoring every stream (a clone)."""
+        return plain(t).clone()
+
+    def inject_error(self, stream: FakeStream | None = None, message: str = "injected") -> None:
+        """Enqueue a failing work item on ``stream`` (default: the current stream)."""
+        s = stream if stream is not None else self.current_stream()
+
+        def fail() -> None:
+            raise FakeDeviceError(message)
+
+        s.enqueue(fail)
+
+    def close(self) -> None:
+        """Drain and stop every stream worker (idempotent); called on ``fake_vendor`` exit."""
+        with self._lock:
+            self._closed = True
+            workers = list(self._workers)
+        for w in workers:
+            w.stop()
+        for owner in list(self.open_owners):
+            with contextlib.suppress(Exception):
+                owner.close()
+
+    def module_functions(self) -> Iterator[tuple[str, Any]]:
+        """(name, value) pairs shared by both vendors' module objects."""
+        for name in (
+            "is_available", "device_count", "current_device", "set_device", "device",
+            "device_of", "synchronize", "get_device_properties", "mem_get_info",
+            "empty_cache", "ipc_collect", "init", "is_initialized", "current_stream",
+            "default_stream", "set_stream", "stream", "Stream", "ExternalStream", "Event",
+            "StreamContext",
+        ):
+            yield name, getattr(self, name)
+        yield "_lazy_init", self.init
+
+    def __repr__(self) -> str:
+        return f"<FakeVendor {self.kind} devices={self.device_count()} knobs={self.knobs}>"
+
+
+def new_module(name: str, doc: str) -> types.ModuleType:
+    """A fresh module object named ``name``."""
+    mod = types.ModuleType(name, doc)
+    mod.__file__ = f"<kvactors.testing fake {name}>"
+    return mod
