@@ -1,0 +1,25 @@
+"""LMCache's gather/scatter callers with the kvactors plugin vs LMCache's built-in CPU ops."""
+
+from __future__ import annotations
+
+import pytest
+
+from .conftest import LMCACHE_MISSING, SKIP_REASON, lmcache_env, run_script
+
+pytestmark = [pytest.mark.lmcache, pytest.mark.skipif(LMCACHE_MISSING, reason=SKIP_REASON)]
+
+
+def test_gather_scatter_bit_exact_against_builtin() -> None:
+    res = run_script("direct_gather_scatter.py", env=lmcache_env(KVACTORS_LMCACHE_CPU="1"))
+    assert res["ops_type"] == "kvactors_lmcache.ops.KvactorsCpuOps"
+    seen = {c["case"] for c in res["cases"]}
+    assert seen == {"nhd", "hnd", "mla", "sglang"}
+    for case in res["cases"]:
+        label = f"{case['case']}/{case['dtype']}"
+        assert case["gather_bit_exact"], label
+        assert all(case["scatter_bit_exact"].values()), (label, case["scatter_bit_exact"])
+        assert case["roundtrip"], label
+        assert case["untouched"], label
+        # One D2H per gather (plugin side of 2 gathers + 1 re-gather), one H2D per scatter.
+        assert case["plugin_calls"].get("cpu:D2H") == 2, (label, case["plugin_calls"])
+        assert case["plugin_calls"].get("cpu:H2D") == 5, (label, case["plugin_calls"])
