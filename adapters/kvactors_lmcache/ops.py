@@ -157,19 +157,23 @@ class KvactorsDeviceOps(DeviceOps):
         return 0
 
     def _device_index(self, device: object) -> int:
-        if isinstance(device, torch.device):
-            dev = device
+        # Duck-typed: torch.device, vendor/fake device objects (``type``/``index``) or a
+        # "kind[:index]" string (torch.device("mlu") only parses once torch_mlu is imported).
+        if isinstance(device, str):
+            kind, _, idx = device.partition(":")
+            index: int | None = int(idx) if idx.isdigit() else None
+            if idx and index is None:
+                raise OperandTypeError(f"bad device {device!r}", field="device")
         else:
-            try:
-                dev = torch.device(str(device))
-            except (RuntimeError, TypeError) as exc:
-                raise OperandTypeError(f"bad device {device!r}", field="device") from exc
-        if dev.type != self.device_type:
+            kind = getattr(device, "type", None)
+            raw = getattr(device, "index", None)
+            index = None if raw is None else int(raw)
+        if kind != self.device_type:
             raise OperandTypeError(
-                f"{type(self).__name__} serves {self.device_type!r} tensors, got device {dev}",
+                f"{type(self).__name__} serves {self.device_type!r} tensors, got device {device!r}",
                 field="device",
             )
-        return self._current_index() if dev.index is None else int(dev.index)
+        return self._current_index() if index is None else index
 
     def _home_runtime(self) -> Runtime:
         home = self._home
