@@ -61,6 +61,6 @@ def probe_all(kinds: Sequence[str] = BACKEND_KINDS) -> list[Probe]:
     for kind in kinds:
         try:
             out.append(get_backend(kind).probe())
-        except Exception as exc:  # noqa: BLE001 - probing must never raise
+        except Exception as exc:
             out.append(Probe(backend=kind, available=False, reason=f"{type(exc).__name__}: {exc}"))
     return out
