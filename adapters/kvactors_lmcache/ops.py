@@ -25,6 +25,7 @@ from __future__ import annotations
 
 import ctypes
 import threading
+import time
 from collections import Counter
 from collections.abc import Callable
 from typing import TYPE_CHECKING, Any, ClassVar
@@ -258,21 +259,30 @@ class KvactorsDeviceOps(DeviceOps):
     ) -> None:
         """Publish an observability event once all earlier work on ``stream_ptr`` completed.
 
-        The record is ``(event_type_name, session_id, wall_ts, str_md, int_md)``; the
-        timestamp is taken when the stream reached the record.
+        Drained as ``(event_type_name, session_id, wall_ts, str_md, int_md)``; ``wall_ts`` is
+        the call time (LMCache's torch baseline stamps at call time too).
         """
         if not isinstance(stream_ptr, int) or isinstance(stream_ptr, bool):
             raise TypeError(f"stream_ptr must be an int, got {stream_ptr!r}")
-        self._home_runtime().record_event(
-            stream_ptr,
-            (str(event_type_name), str(session_id), dict(str_metadata), dict(int_metadata)),
+        from kvactors.protocols.stream import EventRecord
+
+        record = EventRecord(
+            event_type=str(event_type_name),
+            session_id=str(session_id),
+            wall_ts=time.time(),
+            str_fields=dict(str_metadata),
+            int_fields=dict(int_metadata),
         )
+        self._home_runtime().record_event(stream_ptr, record)
 
     def drain_recorded_events(self) -> list[tuple[str, str, float, dict[str, str], dict[str, int]]]:
         """Every published event since the last drain, in submission order."""
         if self._home is None:
             return []
-        return [tuple(rec) for rec in self._home.drain_events()]  # type: ignore[misc]
+        return [
+            (r.event_type, r.session_id, r.wall_ts, dict(r.str_fields), dict(r.int_fields))
+            for r in self._home.drain_events()
+        ]
 
     # -- raw pointers ----------------------------------------------------------------------
 
