@@ -13,8 +13,11 @@ exporter alone unlinks.
 from __future__ import annotations
 
 import ctypes
+import mmap
+import os
+import re
 import threading
-from multiprocessing import resource_tracker, shared_memory
+from multiprocessing import shared_memory
 from typing import TYPE_CHECKING
 
 import torch
@@ -28,16 +31,17 @@ if TYPE_CHECKING:
 
 __all__ = ("SharedTensor", "ShmOwner", "alloc_shared", "export_shared", "open_shared")
 
+_SEGMENT_NAME = re.compile(r"[A-Za-z0-9_.-]{1,200}")
 _registry_lock = threading.Lock()
 _exported: dict[int, SharedTensor] = {}
 
 
-def _pinned_view(shm: shared_memory.SharedMemory) -> torch.Tensor:
+def _pinned_view(buf: mmap.mmap | memoryview, size: int) -> torch.Tensor:
     # A ctypes array made with from_buffer holds a buffer export on the mapping for as long
     # as it lives, and the tensor keeps the array alive: so the mapping cannot be unmapped
     # (``close`` raises BufferError) while any view of it exists. torch.frombuffer on the
     # memoryview alone would not hold the export and could leave a dangling view.
-    raw = (ctypes.c_uint8 * shm.size).from_buffer(shm.buf)
+    raw = (ctypes.c_uint8 * size).from_buffer(buf)
     return torch.frombuffer(raw, dtype=torch.uint8)
 
 
@@ -61,7 +65,8 @@ class SharedTensor:
             numel *= n
         used = numel * torch.empty((), dtype=dtype).element_size()
         self._shm = shared_memory.SharedMemory(create=True, size=max(used, 1))
-        flat = _pinned_view(self._shm)
+        assert self._shm.buf is not None
+        flat = _pinned_view(self._shm.buf, self._shm.size)
         self.tensor: torch.Tensor | None = flat[:used].view(dtype).view(*shape)
         self.name = self._shm.name
         with _registry_lock:
@@ -117,38 +122,42 @@ class ShmOwner:
     def __init__(self, handle: IPCHandle) -> None:
         if handle.backend != "cpu":
             raise IPCError(f"not a CPU handle: backend {handle.backend!r}", handle=handle.name)
+        if not _SEGMENT_NAME.fullmatch(handle.name):
+            raise IPCError(f"invalid segment name {handle.name!r}", handle=handle.name)
         dtype = _dtype(handle.dtype)
         itemsize = torch.empty((), dtype=dtype).element_size()
+        # Attach with a plain mmap rather than SharedMemory: Python < 3.13 registers attached
+        # segments with the resource tracker, which then unlinks (or double-unregisters) the
+        # exporter's segment. Only the exporter owns the segment's name.
         try:
-            shm = shared_memory.SharedMemory(name=handle.name, create=False)
+            fd = os.open(f"/dev/shm/{handle.name}", os.O_RDWR)
         except FileNotFoundError as exc:
             raise IPCError(f"no shared-memory segment {handle.name!r}", handle=handle.name) from exc
-        # Python < 3.13 registers attached segments with the resource tracker, which would
-        # unlink the exporter's segment when this process exits.
-        # (Segments exported by this very process stay registered: their exporter unlinks.)
-        with _registry_lock:
-            local = any(t.name == handle.name for t in _exported.values())
-        if not local:
-            resource_tracker.unregister(shm._name, "shared_memory")  # type: ignore[attr-defined]
-        self._shm: shared_memory.SharedMemory | None = shm
+        try:
+            size = os.fstat(fd).st_size
+            mm = mmap.mmap(fd, size) if size else None
+        finally:
+            os.close(fd)
+        if mm is None:
+            raise IPCError(f"segment {handle.name!r} is empty", handle=handle.name)
+        self._mm: mmap.mmap | None = mm
         try:
             req = check_view_request(
-                shm.size,  # any positive placeholder: the view is built from the buffer below
+                size,  # any positive placeholder: the view is built from the buffer below
                 handle.shape,
                 itemsize,
                 stride=handle.stride,
                 storage_offset=handle.storage_offset,
-                available_nbytes=shm.size,
+                available_nbytes=size,
             )
-            flat = _pinned_view(shm)
-            usable = shm.size - shm.size % itemsize
-            typed = flat[:usable].view(dtype)
+            flat = _pinned_view(mm, size)
+            typed = flat[: size - size % itemsize].view(dtype)
             self._tensor: torch.Tensor | None = typed.as_strided(
                 req.shape, req.stride, req.storage_offset
             )
         except BaseException:
-            self._shm = None
-            shm.close()
+            self._mm = None
+            mm.close()
             raise
         self.name = handle.name
 
@@ -162,22 +171,22 @@ class ShmOwner:
     @property
     def closed(self) -> bool:
         """Whether ``close`` has run."""
-        return self._shm is None
+        return self._mm is None
 
     def close(self) -> None:
         """Drop the view and unmap; raises :class:`IPCError` if a view is still alive elsewhere."""
-        shm = self._shm
-        if shm is None:
+        mm = self._mm
+        if mm is None:
             return
         self._tensor = None
         try:
-            shm.close()
+            mm.close()
         except BufferError as exc:
             raise IPCError(
                 f"segment {self.name!r} still has live views; drop them before closing",
                 handle=self.name,
             ) from exc
-        self._shm = None
+        self._mm = None
 
 
 def open_shared(handle: IPCHandle) -> ShmOwner:

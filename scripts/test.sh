@@ -1,0 +1,22 @@
+#!/usr/bin/env bash
+# The whole test job: set up .venv, lint (ruff), type-check (mypy strict on kvactors/), pytest.
+# Exits non-zero on any failure, including "no tests collected".
+set -euo pipefail
+cd "$(dirname "${BASH_SOURCE[0]}")/.."
+bash scripts/setup.sh --test
+PY=.venv/bin/python
+export LMCACHE_TRACK_USAGE=false PYTHONHASHSEED=0
+echo "== ruff"
+"$PY" -m ruff check .
+echo "== mypy (strict, kvactors/)"
+"$PY" -m mypy
+echo "== pytest"
+set +e
+"$PY" -m pytest "$@"
+rc=$?
+set -e
+if [ "$rc" -eq 5 ]; then
+    echo "pytest collected no tests: failing" >&2
+    exit 1
+fi
+exit "$rc"
