@@ -1,0 +1,72 @@
+"""Per-call views for the fast kernels, built once from a plan and its operands.
+
+Theory of operation. A :class:`KernelContext` turns a plan (metadata) plus the operands it was
+made for into the strided views every fast path needs: the paged tensors as same-width integer
+views, the stacked ``[L, P, B, S, H, D]`` view when the plan found one, and the "rows" view
+(every block plane of every layer one row of ``BS*NH*HS`` elements) when the plan found the
+stacked memory tight. Building these costs a few microseconds and allocates nothing but the
+tiny index tensors.
+"""
+
+from __future__ import annotations
+
+from typing import TYPE_CHECKING
+
+import torch
+
+from kvactors.kernels._views import object_view, raw, stacked_view
+
+if TYPE_CHECKING:
+    from kvactors.plans import Segment, TransferPlan
+
+__all__ = ("KernelContext",)
+
+
+class KernelContext:
+    """The views of one fast-kernel call (see the module docstring)."""
+
+    __slots__ = ("bpo", "device", "nl", "plan", "planes", "rows", "stacked", "units")
+
+    def __init__(self, plan: TransferPlan, units: list[torch.Tensor]) -> None:
+        self.plan = plan
+        self.units = [raw(t) for t in units]
+        self.device = units[0].device
+        shape = plan.request.shape
+        self.nl = shape.nl
+        self.planes = plan.spec.planes
+        self.bpo = plan.request.chunk_size // shape.bs
+        self.stacked = None if plan.stacked is None else stacked_view(plan.stacked, self.units[0])
+        g = plan.rows
+        self.rows = (
+            None
+            if g is None
+            else self.units[0].as_strided((g.nrows, g.piece), (g.row_stride, 1), g.storage_offset)
+        )
+
+    def ids(self, seg: Segment) -> torch.Tensor:
+        """The segment's block ids as an int64 tensor on the paged device."""
+        return torch.tensor(
+            self.plan.request.block_ids[seg.start : seg.stop], dtype=torch.int64, device=self.device
+        )
+
+    def row_index(self, ids: torch.Tensor) -> torch.Tensor:
+        """Row numbers ``[P*NL, n]`` of the blocks ``ids`` in :attr:`rows`, plane-major."""
+        g = self.plan.rows
+        assert g is not None
+        base = torch.tensor(g.plane_layer_rows, dtype=torch.int64, device=ids.device)
+        return base.view(-1, 1) + ids.view(1, -1) * g.block_rows
+
+    def target_view(self, obj: torch.Tensor) -> torch.Tensor:
+        """A (raw) host chunk or staging buffer as ``[P, L, J, S, H, D]``."""
+        shape = self.plan.request.shape
+        return object_view(self.plan.spec, obj, shape.nl, shape.nh, shape.hs, shape.bs)
+
+    def plane_rows(self, obj: torch.Tensor) -> torch.Tensor:
+        """A (raw) host chunk or staging buffer as ``[P*NL, J, BS*NH*HS]``."""
+        return obj.view(self.planes * self.nl, self.bpo, -1)
+
+    def unit_planes(self, u: int) -> tuple[int, range]:
+        """Layer and planes (as indices into ``P``) held by paged tensor ``u``."""
+        if self.plan.spec.is_kv_list:
+            return u % self.nl, range(u // self.nl, u // self.nl + 1)
+        return u, range(self.planes)

@@ -1,0 +1,133 @@
+"""One segment's gather (paged -> chunk) and scatter (chunk -> paged), fastest path first.
+
+Theory of operation. Each function moves the blocks of one segment between the paged memory
+and a chunk-shaped target (the host chunk itself, or a device staging buffer on the staged
+path). The paths, in order of preference (measured in performance.md and bench_transfer):
+
+* rows: the paged memory is one stacked allocation and every block plane is one contiguous
+  token-major run. Gather is ONE ``index_select`` over a ``[rows, BS*NH*HS]`` view whose
+  output is the contiguous chunk itself, which torch serves with one ``memcpy`` per block
+  plane. Scatter is the mirror image through numpy fancy assignment (torch's ``index_copy_``
+  runs at half speed); numpy releases the GIL for it.
+* planes: block planes are contiguous but the layers are separate allocations: the same, one
+  call per (layer, plane).
+* stacked: one strided view covers all layers but blocks are not token-major (HND): gather is
+  one ``index_select`` on the view in physical order, writing a permuted view of the chunk (the
+  transpose is fused); scatter is one ``copy_`` per run of consecutive block ids.
+* units: anything else, one call per paged tensor (physical order again).
+
+No path allocates anything chunk-sized: outputs are views of the target, inputs views of the
+paged memory; the only temporaries are index tensors of at most ``P*NL*bpo`` integers.
+"""
+
+from __future__ import annotations
+
+from typing import TYPE_CHECKING
+
+import torch
+
+from kvactors.kernels._views import block_runs, canonical_unit, physical_order
+
+if TYPE_CHECKING:
+    from kvactors.kernels._context import KernelContext
+    from kvactors.plans import Segment
+
+__all__ = ("gather_segment", "numpy_usable", "scatter_segment")
+
+_NUMPY: bool | None = None
+
+
+def numpy_usable() -> bool:
+    """Whether torch tensors can be viewed as numpy arrays here (numpy installed)."""
+    global _NUMPY
+    if _NUMPY is None:
+        try:
+            torch.zeros(1).numpy()
+            _NUMPY = True
+        except (ImportError, RuntimeError):
+            _NUMPY = False
+    return _NUMPY
+
+
+def _plane_rows(ctx: KernelContext, t: torch.Tensor, k: int) -> torch.Tensor:
+    cu = canonical_unit(ctx.plan.spec, t)[k]
+    piece = cu[0].numel()
+    return cu.as_strided((cu.size(0), piece), (cu.stride(0), 1))
+
+
+def gather_segment(ctx: KernelContext, seg: Segment, target: torch.Tensor) -> None:
+    """Copy the segment's blocks from the paged memory into ``target`` (raw, chunk-shaped)."""
+    ids = ctx.ids(seg)
+    n, j0 = seg.count, seg.slot0
+    if ctx.rows is not None:
+        idx = ctx.row_index(ids)
+        if n == ctx.bpo:
+            torch.index_select(ctx.rows, 0, idx.view(-1), out=target.view(idx.numel(), -1))
+        else:
+            tv = ctx.plane_rows(target)
+            for i in range(idx.size(0)):
+                torch.index_select(ctx.rows, 0, idx[i], out=tv[i, j0 : j0 + n])
+        return
+    if ctx.plan.tight:
+        tv = ctx.plane_rows(target)
+        for u, t in enumerate(ctx.units):
+            layer, planes = ctx.unit_planes(u)
+            for k, p in enumerate(planes):
+                out = tv[p * ctx.nl + layer, j0 : j0 + n]
+                torch.index_select(_plane_rows(ctx, t, k), 0, ids, out=out)
+        return
+    ov = ctx.target_view(target).permute(1, 0, 2, 3, 4, 5)[:, :, j0 : j0 + n]
+    if ctx.stacked is not None:
+        order = physical_order(ctx.stacked)
+        src = ctx.stacked.permute(order)
+        torch.index_select(src, order.index(2), ids, out=ov.permute(order))
+        return
+    for u, t in enumerate(ctx.units):
+        layer, planes = ctx.unit_planes(u)
+        cu = canonical_unit(ctx.plan.spec, t)
+        order = physical_order(cu)
+        out = ov[layer, planes.start : planes.stop].permute(order)
+        torch.index_select(cu.permute(order), order.index(1), ids, out=out)
+
+
+def scatter_segment(
+    ctx: KernelContext, seg: Segment, source: torch.Tensor, *, use_numpy: bool
+) -> None:
+    """Copy the segment's rows of ``source`` (raw, chunk-shaped) into the paged blocks."""
+    block_ids = ctx.plan.request.block_ids[seg.start : seg.stop]
+    n, j0 = seg.count, seg.slot0
+    if use_numpy and ctx.rows is not None:
+        rows = ctx.rows.numpy()
+        idx = ctx.row_index(torch.tensor(block_ids, dtype=torch.int64))
+        if n == ctx.bpo:
+            rows[idx.view(-1).numpy()] = source.view(idx.numel(), -1).numpy()
+        else:
+            sv = ctx.plane_rows(source)
+            for i in range(idx.size(0)):
+                rows[idx[i].numpy()] = sv[i, j0 : j0 + n].numpy()
+        return
+    if use_numpy and ctx.plan.tight and ctx.stacked is None:
+        sv = ctx.plane_rows(source)
+        ids_np = torch.tensor(block_ids, dtype=torch.int64).numpy()
+        for u, t in enumerate(ctx.units):
+            layer, planes = ctx.unit_planes(u)
+            for k, p in enumerate(planes):
+                _plane_rows(ctx, t, k).numpy()[ids_np] = sv[p * ctx.nl + layer, j0 : j0 + n].numpy()
+        return
+    ov = ctx.target_view(source).permute(1, 0, 2, 3, 4, 5)[:, :, j0 : j0 + n]
+    if ctx.stacked is not None:
+        for k, b, r in block_runs(block_ids):
+            ctx.stacked.narrow(2, b, r).copy_(ov.narrow(2, k, r))
+        return
+    for u, t in enumerate(ctx.units):
+        layer, planes = ctx.unit_planes(u)
+        cu = canonical_unit(ctx.plan.spec, t)
+        src = ov[layer, planes.start : planes.stop]
+        if use_numpy:
+            ids_np = torch.tensor(block_ids, dtype=torch.int64).numpy()
+            cu.numpy()[:, ids_np] = src.numpy()
+        elif cu.device.type != "cpu":
+            cu.index_copy_(1, ctx.ids(seg), src)
+        else:
+            for k, b, r in block_runs(block_ids):
+                cu.narrow(1, b, r).copy_(src.narrow(1, k, r))

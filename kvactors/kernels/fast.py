@@ -1,0 +1,168 @@
+"""The fast transfer kernels: few large torch calls per chunk, nothing chunk-sized allocated.
+
+Theory of operation. :func:`run_fast` executes a validated :class:`~kvactors.plans.TransferPlan`
+one segment (object) at a time. It has two shapes:
+
+* Host path (paged tensors on the CPU): blocks move straight between the paged memory and the
+  host chunk with the paths of :mod:`kvactors.kernels._moves`.
+* Staged path (paged tensors on an accelerator): torch cannot index across devices, so a
+  gather first collects the segment's blocks on the device into a staging buffer laid out like
+  the chunk, then moves it with ONE ``copy(host_chunk, staging)`` through the backend's copy
+  policy; a scatter does ``copy(staging, host_chunk)`` first and then the device-side block
+  copies. The staging buffer comes from a :class:`ScratchCache` and is reused for every
+  segment and every call: reuse is safe because all the work of one call is issued in order
+  on the caller's current stream, so a later gather into the buffer is ordered after the copy
+  that drains it. That also means one cache must serve one stream: StreamActor keeps one per
+  lane, and the default (``scratch=None``) is one cache per calling thread.
+
+On the staged path the copy hook receives same-width integer views of the operands.
+The staged path can be forced on CPU tensors (``staged=True``) so it is tested without
+hardware.
+"""
+
+from __future__ import annotations
+
+import threading
+from typing import TYPE_CHECKING
+
+import torch
+
+from kvactors.errors import TransferValidationError
+from kvactors.kernels._context import KernelContext
+from kvactors.kernels._moves import gather_segment, numpy_usable, scatter_segment
+from kvactors.kernels._views import raw
+from kvactors.layouts import Direction
+from kvactors.plans import paged_units
+
+if TYPE_CHECKING:
+    from collections.abc import Callable, Sequence
+
+    from kvactors.plans import Segment, TransferPlan
+
+__all__ = ("ScratchCache", "run_fast")
+
+
+class ScratchCache:
+    """Reusable staging buffers, keyed by device, shape and dtype.
+
+    Not thread-safe, and meant for one stream: see the module docstring. ``allocations``
+    counts the buffers ever allocated (a test hook: it stays flat on a warm hot path).
+    """
+
+    __slots__ = ("_buffers", "allocations")
+
+    def __init__(self) -> None:
+        self._buffers: dict[tuple[str, tuple[int, ...], torch.dtype], torch.Tensor] = {}
+        self.allocations = 0
+
+    def get(self, device: torch.device, shape: Sequence[int], dtype: torch.dtype) -> torch.Tensor:
+        """The buffer for ``(device, shape, dtype)``; allocated on first use only."""
+        key = (str(device), tuple(shape), dtype)
+        buf = self._buffers.get(key)
+        if buf is None:
+            buf = torch.empty(key[1], dtype=dtype, device=device)
+            self._buffers[key] = buf
+            self.allocations += 1
+        return buf
+
+    def clear(self) -> None:
+        """Drop every buffer (only once no stream still uses them)."""
+        self._buffers.clear()
+
+    def __len__(self) -> int:
+        return len(self._buffers)
+
+
+_local = threading.local()
+
+
+def _thread_scratch() -> ScratchCache:
+    cache: ScratchCache | None = getattr(_local, "scratch", None)
+    if cache is None:
+        cache = _local.scratch = ScratchCache()
+    return cache
+
+
+def _default_copy(dst: torch.Tensor, src: torch.Tensor) -> None:
+    dst.copy_(src, non_blocking=True)
+
+
+def _region(ctx: KernelContext, t: torch.Tensor, seg: Segment) -> torch.Tensor:
+    """The part of a chunk-shaped tensor the segment covers (the whole tensor when full)."""
+    if seg.count == ctx.bpo:
+        return t
+    return ctx.target_view(t)[:, :, seg.slot0 : seg.slot0 + seg.count]
+
+
+def run_fast(
+    plan: TransferPlan,
+    paged: object,
+    objects: Sequence[torch.Tensor],
+    *,
+    copy: Callable[[torch.Tensor, torch.Tensor], None] | None = None,
+    scratch: ScratchCache | None = None,
+    staged: bool | None = None,
+) -> None:
+    """Execute a validated plan with the fast kernels.
+
+    Args:
+        plan: A plan from :func:`kvactors.plans.plan_transfer`.
+        paged: The paged operand the plan was made for.
+        objects: The host chunks the plan was made for.
+        copy: Host<->device copy policy ``copy(dst, src)`` for the staged path (default
+            ``dst.copy_(src, non_blocking=True)``).
+        scratch: Staging buffer cache for the staged path (default: one per thread).
+        staged: Force (``True``) or forbid (``False``) the staged path; ``None`` stages
+            exactly when the paged tensors are not on the CPU.
+
+    Raises:
+        TransferValidationError: The operands are not the ones the plan was made for, or
+            ``staged=False`` was asked for device tensors.
+    """
+    units = paged_units(plan.spec, paged)
+    objs = list(objects)
+    if (
+        tuple(t.data_ptr() for t in units) != plan.paged_ptrs
+        or tuple(o.data_ptr() for o in objs) != plan.object_ptrs
+    ):
+        raise TransferValidationError("operands differ from the planned ones", field="plan")
+    if not plan.segments:
+        return
+    use_staging = (not plan.on_host) if staged is None else staged
+    if not use_staging and not plan.on_host:
+        raise TransferValidationError("device tensors need the staged path", field="staged")
+    ctx = KernelContext(plan, units)
+    raw_objs = [raw(o) for o in objs]
+    if not use_staging:
+        d2h = plan.direction is Direction.D2H
+        np_ok = numpy_usable()
+        for seg in plan.segments:
+            if d2h:
+                gather_segment(ctx, seg, raw_objs[seg.obj])
+            else:
+                scatter_segment(ctx, seg, raw_objs[seg.obj], use_numpy=np_ok)
+        return
+    _run_staged(
+        ctx,
+        raw_objs,
+        copy if copy is not None else _default_copy,
+        scratch if scratch is not None else _thread_scratch(),
+    )
+
+
+def _run_staged(
+    ctx: KernelContext,
+    objs: list[torch.Tensor],
+    copy: Callable[[torch.Tensor, torch.Tensor], None],
+    scratch: ScratchCache,
+) -> None:
+    d2h = ctx.plan.direction is Direction.D2H
+    for seg in ctx.plan.segments:
+        obj = objs[seg.obj]
+        staging = scratch.get(ctx.device, obj.shape, obj.dtype)
+        if d2h:
+            gather_segment(ctx, seg, staging)
+            copy(_region(ctx, obj, seg), _region(ctx, staging, seg))
+        else:
+            copy(_region(ctx, staging, seg), _region(ctx, obj, seg))
+            scatter_segment(ctx, seg, staging, use_numpy=False)

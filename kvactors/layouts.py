@@ -1,0 +1,206 @@
+"""KV-cache layouts kvactors can move: formats, directions, shape descriptors (pure data).
+
+Theory of operation. LMCache names an engine's paged KV layout with an ``EngineKVFormat``
+number; kvactors keeps the same numbers for the formats it supports, so a conversion is an
+``int()``. Every format is described by data, never by branching code: which paged structure
+carries it (one cross-layer tensor, one tensor per layer, or K and V lists), the axis letters
+of one paged tensor, and the shape of the host chunk ("object"). The axis letters are
+
+* ``L`` layer, ``P`` K/V plane (0 = K, 1 = V), ``B`` block, ``S`` token slot inside a block,
+  ``H`` KV head, ``D`` element inside a head (MLA: the latent width).
+
+A host chunk is always token-major (``obj[p, l, t, h*HS + d]``, MLA ``obj[l, t, d]``), so every
+format maps paged element ``(l, p, b, s, h, d)`` to object element ``(p, l, j*BS + s, h, d)``
+where ``j`` is the block's slot in the chunk. Formats outside :data:`FORMAT_SPECS` are rejected,
+never copied "best effort". This module imports neither torch nor asyncio.
+"""
+
+from __future__ import annotations
+
+import enum
+
+import msgspec
+
+__all__ = (
+    "DTYPE_ITEMSIZE",
+    "FORMAT_SPECS",
+    "Direction",
+    "FormatSpec",
+    "KVFormat",
+    "PagedKind",
+    "ShapeDesc",
+    "format_spec",
+)
+
+
+class KVFormat(enum.IntEnum):
+    """Supported engine KV formats; values equal LMCache's ``EngineKVFormat`` numbers."""
+
+    NB_NL_TWO_BS_NH_HS = 0
+    NL_X_TWO_NB_BS_NH_HS = 1
+    NL_X_NB_TWO_BS_NH_HS = 2
+    NL_X_NB_BS_HS = 3
+    NL_X_TWO_NB_NH_BS_HS = 6
+    NL_X_NB_TWO_NH_BS_HS = 7
+    TWO_X_NL_X_NB_BS_NH_HS = 9
+
+
+class Direction(enum.IntEnum):
+    """Transfer direction; values equal LMCache's ``TransferDirection``."""
+
+    H2D = 0
+    """Host chunk -> paged memory ("scatter", LMCache retrieve)."""
+    D2H = 1
+    """Paged memory -> host chunk ("gather", LMCache store)."""
+
+
+class PagedKind(enum.Enum):
+    """How the paged operand is structured."""
+
+    CROSS_LAYER = "cross_layer"
+    """One tensor holding every layer."""
+    LAYER_LIST = "layer_list"
+    """A sequence with one tensor per layer."""
+    KV_LIST = "kv_list"
+    """``[[K_0..K_{NL-1}], [V_0..V_{NL-1}]]`` (a flat ``[K..., V...]`` is accepted too)."""
+
+
+class FormatSpec(msgspec.Struct, frozen=True, kw_only=True):
+    """The facts kvactors needs about one format.
+
+    Attributes:
+        fmt: The format.
+        kind: The structure of the paged operand.
+        axes: Axis letters of one paged tensor (see the module docstring).
+        is_mla: One plane, one head; objects are ``[NL, T, HS]`` and ``kv_size`` is 1.
+        is_hnd: Head-major blocks (``... H, S, D``): moving them transposes to token-major.
+        allows_block_padding: ``ShapeDesc.block_stride_elems`` may be non-zero (dim-0 padding).
+    """
+
+    fmt: KVFormat
+    kind: PagedKind
+    axes: tuple[str, ...]
+    is_mla: bool = False
+    is_hnd: bool = False
+    allows_block_padding: bool = False
+
+    @property
+    def is_kv_list(self) -> bool:
+        """Whether K and V come as two separate tensor lists."""
+        return self.kind is PagedKind.KV_LIST
+
+    @property
+    def planes(self) -> int:
+        """Number of K/V planes (``kv_size``): 1 for MLA, else 2."""
+        return 1 if self.is_mla else 2
+
+    def tensor_shape(self, nl: int, nb: int, bs: int, nh: int, hs: int) -> tuple[int, ...]:
+        """The shape one paged tensor of this format must have."""
+        sizes = {"L": nl, "P": self.planes, "B": nb, "S": bs, "H": nh, "D": hs}
+        return tuple(sizes[a] for a in self.axes)
+
+    def object_shape(self, nl: int, tokens: int, nh: int, hs: int) -> tuple[int, ...]:
+        """The shape of one host chunk holding ``tokens`` token rows."""
+        if self.is_mla:
+            return (nl, tokens, hs)
+        return (2, nl, tokens, nh * hs)
+
+
+FORMAT_SPECS: dict[KVFormat, FormatSpec] = {
+    KVFormat.NB_NL_TWO_BS_NH_HS: FormatSpec(
+        fmt=KVFormat.NB_NL_TWO_BS_NH_HS,
+        kind=PagedKind.CROSS_LAYER,
+        axes=("B", "L", "P", "S", "H", "D"),
+    ),
+    KVFormat.NL_X_TWO_NB_BS_NH_HS: FormatSpec(
+        fmt=KVFormat.NL_X_TWO_NB_BS_NH_HS,
+        kind=PagedKind.LAYER_LIST,
+        axes=("P", "B", "S", "H", "D"),
+    ),
+    KVFormat.NL_X_NB_TWO_BS_NH_HS: FormatSpec(
+        fmt=KVFormat.NL_X_NB_TWO_BS_NH_HS,
+        kind=PagedKind.LAYER_LIST,
+        axes=("B", "P", "S", "H", "D"),
+    ),
+    KVFormat.NL_X_NB_BS_HS: FormatSpec(
+        fmt=KVFormat.NL_X_NB_BS_HS,
+        kind=PagedKind.LAYER_LIST,
+        axes=("B", "S", "D"),
+        is_mla=True,
+        allows_block_padding=True,
+    ),
+    KVFormat.NL_X_TWO_NB_NH_BS_HS: FormatSpec(
+        fmt=KVFormat.NL_X_TWO_NB_NH_BS_HS,
+        kind=PagedKind.LAYER_LIST,
+        axes=("P", "B", "H", "S", "D"),
+        is_hnd=True,
+    ),
+    KVFormat.NL_X_NB_TWO_NH_BS_HS: FormatSpec(
+        fmt=KVFormat.NL_X_NB_TWO_NH_BS_HS,
+        kind=PagedKind.LAYER_LIST,
+        axes=("B", "P", "H", "S", "D"),
+        is_hnd=True,
+    ),
+    KVFormat.TWO_X_NL_X_NB_BS_NH_HS: FormatSpec(
+        fmt=KVFormat.TWO_X_NL_X_NB_BS_NH_HS,
+        kind=PagedKind.KV_LIST,
+        axes=("B", "S", "H", "D"),
+    ),
+}
+"""Every supported format, keyed by format."""
+
+
+def format_spec(fmt: int) -> FormatSpec | None:
+    """The spec of format number ``fmt``, or ``None`` when kvactors does not support it."""
+    if isinstance(fmt, bool) or not isinstance(fmt, int):
+        return None
+    try:
+        return FORMAT_SPECS[KVFormat(fmt)]
+    except ValueError:
+        return None
+
+
+DTYPE_ITEMSIZE: dict[str, int] = {
+    "uint8": 1,
+    "int8": 1,
+    "float8_e4m3fn": 1,
+    "float8_e5m2": 1,
+    "float8_e4m3fnuz": 1,
+    "float8_e5m2fnuz": 1,
+    "float16": 2,
+    "bfloat16": 2,
+    "int16": 2,
+    "float32": 4,
+    "int32": 4,
+    "float64": 8,
+    "int64": 8,
+}
+"""KV dtypes kvactors accepts, by torch name, with their size in bytes."""
+
+
+class ShapeDesc(msgspec.Struct, frozen=True, kw_only=True):
+    """kvactors' copy of LMCache's ``PageBufferShapeDesc`` (wire-safe).
+
+    Attributes:
+        kv_size: Object planes: 2 for split K/V, 1 for MLA.
+        nl: Layers (per K/V list for format 9).
+        nb: Blocks in each paged tensor.
+        bs: Token slots per block.
+        nh: KV heads (1 for MLA).
+        hs: Head size (MLA: latent width).
+        element_size: Bytes per element.
+        block_stride_elems: Physical stride of the block axis in elements; 0 = take it from the
+            tensors. Non-zero only for formats that allow block padding (MLA).
+        dtype: Exact torch dtype name (``"bfloat16"``); authoritative when set. ``None`` means
+            "take it from the tensors" (a 2-byte size alone is ambiguous and never guessed).
+    """
+
+    kv_size: int
+    nl: int
+    nb: int
+    bs: int
+    nh: int
+    hs: int
+    element_size: int
+    block_stride_elems: int = 0
+    dtype: str | None = None
