@@ -24,6 +24,7 @@ opt-in through ``LMCACHE_MUSA_HANDLE_TRANSFER=1`` and limited by LMCache 0.5.6 (
 
 from __future__ import annotations
 
+import logging
 import os
 from typing import TYPE_CHECKING, Any
 
@@ -45,6 +46,8 @@ __all__ = (
     "MluSpec",
     "probe_backend",
 )
+
+_log = logging.getLogger(__name__)
 
 CPU_ENV = "KVACTORS_LMCACHE_CPU"
 MUSA_HANDLE_ENV = "LMCACHE_MUSA_HANDLE_TRANSFER"
@@ -86,6 +89,14 @@ class KvactorsSpecBase(DeviceSpec):
         """Always engine-driven: the handle path is opt-in (see ``docs/lmcache-adapter.md``)."""
         return MPTransferMode.ENGINE_DRIVEN
 
+    def _probe(self) -> bool:
+        available, reason = probe_backend(self.kvactors_backend)
+        selected = os.environ.get("LMCACHE_DEVICE_BACKEND", "").strip().lower()
+        if not available and selected == self.backend_name:
+            # LMCache only says "registered but not available"; say why.
+            _log.warning("kvactors LMCache plugin %r is unavailable: %s", self.backend_name, reason)
+        return available
+
     def get_stream_handle(self, stream: object) -> int:
         """The native queue/stream pointer of ``stream`` as an ``int``."""
         for attr in ("mlu_stream", "musa_stream", "stream_handle", "ptr"):
@@ -116,7 +127,7 @@ class MluSpec(KvactorsSpecBase):
 
     def is_available(self) -> bool:
         """torch_mlu importable and at least one MLU visible; never raises."""
-        return probe_backend("mlu")[0]
+        return self._probe()
 
 
 class KvactorsMusaSpec(KvactorsSpecBase):
@@ -139,7 +150,7 @@ class KvactorsMusaSpec(KvactorsSpecBase):
 
     def is_available(self) -> bool:
         """torch_musa present (kvactors' musa backend probe); never raises."""
-        return probe_backend("musa")[0]
+        return self._probe()
 
     @property
     def pin_memory_backend(self) -> Any:
