@@ -76,6 +76,12 @@ class Lane:
             self._submitted += 1
         self._watch.put((marker, lease, done))
 
+    def after_reaped(self, fn: Callable[[], None]) -> None:
+        """Call ``fn`` (from the reaper) once every lease watched before now was dropped."""
+        with self._lock:
+            self._submitted += 1
+        self._watch.put((None, None, fn))
+
     def stop(self, timeout: float | None) -> bool:
         """Let queued jobs finish, then end both threads; False if they did not end in time."""
         self._jobs.put(_STOP)
@@ -112,6 +118,13 @@ class Lane:
                 return
             marker, lease, done = item
             del item
+            if marker is None:
+                try:
+                    done()
+                finally:
+                    del done
+                    self._finish_one()
+                continue
             err: BaseException | None = None
             try:
                 marker.synchronize()

@@ -165,7 +165,9 @@ class StreamActor(Actor[StreamRequest]):
                 except BaseException as exc:
                     post(settle, _sync_failed(exc, self._device), None)
                     return
-                post(settle, None, Synced(completed=lane.completed))
+                # Answer from the reaper, so every lease of earlier work is dropped first:
+                # whoever acts on the barrier (an IPC close) finds no host reference left.
+                lane.after_reaped(lambda: post(settle, None, Synced(completed=lane.completed)))
 
             lane.submit(sync)
             return DEFERRED
