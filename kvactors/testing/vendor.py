@@ -326,6 +326,15 @@ class FakeVendor:
         plain(out).copy_(t)
         return out
 
+    def adopt(self, t: torch.Tensor, index: int = 0) -> FakeDeviceTensor:
+        """Declare host tensor ``t``'s storage fake device memory; a device view of ``t``.
+
+        Keeps every stride and offset (padded, permuted, gapped views stay as they are).
+        The caller must not use ``t`` itself afterwards.
+        """
+        self.memory.add_device(t, self.device_index(index))
+        return wrap(t, self, index)
+
     def peek(self, t: torch.Tensor) -> torch.Tensor:
         """The bytes of device tensor ``t`` right now, ignoring every stream (a clone)."""
         return plain(t).clone()
