@@ -197,8 +197,8 @@ def _copy(args: tuple[Any, ...], kwargs: dict[str, Any], vendor: FakeVendor, ind
         converting = pd.dtype != ps.dtype or not pd.is_contiguous() or pd.stride() != ps.stride()
         if non_blocking and converting and cfg.strided_d2h_bug:
             staging = torch.zeros(ps.shape, dtype=ps.dtype)
-            stream.enqueue(lambda: staging.copy_(ps))
-            pd.copy_(staging)  # reads the zeroed staging now: the bug
+            pd.copy_(staging)  # the host reads the zeroed staging before the DMA lands
+            stream.enqueue(lambda: staging.copy_(ps))  # ...which fills a buffer nobody reads
             return dst
         stream.enqueue(run)
         if not non_blocking or not (cfg.pageable_async or vendor.memory.is_pinned(pd)):
