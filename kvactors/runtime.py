@@ -58,26 +58,35 @@ def resolve_backend(backend: str | Backend) -> Backend:
 
 
 class _Reply:
-    """A one-shot reply slot a foreign thread can sleep on (a pre-acquired lock)."""
+    """A one-shot reply slot a foreign thread can sleep on (a pre-acquired lock).
 
-    __slots__ = ("_exc", "_lock", "_value")
+    It has the shape of a future (``done``/``set_result``/``set_exception``), so actors settle
+    it directly on the loop: the caller wakes without a further loop iteration.
+    """
+
+    __slots__ = ("_done", "_exc", "_lock", "_value")
 
     def __init__(self) -> None:
         self._lock = threading.Lock()
         self._lock.acquire()
+        self._done = False
         self._value: Any = None
         self._exc: BaseException | None = None
 
-    def set(self, value: Any, exc: BaseException | None) -> None:
-        self._value, self._exc = value, exc
-        self._lock.release()
+    def done(self) -> bool:
+        return self._done
 
-    def from_future(self, fut: asyncio.Future[Any]) -> None:
-        if fut.cancelled():
-            self.set(None, ActorClosedError("request cancelled", actor="runtime"))
-        else:
-            exc = fut.exception()
-            self.set(None if exc else fut.result(), exc)
+    def set_result(self, value: Any) -> None:
+        if not self._done:
+            self._done = True
+            self._value = value
+            self._lock.release()
+
+    def set_exception(self, exc: BaseException) -> None:
+        if not self._done:
+            self._done = True
+            self._exc = exc
+            self._lock.release()
 
     def wait(self, timeout: float, what: str) -> Any:
         if not self._lock.acquire(timeout=timeout):
@@ -186,7 +195,7 @@ class Runtime:
         with self._lock:
             leftovers, self._outstanding = self._outstanding, set()
         for reply in leftovers:
-            reply.set(None, closed)
+            reply.set_exception(closed)
 
     def __enter__(self) -> Runtime:
         return self.start()
@@ -224,16 +233,15 @@ class Runtime:
             self._outstanding.add(reply)
 
         def submit() -> None:
+            # The deadline is kept by the calling thread's wait below; the loop needs no timer.
             try:
-                fut = pick(actors).ask_nowait(msg, operands, timeout=t)
+                pick(actors).ask_into(reply, msg, operands)
             except BaseException as exc:
-                reply.set(None, exc)
-                return
-            fut.add_done_callback(reply.from_future)
+                reply.set_exception(exc)
 
         loop.call_soon_threadsafe(submit)
         try:
-            return reply.wait(t + _GRACE, type(msg).__name__)
+            return reply.wait(t, type(msg).__name__)
         finally:
             with self._lock:
                 self._outstanding.discard(reply)
@@ -254,12 +262,12 @@ class Runtime:
             except MailboxFullError:
                 assert actor is not None
                 task = loop.create_task(actor.tell(msg))
-                task.add_done_callback(reply.from_future)
+                task.add_done_callback(lambda f: _settle_slot(f, reply))
                 return
             except BaseException as exc:
-                reply.set(None, exc)
+                reply.set_exception(exc)
                 return
-            reply.set(None, None)
+            reply.set_result(None)
 
         loop.call_soon_threadsafe(submit)
         try:
@@ -420,6 +428,15 @@ class Runtime:
         loop, actors = self._running()
         cf = asyncio.run_coroutine_threadsafe(_snapshot(actors), loop)
         return cf.result(self.default_timeout if timeout is None else timeout)
+
+
+def _settle_slot(fut: asyncio.Future[Any], slot: _Reply) -> None:
+    if fut.cancelled():
+        slot.set_exception(ActorClosedError("request cancelled", actor="runtime"))
+    elif (exc := fut.exception()) is not None:
+        slot.set_exception(exc)
+    else:
+        slot.set_result(fut.result())
 
 
 def _settle_concurrent(fut: asyncio.Future[Any], cf: concurrent.futures.Future[Any]) -> None:

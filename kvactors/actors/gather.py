@@ -87,7 +87,7 @@ class GatherActor(Actor[GatherRequest]):
         """Transfers planned and not yet completed."""
         return self._ledger.inflight
 
-    async def receive(self, env: Envelope[GatherRequest]) -> Any:
+    def receive(self, env: Envelope[GatherRequest]) -> Any:
         """Dispatch one message."""
         msg = env.msg
         if isinstance(msg, Ping):

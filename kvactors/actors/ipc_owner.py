@@ -64,7 +64,7 @@ class IPCOwnerActor(Actor[IPCRequest]):
         """Owners currently open across every context."""
         return sum(len(o) for o in self._owners.values())
 
-    async def receive(self, env: Envelope[IPCRequest]) -> Any:
+    def receive(self, env: Envelope[IPCRequest]) -> Any:
         """Dispatch one message."""
         msg = env.msg
         if isinstance(msg, OpenHandle):

@@ -1,18 +1,29 @@
 """The actor shell: a bounded FIFO mailbox, tell/ask with deadlines, lifecycle, statistics.
 
-Theory of operation. An actor is one asyncio task that takes envelopes from a bounded
-``asyncio.Queue`` in FIFO order and hands each to ``receive``. Mailbox order is the only
-ordering an actor promises, and the actors built on this class derive their safety rules from
-it. Sends are checked before anything is queued: a message outside the actor's protocol, a
-full mailbox, a closed or a broken actor each raise at once, so nothing is half-sent.
+Theory of operation. An actor lives on one event loop and handles one envelope at a time, in
+FIFO order; mailbox order is the only ordering an actor promises, and the actors built on
+this class derive their safety rules from it. ``receive`` is synchronous and short: it
+answers at once (returns a value) or takes the reply over (returns :data:`DEFERRED`) and
+settles it later, which is how work handed to a lane thread gets answered when the device
+finished. Because handlers never await, an idle actor handles a message directly in the
+sender's turn of the loop (no task switch, no extra loop iteration); a message that arrives
+while the actor is busy (a handler sent to its own actor, directly or through a settle
+callback) waits in the FIFO and is handled by the actor's task in order, so FIFO holds
+either way.
 
-Replies travel in the envelope's future, never in the message. ``receive`` may answer at once
-(return a value) or take the reply over (return :data:`DEFERRED`) and settle it later, which is
-how work handed to a lane thread gets answered when the device finished. An exception raised by
-``receive`` for an ask fails that ask only; for a tell (nobody is waiting to hear about it) it
-breaks the actor: every queued ask fails with :class:`ActorBrokenError` carrying the cause, and
-so does every later send. Deadlines are timers on the loop that fail the reply future; the
-message itself may still be processed, and its late answer is dropped.
+The bound counts what the actor holds: envelopes queued plus replies it took over and has
+not settled yet (work in flight). A send past the bound raises
+:class:`~kvactors.errors.MailboxFullError` (``tell_nowait``/``ask_nowait``) or waits for space
+(``tell``); nothing is dropped. Sends are checked before anything is queued: a message outside
+the actor's protocol, a full mailbox, a closed or a broken actor each raise at once.
+
+Replies travel in the envelope's reply slot, never in the message: an ``asyncio.Future`` for
+asyncio callers, or any object with the same ``done``/``set_result``/``set_exception`` methods
+(the runtime's foreign-thread reply slot). An exception raised by ``receive`` for an ask fails
+that ask only; for a tell (nobody is waiting to hear about it) it breaks the actor: every
+queued ask fails with :class:`ActorBrokenError` carrying the cause, and so does every later
+send. Deadlines are timers on the loop that fail the reply; the message may still be handled,
+and its late answer is dropped.
 
 Stopping refuses new sends, fails every queued ask with :class:`ActorClosedError`, lets the
 subclass settle what it took over (``on_stop``), and ends the task. A graceful stop drains first.
@@ -21,9 +32,10 @@ subclass settle what it took over (``on_stop``), and ends the task. A graceful s
 from __future__ import annotations
 
 import asyncio
+import collections
 import contextlib
 import enum
-from typing import TYPE_CHECKING, Any, Final, Generic, TypeVar, final
+from typing import TYPE_CHECKING, Any, Final, Generic, Protocol, TypeVar, final
 
 import msgspec
 
@@ -38,7 +50,7 @@ from kvactors.errors import (
 if TYPE_CHECKING:
     from collections.abc import Callable
 
-__all__ = ("DEFERRED", "Actor", "ActorState", "ActorStatistics", "Envelope")
+__all__ = ("DEFERRED", "Actor", "ActorState", "ActorStatistics", "Envelope", "ReplySlot")
 
 M = TypeVar("M")
 
@@ -54,6 +66,22 @@ DEFERRED: Final = _Deferred()
 """Returned by ``receive`` when the actor settles the reply itself later."""
 
 
+class ReplySlot(Protocol):
+    """Where an ask's reply goes: an ``asyncio.Future`` or anything shaped like one."""
+
+    def done(self) -> bool:
+        """Whether the reply was already settled."""
+        ...
+
+    def set_result(self, value: Any, /) -> None:
+        """Settle with a value."""
+        ...
+
+    def set_exception(self, exc: BaseException, /) -> None:
+        """Settle with an exception."""
+        ...
+
+
 class ActorState(enum.Enum):
     """Lifecycle of an actor."""
 
@@ -65,7 +93,11 @@ class ActorState(enum.Enum):
 
 
 class ActorStatistics(msgspec.Struct, frozen=True, kw_only=True):
-    """A frozen snapshot of one actor's counters."""
+    """A frozen snapshot of one actor's counters.
+
+    ``mailbox_depth`` counts envelopes waiting; ``deferred_pending`` replies taken over and not
+    yet settled; both count against ``capacity``, and ``mailbox_peak`` is their highest sum.
+    """
 
     name: str
     state: str
@@ -79,11 +111,11 @@ class ActorStatistics(msgspec.Struct, frozen=True, kw_only=True):
 
 @final
 class Envelope(Generic[M]):
-    """A message, the operands riding beside it, and the reply future of an ask (else None)."""
+    """A message, the operands riding beside it, and the reply slot of an ask (else None)."""
 
     __slots__ = ("_timer", "msg", "operands", "reply")
 
-    def __init__(self, msg: M, operands: Any, reply: asyncio.Future[Any] | None) -> None:
+    def __init__(self, msg: M, operands: Any, reply: ReplySlot | None) -> None:
         self.msg = msg
         self.operands = operands
         self.reply = reply
@@ -91,19 +123,18 @@ class Envelope(Generic[M]):
 
     def resolve(self, value: Any) -> None:
         """Settle the reply with ``value`` (a no-op for tells and for expired asks)."""
-        fut = self.reply
-        if fut is not None and not fut.done():
-            fut.set_result(value)
-        self._cancel_timer()
+        slot = self.reply
+        if slot is not None and not slot.done():
+            slot.set_result(value)
+        if self._timer is not None:
+            self._timer.cancel()
+            self._timer = None
 
     def fail(self, exc: BaseException) -> None:
         """Settle the reply with ``exc`` (a no-op for tells and for expired asks)."""
-        fut = self.reply
-        if fut is not None and not fut.done():
-            fut.set_exception(exc)
-        self._cancel_timer()
-
-    def _cancel_timer(self) -> None:
+        slot = self.reply
+        if slot is not None and not slot.done():
+            slot.set_exception(exc)
         if self._timer is not None:
             self._timer.cancel()
             self._timer = None
@@ -119,18 +150,19 @@ class Actor(Generic[M]):
             raise ValueError(f"mailbox capacity must be positive, got {capacity}")
         self.name = name
         self._capacity = capacity
-        self._queue: asyncio.Queue[Envelope[M] | None] = asyncio.Queue(maxsize=capacity)
+        self._fifo: collections.deque[Envelope[M]] = collections.deque()
+        self._wake: asyncio.Event | None = None
+        self._space: asyncio.Event | None = None
+        self._idle: asyncio.Event | None = None
         self._state = ActorState.CREATED
         self._cause: BaseException | None = None
         self._task: asyncio.Task[None] | None = None
         self._loop: asyncio.AbstractEventLoop | None = None
+        self._busy = False
         self._peak = 0
         self._processed = 0
         self._failed = 0
         self._deferred: set[Envelope[M]] = set()
-        self._busy = False
-        self._idle = asyncio.Event()
-        self._idle.set()
 
     # ---- introspection -------------------------------------------------------------
 
@@ -139,12 +171,17 @@ class Actor(Generic[M]):
         """Current lifecycle state."""
         return self._state
 
+    @property
+    def pending(self) -> int:
+        """Envelopes queued plus replies taken over and not settled (counted by the bound)."""
+        return len(self._fifo) + len(self._deferred)
+
     def statistics(self) -> ActorStatistics:
         """A frozen snapshot of this actor's counters."""
         return ActorStatistics(
             name=self.name,
             state=self._state.value,
-            mailbox_depth=self._queue.qsize(),
+            mailbox_depth=len(self._fifo),
             mailbox_peak=self._peak,
             capacity=self._capacity,
             processed=self._processed,
@@ -155,32 +192,36 @@ class Actor(Generic[M]):
     def __repr__(self) -> str:
         return (
             f"<{type(self).__name__} {self.name} {self._state.name} "
-            f"depth={self._queue.qsize()} deferred={len(self._deferred)}>"
+            f"depth={len(self._fifo)} deferred={len(self._deferred)}>"
         )
 
     # ---- lifecycle -----------------------------------------------------------------
 
     def start(self) -> None:
-        """Start the actor's task on the running loop."""
+        """Start the actor on the running loop."""
         if self._state is not ActorState.CREATED:
             raise ActorClosedError(f"cannot start from {self._state.value}", actor=self.name)
         self._loop = asyncio.get_running_loop()
+        self._wake = asyncio.Event()
+        self._space = asyncio.Event()
+        self._space.set()
+        self._idle = asyncio.Event()
+        self._idle.set()
         self._state = ActorState.RUNNING
         self._task = self._loop.create_task(self._run(), name=f"actor:{self.name}")
 
     async def drain(self) -> None:
-        """Wait until every queued message was processed and every deferred reply settled."""
-        while self._state is ActorState.RUNNING and (
-            not self._queue.empty() or self._deferred or self._busy
-        ):
-            self._idle.clear()
-            await self._idle.wait()
+        """Wait until every queued message was handled and every deferred reply settled."""
+        idle = self._idle
+        while idle is not None and self._state is ActorState.RUNNING and self.pending:
+            idle.clear()
+            await idle.wait()
 
     async def stop(self, *, graceful: bool = True, timeout: float | None = None) -> None:
         """Stop: optionally drain first (bounded by ``timeout``), then fail whatever is left."""
-        if self._state in (ActorState.STOPPED, ActorState.STOPPING):
-            if self._task is not None:
-                await asyncio.shield(self._task)
+        if self._state in (ActorState.STOPPED, ActorState.STOPPING, ActorState.CREATED):
+            if self._state is ActorState.CREATED:
+                self._state = ActorState.STOPPED
             return
         if graceful and self._state is ActorState.RUNNING:
             with contextlib.suppress(asyncio.TimeoutError):
@@ -197,13 +238,11 @@ class Actor(Generic[M]):
             self._deferred.clear()
             task = self._task
             if task is not None and not task.done():
-                self._queue.put_nowait(None)
-                try:
-                    await asyncio.wait_for(asyncio.shield(task), timeout)
-                except asyncio.TimeoutError:
-                    task.cancel()
+                task.cancel()
+                with contextlib.suppress(asyncio.CancelledError):
+                    await task
             self._state = ActorState.BROKEN if was_broken else ActorState.STOPPED
-            self._idle.set()
+            self._signal()
 
     async def on_stop(self, closed: ActorClosedError) -> None:
         """Hook: settle (complete or fail) everything the subclass took over. Bounded."""
@@ -217,39 +256,59 @@ class Actor(Generic[M]):
             raise ActorClosedError(f"actor is {self._state.value}", actor=self.name)
         if not isinstance(msg, self.accepts):
             raise UnknownMessageError(actor=self.name, message_type=type(msg).__name__)
+        if len(self._fifo) + len(self._deferred) >= self._capacity:
+            raise MailboxFullError(actor=self.name, capacity=self._capacity)
 
-    def _enqueue(self, env: Envelope[M]) -> None:
-        try:
-            self._queue.put_nowait(env)
-        except asyncio.QueueFull:
-            raise MailboxFullError(actor=self.name, capacity=self._capacity) from None
-        depth = self._queue.qsize()
+    def _deliver(self, env: Envelope[M]) -> None:
+        depth = len(self._fifo) + len(self._deferred) + 1
         if depth > self._peak:
             self._peak = depth
+        if self._busy or self._fifo:
+            self._fifo.append(env)
+            assert self._wake is not None
+            self._wake.set()
+        else:
+            self._dispatch(env)
 
     def tell_nowait(self, msg: M, operands: Any = None) -> None:
-        """Queue ``msg`` without waiting for a reply; raise at once if it cannot be queued."""
+        """Send ``msg`` without waiting for a reply; raise at once if it cannot be queued."""
         self._check_send(msg)
-        self._enqueue(Envelope(msg, operands, None))
+        self._deliver(Envelope(msg, operands, None))
 
     async def tell(self, msg: M, operands: Any = None) -> None:
-        """Queue ``msg``, waiting for mailbox space (backpressure) instead of failing."""
-        self._check_send(msg)
-        await self._queue.put(Envelope(msg, operands, None))
+        """Send ``msg``, waiting for mailbox space (backpressure) instead of failing."""
+        while True:
+            try:
+                self._check_send(msg)
+            except MailboxFullError:
+                assert self._space is not None
+                self._space.clear()
+                await self._space.wait()
+                continue
+            self._deliver(Envelope(msg, operands, None))
+            return
 
     def ask_nowait(
         self, msg: M, operands: Any = None, *, timeout: float | None = None
     ) -> asyncio.Future[Any]:
-        """Queue ``msg`` and return its reply future, failed past ``timeout`` seconds."""
-        self._check_send(msg)
+        """Send ``msg`` and return its reply future, failed past ``timeout`` seconds."""
         loop = self._loop
-        assert loop is not None
+        if loop is None:
+            raise ActorClosedError("actor was never started", actor=self.name)
         fut: asyncio.Future[Any] = loop.create_future()
-        env: Envelope[M] = Envelope(msg, operands, fut)
-        self._enqueue(env)
-        if timeout is not None:
-            env._timer = loop.call_later(timeout, _expire, fut, self.name, msg, timeout)
+        self.ask_into(fut, msg, operands, timeout=timeout)
         return fut
+
+    def ask_into(
+        self, slot: ReplySlot, msg: M, operands: Any = None, *, timeout: float | None = None
+    ) -> None:
+        """Send ``msg`` with ``slot`` as its reply slot (call on the actor's loop)."""
+        self._check_send(msg)
+        env: Envelope[M] = Envelope(msg, operands, slot)
+        if timeout is not None:
+            assert self._loop is not None
+            env._timer = self._loop.call_later(timeout, _expire, slot, self.name, msg, timeout)
+        self._deliver(env)
 
     async def ask(self, msg: M, operands: Any = None, *, timeout: float | None = None) -> Any:
         """Send ``msg`` and wait for its reply (at most ``timeout`` seconds)."""
@@ -257,7 +316,7 @@ class Actor(Generic[M]):
 
     # ---- receiving -----------------------------------------------------------------
 
-    async def receive(self, env: Envelope[M]) -> Any:
+    def receive(self, env: Envelope[M]) -> Any:
         """Handle one envelope. Return the reply, or :data:`DEFERRED` and settle it later."""
         raise NotImplementedError
 
@@ -276,8 +335,7 @@ class Actor(Generic[M]):
                 env.fail(exc)
                 if env.reply is None:
                     self.break_with(exc)
-            if not self._deferred and self._queue.empty():
-                self._idle.set()
+            self._signal()
 
         return settle
 
@@ -291,58 +349,62 @@ class Actor(Generic[M]):
         self._fail_queued(broken)
         for env in list(self._deferred):
             env.fail(broken)
-        self._idle.set()
+        self._deferred.clear()
+        self._signal()
 
     def _fail_queued(self, exc: BaseException) -> None:
-        while True:
-            try:
-                env = self._queue.get_nowait()
-            except asyncio.QueueEmpty:
-                return
-            if env is not None:
+        while self._fifo:
+            self._fifo.popleft().fail(exc)
+
+    def _signal(self) -> None:
+        pending = len(self._fifo) + len(self._deferred)
+        if self._space is not None and pending < self._capacity:
+            self._space.set()
+        if self._idle is not None and (pending == 0 or self._state is not ActorState.RUNNING):
+            self._idle.set()
+
+    def _dispatch(self, env: Envelope[M]) -> None:
+        self._busy = True
+        try:
+            result = self.receive(env)
+        except Exception as exc:
+            self._failed += 1
+            if env.reply is None:
+                self.break_with(exc)
+            else:
                 env.fail(exc)
+        else:
+            if result is not DEFERRED:
+                env.resolve(result)
+        finally:
+            self._busy = False
+            self._processed += 1
+        self._signal()
 
     async def _run(self) -> None:
-        queue = self._queue
+        # Handles what arrived while the actor was busy, in FIFO order.
+        wake = self._wake
+        assert wake is not None
         while True:
-            env = await queue.get()
-            if env is None:
-                return
-            self._busy = True
-            if self._state is not ActorState.RUNNING:
-                env.fail(
-                    ActorBrokenError("actor is broken", actor=self.name, cause=self._cause)
-                    if self._state is ActorState.BROKEN
-                    else ActorClosedError("actor stopped", actor=self.name)
-                )
-                del env
-                self._busy = False
-                continue
-            try:
-                result = await self.receive(env)
-            except asyncio.CancelledError:
-                raise
-            except Exception as exc:
-                self._failed += 1
-                if env.reply is None:
-                    self.break_with(exc)
+            await wake.wait()
+            wake.clear()
+            while self._fifo and not self._busy:
+                env = self._fifo.popleft()
+                if self._state is not ActorState.RUNNING:
+                    env.fail(
+                        ActorBrokenError("actor is broken", actor=self.name, cause=self._cause)
+                        if self._state is ActorState.BROKEN
+                        else ActorClosedError("actor stopped", actor=self.name)
+                    )
                 else:
-                    env.fail(exc)
-            else:
-                if result is not DEFERRED:
-                    env.resolve(result)
-                del result
-            # Drop the envelope now: an idle actor must not keep the last reply (and any
-            # tensors riding beside it) alive while it waits for the next message.
-            del env
-            self._processed += 1
-            self._busy = False
-            if queue.empty() and not self._deferred:
-                self._idle.set()
+                    self._dispatch(env)
+                # Drop the envelope now: an idle actor must not keep the last reply (and
+                # any tensors riding beside it) alive while it waits.
+                del env
 
 
-def _expire(fut: asyncio.Future[Any], actor: str, msg: object, timeout: float) -> None:
-    if not fut.done():
-        fut.set_exception(
+def _expire(slot: ReplySlot, actor: str, msg: object, timeout: float) -> None:
+    if not slot.done():
+        slot.set_exception(
             DeadlineExceededError(actor=actor, message_type=type(msg).__name__, timeout=timeout)
         )

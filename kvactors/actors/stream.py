@@ -101,7 +101,7 @@ class StreamActor(Actor[StreamRequest]):
 
         return post
 
-    async def receive(self, env: Envelope[StreamRequest]) -> Any:
+    def receive(self, env: Envelope[StreamRequest]) -> Any:
         """Turn the message into one lane job, in mailbox order."""
         msg = env.msg
         post = self._post()

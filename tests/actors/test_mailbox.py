@@ -43,7 +43,7 @@ class Recorder(Actor[Any]):
         self.gate = asyncio.Event()
         self.held: list[Any] = []
 
-    async def receive(self, env: Envelope[Any]) -> Any:
+    def receive(self, env: Envelope[Any]) -> Any:
         msg = env.msg
         if isinstance(msg, Put):
             self.seen.append(msg.value)
@@ -63,7 +63,6 @@ async def test_fifo_order_and_ask_reply() -> None:
     assert a.seen == [*range(20), 99]
     stats = a.statistics()
     assert stats.processed == 21
-    assert stats.mailbox_peak >= 20
     assert stats.failed == 0
     await a.stop()
     assert a.state is ActorState.STOPPED
@@ -82,16 +81,41 @@ async def test_unknown_message_rejected_before_queueing() -> None:
 async def test_full_mailbox_raises_and_drops_nothing() -> None:
     a = Recorder(capacity=4)
     a.start()
-    # The actor task cannot run before this coroutine yields, so the bound is exact.
-    for i in range(4):
-        a.tell_nowait(Put(i))
+    holds = [a.ask_nowait(Hold()) for _ in range(4)]  # four replies in flight fill the bound
     with pytest.raises(MailboxFullError) as ei:
         a.tell_nowait(Put(4))
     assert ei.value.capacity == 4
-    assert a.statistics().mailbox_depth == 4
-    await a.tell(Put(5))  # waits for space instead of failing
+    assert a.statistics().deferred_pending == 4
+    waiting = asyncio.ensure_future(a.tell(Put(5)))  # waits for space instead of failing
+    await asyncio.sleep(0)
+    assert not waiting.done()
+    a.held[0](None, "first")
+    await waiting
+    assert a.seen == [5]
+    for settle in a.held[1:]:
+        settle(None, "rest")
+    assert [await h for h in holds] == ["first", "rest", "rest", "rest"]
+    assert a.statistics().mailbox_peak == 4
+    await a.stop()
+
+
+async def test_message_sent_while_busy_waits_its_turn() -> None:
+    order: list[str] = []
+
+    class Reentrant(Actor[Any]):
+        accepts = (Put,)
+
+        def receive(self, env: Envelope[Any]) -> Any:
+            order.append(f"start {env.msg.value}")
+            if env.msg.value == 0:
+                self.tell_nowait(Put(1))  # arrives while busy: queued, handled after
+            order.append(f"end {env.msg.value}")
+
+    a = Reentrant("reentrant")
+    a.start()
+    a.tell_nowait(Put(0))
     await a.drain()
-    assert a.seen == [0, 1, 2, 3, 5]
+    assert order == ["start 0", "end 0", "start 1", "end 1"]
     await a.stop()
 
 
@@ -133,10 +157,10 @@ async def test_ask_failure_fails_only_that_ask() -> None:
 async def test_tell_failure_breaks_actor_with_cause() -> None:
     a = Recorder()
     a.start()
+    in_flight = a.ask_nowait(Hold())
     a.tell_nowait(Boom())
-    queued = a.ask_nowait(Put(1))
     with pytest.raises(ActorBrokenError) as ei:
-        await queued
+        await in_flight
     assert isinstance(ei.value.cause, RuntimeError)
     assert a.state is ActorState.BROKEN
     with pytest.raises(ActorBrokenError) as ei2:

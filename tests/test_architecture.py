@@ -1,0 +1,43 @@
+"""Architecture rules checked on the source: the pure core, the lmcache boundary, exports."""
+
+from __future__ import annotations
+
+import ast
+import pathlib
+
+ROOT = pathlib.Path(__file__).resolve().parents[1]
+PURE = [
+    "kvactors/ordering.py",
+    "kvactors/plans.py",
+    "kvactors/layouts.py",
+    "kvactors/pointers.py",
+    "kvactors/protocols/_base.py",
+    "kvactors/protocols/stream.py",
+    "kvactors/protocols/gather.py",
+    "kvactors/protocols/ipc.py",
+    "kvactors/protocols/codec.py",
+]
+
+
+def _imports(path: pathlib.Path) -> set[str]:
+    tree = ast.parse(path.read_text())
+    out: set[str] = set()
+    for node in ast.walk(tree):
+        if isinstance(node, ast.Import):
+            out |= {a.name for a in node.names}
+        elif isinstance(node, ast.ImportFrom) and node.module:
+            out.add(node.module)
+    return out
+
+
+def test_pure_core_has_no_asyncio_or_threads() -> None:
+    for rel in PURE:
+        mods = _imports(ROOT / rel)
+        bad = {m for m in mods if m.split(".")[0] in {"asyncio", "threading", "anyio"}}
+        assert not bad, f"{rel} imports {bad}"
+
+
+def test_runtime_never_imports_lmcache() -> None:
+    for path in (ROOT / "kvactors").rglob("*.py"):
+        mods = _imports(path)
+        assert not {m for m in mods if m.split(".")[0] == "lmcache"}, path
