@@ -1,0 +1,78 @@
+"""MLU backend specifics: refusals, handles, probe, transfer mode."""
+
+from __future__ import annotations
+
+from typing import TYPE_CHECKING
+
+import pytest
+import torch
+
+from kvactors.devices.base import IPCHandle
+from kvactors.devices.mlu import MluBackend
+from kvactors.errors import InvalidPointerError, UnsupportedOperationError
+
+if TYPE_CHECKING:
+    from kvactors.testing import FakeVendor
+
+
+def test_handles(fake_mlu: FakeVendor) -> None:
+    b = MluBackend()
+    default = torch.mlu.default_stream(0)  # type: ignore[attr-defined]
+    assert b.stream_from_handle(0, 0) is default
+    assert b.stream_handle(default) != 0
+    s = b.new_stream(0)
+    assert b.stream_from_handle(b.stream_handle(s), 0) is s
+    assert b.current_stream_handle(0) == b.stream_handle(default)
+    for pseudo in (1, 2):
+        with pytest.raises(UnsupportedOperationError, match="pseudo-queue"):
+            b.stream_from_handle(pseudo, 0)
+    with pytest.raises(InvalidPointerError):
+        b.stream_from_handle(0, 3)
+    assert b.device(0).type == "mlu"
+
+
+def test_refusals_name_the_reason(fake_mlu: FakeVendor) -> None:
+    b = MluBackend()
+    dev = fake_mlu.to_device(torch.zeros(4))
+    with pytest.raises(UnsupportedOperationError, match="host pointers"):
+        b.tensor_from_ptr(dev.data_ptr(), (4,), torch.float32)
+    with pytest.raises(UnsupportedOperationError, match="pointer"):
+        b.pointer_transfer()
+    with pytest.raises(UnsupportedOperationError, match="IPC"):
+        b.ipc_export(dev)
+    with pytest.raises(UnsupportedOperationError, match="IPC"):
+        b.ipc_open(IPCHandle(backend="mlu", name="x", dtype="float32", shape=(4,), stride=(1,)))
+    with pytest.raises(UnsupportedOperationError, match="host memory"):
+        b.register_host(torch.zeros(4))
+    with pytest.raises(UnsupportedOperationError, match="native"):
+        b.native_kernels()
+    assert b.transfer_mode() == "engine_driven"
+    with pytest.raises(UnsupportedOperationError, match="LMCache-driven"):
+        b.transfer_mode("lmcache_driven")
+    with pytest.raises(ValueError, match="unknown"):
+        b.transfer_mode("bogus")
+
+
+def test_pin_and_copy_policy(fake_mlu: FakeVendor) -> None:
+    b = MluBackend()
+    host = b.pin(torch.zeros(4, 8))
+    assert host.is_pinned()
+    assert b.pin(host) is host
+    src = fake_mlu.to_device(torch.ones(4, 4))
+    assert b.must_block(host[:, :4], src)
+    assert not b.must_block(torch.zeros(4, 4), src)
+    assert b.must_block(torch.zeros(4, 4, dtype=torch.float64), src)
+    assert not b.must_block(src, host[:, :4])  # H2D is not the hazard
+
+
+def test_probe_details_and_device_errors(fake_mlu: FakeVendor) -> None:
+    p = MluBackend().probe()
+    assert p.available
+    assert p.details["device_count"] == "1"
+    b = MluBackend()
+    s = b.new_stream(0)
+    fake_mlu.inject_error(s, "cnrt failure")
+    from kvactors.errors import DeviceOpError
+
+    with pytest.raises(DeviceOpError, match="cnrt failure"):
+        b.synchronize(s)
