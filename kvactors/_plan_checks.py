@@ -165,42 +165,51 @@ def check_paged_tensors(
     want = spec.tensor_shape(shape.nl, shape.nb, shape.bs, shape.nh, shape.hs)
     bse = shape.block_stride_elems
     first_index: int | None = None
+    checked: set[tuple[tuple[int, ...], tuple[int, ...]]] = set()
+    ok_dtype: torch.dtype | None = None
     for i, t in enumerate(units):
-        if dtype_name(t.dtype) != dtype:
-            raise TransferValidationError(
-                f"paged tensor {i} has dtype {dtype_name(t.dtype)}, expected {dtype}",
-                field="dtype",
-            )
-        if t.element_size() != shape.element_size:
-            raise TransferValidationError(
-                f"element_size {shape.element_size} does not match {dtype}",
-                field="element_size",
-            )
-        idx = t.device.index or 0
-        if t.device.type != device_type or (device_index is not None and idx != device_index):
+        if t.dtype is not ok_dtype:
+            if dtype_name(t.dtype) != dtype:
+                raise TransferValidationError(
+                    f"paged tensor {i} has dtype {dtype_name(t.dtype)}, expected {dtype}",
+                    field="dtype",
+                )
+            if t.element_size() != shape.element_size:
+                raise TransferValidationError(
+                    f"element_size {shape.element_size} does not match {dtype}",
+                    field="element_size",
+                )
+            ok_dtype = t.dtype
+        dev = t.device
+        idx = dev.index or 0
+        if dev.type != device_type or (device_index is not None and idx != device_index):
             where = device_type if device_index is None else f"{device_type}:{device_index}"
             raise TransferValidationError(
-                f"paged tensor {i} is on {t.device}, expected {where}", field="device"
+                f"paged tensor {i} is on {dev}, expected {where}", field="device"
             )
         if first_index is None:
             first_index = idx
         elif idx != first_index:
             raise TransferValidationError("paged tensors span several devices", field="device")
-        if tuple(t.shape) != want:
+        key = (tuple(t.shape), t.stride())
+        if key in checked:
+            continue
+        if key[0] != want:
             raise TransferValidationError(
-                f"paged tensor {i} has shape {tuple(t.shape)}, {spec.fmt.name} needs {want}",
+                f"paged tensor {i} has shape {key[0]}, {spec.fmt.name} needs {want}",
                 field="shape",
             )
-        if bse and t.stride(spec.axes.index("B")) != bse:
+        if bse and key[1][spec.axes.index("B")] != bse:
             raise TransferValidationError(
-                f"paged tensor {i} has block stride {t.stride(spec.axes.index('B'))}, "
+                f"paged tensor {i} has block stride {key[1][spec.axes.index('B')]}, "
                 f"shape says {bse}",
                 field="block_stride_elems",
             )
-        if not non_overlapping(t.shape, t.stride()):
+        if not non_overlapping(*key):
             raise TransferValidationError(
-                f"paged tensor {i} has overlapping memory (stride {t.stride()})", field="paged"
+                f"paged tensor {i} has overlapping memory (stride {key[1]})", field="paged"
             )
+        checked.add(key)
     return _device_str(units[0].device)
 
 

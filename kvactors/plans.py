@@ -206,10 +206,11 @@ def _stacked(spec: FormatSpec, shape: ShapeDesc, units: list[torch.Tensor]) -> S
         return StackedView(size=size, stride=stride, storage_offset=int(t.storage_offset()))
     first = units[0]
     base_storage = first.untyped_storage().data_ptr()
+    stride0 = first.stride()
     inner = unit_strides(spec, first)
     offsets: list[int] = []
     for t in units:
-        if t.untyped_storage().data_ptr() != base_storage or unit_strides(spec, t) != inner:
+        if t.stride() != stride0 or t.untyped_storage().data_ptr() != base_storage:
             return None
         offsets.append(int(t.storage_offset()))
     o0 = offsets[0]
@@ -236,9 +237,9 @@ def _tight(shape: ShapeDesc, units: list[torch.Tensor], spec: FormatSpec) -> boo
         return False
     want = {"S": shape.nh * shape.hs, "H": shape.hs, "D": 1}
     sizes = {"S": shape.bs, "H": shape.nh, "D": shape.hs}
-    for t in units:
-        st = unit_strides(spec, t)
-        if any(sizes[a] > 1 and st[a] != want[a] for a in "SHD"):
+    for stride in {t.stride() for t in units}:
+        st = dict(zip(spec.axes, stride, strict=True))
+        if any(sizes[a] > 1 and st.get(a, 0) != want[a] for a in "SHD"):
             return False
     return True
 

@@ -14,7 +14,7 @@ from typing import TYPE_CHECKING
 
 import torch
 
-from kvactors.kernels._views import object_view, raw, stacked_view
+from kvactors.kernels._views import canonical_unit, object_view, raw, stacked_view
 
 if TYPE_CHECKING:
     from kvactors.plans import Segment, TransferPlan
@@ -25,7 +25,18 @@ __all__ = ("KernelContext",)
 class KernelContext:
     """The views of one fast-kernel call (see the module docstring)."""
 
-    __slots__ = ("bpo", "device", "nl", "plan", "planes", "rows", "stacked", "units")
+    __slots__ = (
+        "_plane_views",
+        "_unit_views",
+        "bpo",
+        "device",
+        "nl",
+        "plan",
+        "planes",
+        "rows",
+        "stacked",
+        "units",
+    )
 
     def __init__(self, plan: TransferPlan, units: list[torch.Tensor]) -> None:
         self.plan = plan
@@ -42,6 +53,32 @@ class KernelContext:
             if g is None
             else self.units[0].as_strided((g.nrows, g.piece), (g.row_stride, 1), g.storage_offset)
         )
+        self._plane_views: list[tuple[torch.Tensor, int]] | None = None
+        self._unit_views: list[tuple[torch.Tensor, int, range]] | None = None
+
+    def plane_views(self) -> list[tuple[torch.Tensor, int]]:
+        """``(rows, i)`` per (paged tensor, plane): the plane as ``[NB, BS*NH*HS]`` rows and
+        its row ``i`` in :meth:`plane_rows`. Only for tight plans; built once per call."""
+        if self._plane_views is None:
+            views: list[tuple[torch.Tensor, int]] = []
+            for u, t in enumerate(self.units):
+                layer, planes = self.unit_planes(u)
+                cu = canonical_unit(self.plan.spec, t)
+                for k, p in enumerate(planes):
+                    plane = cu[k]
+                    rows = plane.as_strided((plane.size(0), plane[0].numel()), (plane.stride(0), 1))
+                    views.append((rows, p * self.nl + layer))
+            self._plane_views = views
+        return self._plane_views
+
+    def unit_views(self) -> list[tuple[torch.Tensor, int, range]]:
+        """``(view, layer, planes)`` per paged tensor, the view ``[P', B, S, H, D]``."""
+        if self._unit_views is None:
+            self._unit_views = [
+                (canonical_unit(self.plan.spec, t), *self.unit_planes(u))
+                for u, t in enumerate(self.units)
+            ]
+        return self._unit_views
 
     def ids(self, seg: Segment) -> torch.Tensor:
         """The segment's block ids as an int64 tensor on the paged device."""

@@ -26,7 +26,7 @@ from typing import TYPE_CHECKING
 
 import torch
 
-from kvactors.kernels._views import block_runs, canonical_unit, physical_order
+from kvactors.kernels._views import block_runs, physical_order
 
 if TYPE_CHECKING:
     from kvactors.kernels._context import KernelContext
@@ -49,12 +49,6 @@ def numpy_usable() -> bool:
     return _NUMPY
 
 
-def _plane_rows(ctx: KernelContext, t: torch.Tensor, k: int) -> torch.Tensor:
-    cu = canonical_unit(ctx.plan.spec, t)[k]
-    piece = cu[0].numel()
-    return cu.as_strided((cu.size(0), piece), (cu.stride(0), 1))
-
-
 def gather_segment(ctx: KernelContext, seg: Segment, target: torch.Tensor) -> None:
     """Copy the segment's blocks from the paged memory into ``target`` (raw, chunk-shaped)."""
     ids = ctx.ids(seg)
@@ -69,12 +63,9 @@ def gather_segment(ctx: KernelContext, seg: Segment, target: torch.Tensor) -> No
                 torch.index_select(ctx.rows, 0, idx[i], out=tv[i, j0 : j0 + n])
         return
     if ctx.plan.tight:
-        tv = ctx.plane_rows(target)
-        for u, t in enumerate(ctx.units):
-            layer, planes = ctx.unit_planes(u)
-            for k, p in enumerate(planes):
-                out = tv[p * ctx.nl + layer, j0 : j0 + n]
-                torch.index_select(_plane_rows(ctx, t, k), 0, ids, out=out)
+        tv = ctx.plane_rows(target)[:, j0 : j0 + n]
+        for plane, i in ctx.plane_views():
+            torch.index_select(plane, 0, ids, out=tv[i])
         return
     ov = ctx.target_view(target).permute(1, 0, 2, 3, 4, 5)[:, :, j0 : j0 + n]
     if ctx.stacked is not None:
@@ -82,9 +73,7 @@ def gather_segment(ctx: KernelContext, seg: Segment, target: torch.Tensor) -> No
         src = ctx.stacked.permute(order)
         torch.index_select(src, order.index(2), ids, out=ov.permute(order))
         return
-    for u, t in enumerate(ctx.units):
-        layer, planes = ctx.unit_planes(u)
-        cu = canonical_unit(ctx.plan.spec, t)
+    for cu, layer, planes in ctx.unit_views():
         order = physical_order(cu)
         out = ov[layer, planes.start : planes.stop].permute(order)
         torch.index_select(cu.permute(order), order.index(1), ids, out=out)
@@ -107,21 +96,17 @@ def scatter_segment(
                 rows[idx[i].numpy()] = sv[i, j0 : j0 + n].numpy()
         return
     if use_numpy and ctx.plan.tight and ctx.stacked is None:
-        sv = ctx.plane_rows(source)
+        sv = ctx.plane_rows(source)[:, j0 : j0 + n]
         ids_np = torch.tensor(block_ids, dtype=torch.int64).numpy()
-        for u, t in enumerate(ctx.units):
-            layer, planes = ctx.unit_planes(u)
-            for k, p in enumerate(planes):
-                _plane_rows(ctx, t, k).numpy()[ids_np] = sv[p * ctx.nl + layer, j0 : j0 + n].numpy()
+        for plane, i in ctx.plane_views():
+            plane.numpy()[ids_np] = sv[i].numpy()
         return
     ov = ctx.target_view(source).permute(1, 0, 2, 3, 4, 5)[:, :, j0 : j0 + n]
     if ctx.stacked is not None:
         for k, b, r in block_runs(block_ids):
             ctx.stacked.narrow(2, b, r).copy_(ov.narrow(2, k, r))
         return
-    for u, t in enumerate(ctx.units):
-        layer, planes = ctx.unit_planes(u)
-        cu = canonical_unit(ctx.plan.spec, t)
+    for cu, layer, planes in ctx.unit_views():
         src = ov[layer, planes.start : planes.stop]
         if use_numpy:
             ids_np = torch.tensor(block_ids, dtype=torch.int64).numpy()
