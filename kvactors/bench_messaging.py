@@ -116,12 +116,12 @@ def main() -> None:
     """Print the figures."""
     r = run_messaging_bench()
     print(
-        f"ask through an actor      {r.ask_us:8.2f} us   bare Queue+Future {r.bare_ask_us:8.2f} us"
-        f"   ratio {r.ask_ratio:.2f} (target <= 1.25)"
+        f"ask through an actor    {r.ask_us:8.2f} us  bare Queue+Future     "
+        f"{r.bare_ask_us:8.2f} us  ratio {r.ask_ratio:.2f} (target <= 1.25)"
     )
     print(
-        f"blocking call (thread)    {r.blocking_us:8.2f} us   call_soon_threadsafe {r.bare_thread_us:8.2f} us"
-        f"   ratio {r.blocking_ratio:.2f} (target <= 1.5)"
+        f"blocking call (thread)  {r.blocking_us:8.2f} us  call_soon_threadsafe  "
+        f"{r.bare_thread_us:8.2f} us  ratio {r.blocking_ratio:.2f} (target <= 1.5)"
     )
 
 

@@ -164,8 +164,11 @@ class Backend(abc.ABC):
         index: int = 0,
         stride: Sequence[int] | None = None,
         storage_offset: int = 0,
+        nbytes: int | None = None,
     ) -> torch.Tensor:
-        """A validated, non-owning view of process-local memory at ``ptr``."""
+        """A validated, non-owning view of process-local memory at ``ptr``.
+
+        ``nbytes``, when given, bounds the memory the view may reach."""
 
     @abc.abstractmethod
     def ipc_export(self, t: torch.Tensor) -> IPCHandle:

@@ -100,6 +100,7 @@ class MluBackend(TorchLikeBackend):
         index: int = 0,
         stride: Sequence[int] | None = None,
         storage_offset: int = 0,
+        nbytes: int | None = None,
     ) -> torch.Tensor:
         """Unsupported on MLU: raises :class:`UnsupportedOperationError`."""
         self._no_pointers("tensor_from_ptr (raw pointer views)")

@@ -104,9 +104,9 @@ def _shm_names() -> set[str]:
 
 
 def test_cross_process_export_write_close_leaves_nothing(cpu: CpuBackend) -> None:
-    import msgspec
-
     from multiprocessing import resource_tracker
+
+    import msgspec
 
     resource_tracker.ensure_running()  # long-lived by design; not a leak of this test
     fds0, shm0 = _open_fds(), _shm_names()
