@@ -35,7 +35,6 @@ def main() -> int:
     torch.set_num_threads(args.threads)
 
     import lmcache.lmcache_native as native
-    from kvactors_lmcache import convert
     from lmcache.v1.gpu_connector.utils import make_page_buffer_shape_desc
     from lmcache.v1.multiprocess.transfer_context.base import gather_paged_kv_to_cpu
     from lmcache.v1.platform import resolve_device_ops
@@ -43,6 +42,7 @@ def main() -> int:
     from kvactors.kernels.fast import run_fast
     from kvactors.plans import plan_transfer
     from kvactors.runtime import get_runtime
+    from kvactors_lmcache import convert
 
     ops = resolve_device_ops("cpu")
     assert type(ops).__module__ == "kvactors_lmcache.ops", type(ops)

@@ -19,10 +19,10 @@ from collections.abc import Sequence
 from typing import TYPE_CHECKING, Any
 
 import torch
-from kvactors.layouts import Direction, KVFormat, ShapeDesc
-from kvactors.plans import TransferRequest
 
 from kvactors.errors import OperandTypeError, TransferValidationError
+from kvactors.layouts import Direction, KVFormat, ShapeDesc
+from kvactors.plans import TransferRequest
 
 if TYPE_CHECKING:
     from kvactors.devices.base import Backend

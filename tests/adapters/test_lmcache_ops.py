@@ -292,10 +292,9 @@ def test_handle_path_pointers_resolve_only_when_registered() -> None:
 
 def test_mlu_completion_published_only_after_stream_work() -> None:
     """Sync-then-publish through the runtime's StreamActor on a (fake, asynchronous) MLU."""
-    from kvactors_lmcache.ops import KvactorsMluOps
-
     from kvactors.runtime import Runtime
     from kvactors.testing import fake_vendor
+    from kvactors_lmcache.ops import KvactorsMluOps
 
     # Every enqueued op runs 50 ms late on its stream thread.
     with fake_vendor("mlu", delay=0.05) as fake_mlu:

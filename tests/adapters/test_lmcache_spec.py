@@ -61,8 +61,9 @@ def test_spec_module_imports_nothing_device_specific() -> None:
 
 
 def test_defaults_engine_driven_and_handle_path_off(monkeypatch: pytest.MonkeyPatch) -> None:
-    from kvactors_lmcache.spec import KvactorsCpuSpec, KvactorsMusaSpec, MluSpec
     from lmcache.v1.multiprocess.transfer_mode import MPTransferMode
+
+    from kvactors_lmcache.spec import KvactorsCpuSpec, KvactorsMusaSpec, MluSpec
 
     monkeypatch.delenv("LMCACHE_MUSA_HANDLE_TRANSFER", raising=False)
     for cls in (MluSpec, KvactorsMusaSpec, KvactorsCpuSpec):
@@ -102,9 +103,8 @@ def test_cpu_spec_is_env_gated(monkeypatch: pytest.MonkeyPatch) -> None:
 def test_accelerator_specs_unavailable_here_and_never_raise(
     monkeypatch: pytest.MonkeyPatch,
 ) -> None:
-    from kvactors_lmcache.spec import KvactorsMusaSpec, MluSpec
-
     import kvactors.devices as devices
+    from kvactors_lmcache.spec import KvactorsMusaSpec, MluSpec
 
     assert MluSpec().is_available() is False
     assert KvactorsMusaSpec().is_available() is False

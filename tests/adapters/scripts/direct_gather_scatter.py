@@ -15,10 +15,11 @@ import torch
 torch.set_num_threads(1)
 
 import lmcache.v1.multiprocess.transfer_context.base as tc_base  # noqa: E402
-from kvactors_lmcache import ops as kops  # noqa: E402
 from lmcache.utils import EngineType  # noqa: E402
 from lmcache.v1.platform import resolve_device_ops  # noqa: E402
 from lmcache.v1.platform.devices.cpu.device_ops import CpuDeviceOps  # noqa: E402
+
+from kvactors_lmcache import ops as kops  # noqa: E402
 
 NL, NB, BS, NH, HS = 2, 16, 4, 2, 8
 BPC = 2  # blocks per chunk

@@ -21,7 +21,6 @@ import torch
 
 torch.set_num_threads(1)
 
-from kvactors_lmcache import ops as kops  # noqa: E402
 from lmcache.utils import EngineType  # noqa: E402
 from lmcache.v1.multiprocess.custom_types import IPCCacheServerKey  # noqa: E402
 from lmcache.v1.multiprocess.transfer_context.worker_transfer import (  # noqa: E402
@@ -29,6 +28,8 @@ from lmcache.v1.multiprocess.transfer_context.worker_transfer import (  # noqa: 
 )
 from lmcache.v1.multiprocess.transport.factory import RequestClientFactory  # noqa: E402
 from lmcache.v1.platform import resolve_device_ops  # noqa: E402
+
+from kvactors_lmcache import ops as kops  # noqa: E402
 
 NL, NB, BS, NH, HS = 2, 16, 4, 2, 8
 BPC = 2
