@@ -3,10 +3,12 @@
 Theory of operation. Absolute GB/s swing by +-20 % on shared machines, so every figure is a
 ratio measured in one run: per layout and direction, repetitions of kvactors (plan + fast
 kernel), a raw contiguous ``copy_`` of the same bytes into preallocated buffers, and (when
-lmcache is importable) ``lmcache.v1.platform.torch_ops.multi_layer_block_kv_transfer`` on the
-identical operands are interleaved, and medians are compared. Paged pools are touched before
+the LMCache adapter is installed) LMCache's torch path
+``lmcache.v1.platform.torch_ops.multi_layer_block_kv_transfer`` on the identical operands are
+interleaved, and medians are compared. Paged pools are touched before
 timing (an untouched page reads as the shared zero page, which would flatter every reader).
-lmcache is imported lazily here only; kvactors never imports it at module level.
+kvactors never imports lmcache: the LMCache baseline is a plugin found through the
+``kvactors.baselines`` entry-point group (registered by the adapter package).
 
 Run ``python -m kvactors.bench_transfer --help``.
 """
@@ -17,6 +19,7 @@ import argparse
 import random
 import statistics
 import time
+from importlib.metadata import entry_points
 from typing import TYPE_CHECKING, Any
 
 import msgspec
@@ -134,25 +137,30 @@ class _Setup:
         return run
 
     def lmcache(self, direction: int) -> Callable[[], None] | None:
-        try:
-            from lmcache import lmcache_native as native
-            from lmcache.v1.platform.torch_ops import multi_layer_block_kv_transfer
-        except ImportError:
+        make = _baseline("lmcache_torch")
+        if make is None:
             return None
-        sd = native.PageBufferShapeDesc()
-        for f in ("kv_size", "nl", "nb", "bs", "nh", "hs", "element_size", "block_stride_elems"):
-            setattr(sd, f, getattr(self.shape, f))
-        sd.dtype = self.objects[0].dtype
-        fmt = native.EngineKVFormat(int(self.fmt))
-        dirn = native.TransferDirection(direction)
-        ids, cpu = list(self.block_ids), torch.device("cpu")
+        req = TransferRequest(
+            fmt=int(self.fmt),
+            direction=direction,
+            block_ids=tuple(self.block_ids),
+            chunk_size=self.chunk_size,
+            shape=self.shape,
+        )
+        return make(req, self.paged, self.objects)
 
-        def run() -> None:
-            multi_layer_block_kv_transfer(
-                self.paged, self.objects, ids, cpu, dirn, sd, self.chunk_size, fmt, 0
-            )
 
-        return run
+def _baseline(name: str) -> Callable[..., Callable[[], None]] | None:
+    # Baselines come from plugins (the LMCache adapter registers LMCache's torch path), so
+    # kvactors itself never imports lmcache. A baseline that fails to load is just absent.
+    for ep in entry_points(group="kvactors.baselines"):
+        if ep.name == name:
+            try:
+                fn = ep.load()
+            except Exception:
+                return None
+            return fn  # type: ignore[no-any-return]
+    return None
 
 
 def _time(fn: Callable[[], None]) -> float:

@@ -1,0 +1,46 @@
+"""LMCache's own torch transfer path as a benchmark baseline for ``kvactors bench``.
+
+kvactors never imports lmcache; its benchmarks find baselines through the entry-point group
+``kvactors.baselines``. This one runs LMCache's
+``lmcache.v1.platform.torch_ops.multi_layer_block_kv_transfer`` (the path MLU/MUSA users run
+today) on exactly the operands kvactors moves.
+"""
+
+from __future__ import annotations
+
+from typing import TYPE_CHECKING, Any
+
+if TYPE_CHECKING:
+    from collections.abc import Callable, Sequence
+
+    import torch
+
+    from kvactors.plans import TransferRequest
+
+__all__ = ("lmcache_torch_transfer",)
+
+
+def lmcache_torch_transfer(
+    request: TransferRequest, paged: Any, objects: Sequence[torch.Tensor]
+) -> Callable[[], None]:
+    """A zero-argument callable running LMCache's torch path for ``request`` on the operands."""
+    import torch
+    from lmcache import lmcache_native as native
+    from lmcache.v1.platform.torch_ops import multi_layer_block_kv_transfer
+
+    shape = request.shape
+    sd = native.PageBufferShapeDesc()
+    for f in ("kv_size", "nl", "nb", "bs", "nh", "hs", "element_size", "block_stride_elems"):
+        setattr(sd, f, getattr(shape, f))
+    sd.dtype = objects[0].dtype
+    fmt = native.EngineKVFormat(int(request.fmt))
+    direction = native.TransferDirection(int(request.direction))
+    ids, cpu = list(request.block_ids), torch.device("cpu")
+    objs = list(objects)
+
+    def run() -> None:
+        multi_layer_block_kv_transfer(
+            paged, objs, ids, cpu, direction, sd, request.chunk_size, fmt, request.skip_blocks
+        )
+
+    return run
