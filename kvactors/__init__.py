@@ -1,7 +1,58 @@
-"""kvactors: an asyncio actor runtime for KV-cache transfers on MLU, MUSA and CPU."""
+"""kvactors: an asyncio actor runtime for KV-cache transfers on MLU, MUSA and CPU.
+
+The public surface: :class:`Runtime` (one per device and process, thread-safe blocking calls
+plus ``a*`` asyncio twins) and :func:`get_runtime` (the process-wide one), the transfer
+request types, the exception hierarchy, and the backends registry. Public fakes live in
+:mod:`kvactors.testing`; the LMCache plugin is the separate package ``kvactors_lmcache``.
+"""
 
 from __future__ import annotations
 
+from kvactors.devices import get_backend as get_backend
+from kvactors.devices import probe_all as probe_all
+from kvactors.errors import ActorBrokenError as ActorBrokenError
+from kvactors.errors import ActorClosedError as ActorClosedError
+from kvactors.errors import BackendUnavailableError as BackendUnavailableError
+from kvactors.errors import DeadlineExceededError as DeadlineExceededError
+from kvactors.errors import DeviceOpError as DeviceOpError
+from kvactors.errors import InvalidPointerError as InvalidPointerError
+from kvactors.errors import IPCError as IPCError
+from kvactors.errors import KvactorsError as KvactorsError
+from kvactors.errors import MailboxFullError as MailboxFullError
+from kvactors.errors import OperandTypeError as OperandTypeError
+from kvactors.errors import TransferFailedError as TransferFailedError
+from kvactors.errors import TransferValidationError as TransferValidationError
+from kvactors.errors import UnsupportedOperationError as UnsupportedOperationError
+from kvactors.layouts import Direction as Direction
+from kvactors.layouts import KVFormat as KVFormat
+from kvactors.layouts import ShapeDesc as ShapeDesc
+from kvactors.plans import TransferRequest as TransferRequest
+from kvactors.runtime import Runtime as Runtime
+from kvactors.runtime import get_runtime as get_runtime
+
 __version__ = "0.1.0"
 
-__all__ = ("__version__",)
+__all__ = (
+    "ActorBrokenError",
+    "ActorClosedError",
+    "BackendUnavailableError",
+    "DeadlineExceededError",
+    "DeviceOpError",
+    "Direction",
+    "IPCError",
+    "InvalidPointerError",
+    "KVFormat",
+    "KvactorsError",
+    "MailboxFullError",
+    "OperandTypeError",
+    "Runtime",
+    "ShapeDesc",
+    "TransferFailedError",
+    "TransferRequest",
+    "TransferValidationError",
+    "UnsupportedOperationError",
+    "__version__",
+    "get_backend",
+    "get_runtime",
+    "probe_all",
+)

@@ -19,7 +19,11 @@ Example::
         assert torch.equal(host, torch.arange(8.0))
 
 The pytest plugin :mod:`kvactors.testing.pytest_plugin` provides fixtures ``fake_mlu`` and
-``fake_musa``. This package depends on nothing else in kvactors.
+``fake_musa``. The vendor fakes depend on nothing else in kvactors.
+
+:class:`ManualBackend` (loaded on first access, since it builds on the CPU backend) is a
+kvactors backend whose device runs launched work only when the test calls ``release()``:
+the deterministic tool behind the ordering-rule tests.
 """
 
 from __future__ import annotations
@@ -48,8 +52,17 @@ __all__ = (
     "FakeStream",
     "FakeVendor",
     "MUSAIPCTensorHandle",
+    "ManualBackend",
     "fake_vendor",
 )
+
+
+def __getattr__(name: str) -> Any:
+    if name == "ManualBackend":
+        from kvactors.testing.manual import ManualBackend
+
+        return ManualBackend
+    raise AttributeError(f"module {__name__!r} has no attribute {name!r}")
 
 
 @contextlib.contextmanager

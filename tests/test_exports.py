@@ -1,0 +1,54 @@
+"""The public API is explicit: every public name defined in a public module is in __all__."""
+
+from __future__ import annotations
+
+import importlib
+import inspect
+
+import pytest
+
+import kvactors
+
+MODULES = [
+    "kvactors",
+    "kvactors.errors",
+    "kvactors.runtime",
+    "kvactors.ordering",
+    "kvactors.pointers",
+    "kvactors.layouts",
+    "kvactors.plans",
+    "kvactors.protocols.stream",
+    "kvactors.protocols.gather",
+    "kvactors.protocols.ipc",
+    "kvactors.protocols.codec",
+    "kvactors.actors.mailbox",
+    "kvactors.actors.stream",
+    "kvactors.actors.gather",
+    "kvactors.actors.ipc_owner",
+    "kvactors.actors.group",
+    "kvactors.devices.base",
+    "kvactors.devices.cpu",
+    "kvactors.testing",
+    "kvactors.testing.manual",
+]
+
+
+@pytest.mark.parametrize("name", MODULES)
+def test_all_lists_every_public_definition(name: str) -> None:
+    mod = importlib.import_module(name)
+    exported = set(mod.__all__)
+    assert len(exported) == len(mod.__all__), "exported twice"
+    for attr in exported:
+        assert hasattr(mod, attr), f"{name}.__all__ names missing {attr}"
+    for attr, value in vars(mod).items():
+        if attr.startswith("_") or not (inspect.isclass(value) or inspect.isfunction(value)):
+            continue
+        if getattr(value, "__module__", None) == name:
+            assert attr in exported, f"{name}.{attr} is public but not in __all__"
+
+
+def test_manual_backend_is_public() -> None:
+    from kvactors.testing import ManualBackend
+
+    assert ManualBackend.__module__ == "kvactors.testing.manual"
+    assert kvactors.Runtime.__module__ == "kvactors.runtime"
