@@ -34,7 +34,6 @@ from kvactors.protocols.gather import (
 from kvactors.protocols.stream import Launch
 
 if TYPE_CHECKING:
-    import asyncio
     from collections.abc import Callable, Sequence
 
     import torch
@@ -54,6 +53,31 @@ class TransferOperands:
     def __init__(self, paged: Any, objects: Sequence[torch.Tensor]) -> None:
         self.paged = paged
         self.objects = objects
+
+
+@final
+class _Callback:
+    """A reply slot that calls ``fn(exc, value)`` when settled: the StreamActor's answer
+    reaches the GatherActor in the same loop turn, without a future's scheduled callback."""
+
+    __slots__ = ("_done", "_fn")
+
+    def __init__(self, fn: Callable[[BaseException | None, Any], None]) -> None:
+        self._fn = fn
+        self._done = False
+
+    def done(self) -> bool:
+        return self._done
+
+    def set_result(self, value: Any) -> None:
+        if not self._done:
+            self._done = True
+            self._fn(None, value)
+
+    def set_exception(self, exc: BaseException) -> None:
+        if not self._done:
+            self._done = True
+            self._fn(exc, None)
 
 
 class GatherActor(Actor[GatherRequest]):
@@ -123,25 +147,26 @@ class GatherActor(Actor[GatherRequest]):
             run_fast(plan, paged, objects, copy=copy, scratch=scratch)
 
         launch = Launch(transfer_id=msg.transfer_id, nbytes=plan.nbytes)
-        fut = stream.ask_nowait(launch, Work(kernel, keepalive=(paged, objects)))
-        self._ledger.begin(msg.transfer_id, plan.touched_blocks)
-        settle = self.defer(env)
-        blocks = len(plan.touched_blocks)
         tid = msg.transfer_id
+        blocks = len(plan.touched_blocks)
+        self._ledger.begin(tid, plan.touched_blocks)
+        settle = self.defer(env)
 
-        def on_done(f: asyncio.Future[Any]) -> None:
+        def on_done(exc: BaseException | None, _value: Any) -> None:
             released = self._ledger.finish(tid)
-            exc = f.exception() if not f.cancelled() else None
-            if f.cancelled() or exc is not None:
+            if exc is not None:
                 self.transfers_failed += 1
-                settle(exc or RuntimeError("transfer cancelled"), None)
+                settle(exc, None)
             else:
                 self.transfers_ok += 1
                 self.bytes_moved += plan.nbytes
                 settle(None, TransferDone(transfer_id=tid, nbytes=plan.nbytes, blocks=blocks))
             self._release(released)
 
-        fut.add_done_callback(on_done)
+        try:
+            stream.ask_into(_Callback(on_done), launch, Work(kernel, keepalive=(paged, objects)))
+        except Exception as exc:
+            on_done(exc, None)
         return DEFERRED
 
     def _fence(self, env: Envelope[GatherRequest], msg: Fence) -> Any:

@@ -41,6 +41,7 @@ class Lane:
         self._lock = threading.Lock()
         self._submitted = 0
         self._completed = 0
+        self._watching = 0
         self._thread = threading.Thread(target=self._run, name=f"lane:{name}", daemon=True)
         self._reaper = threading.Thread(target=self._reap, name=f"reap:{name}", daemon=True)
         self._bind_error: BaseException | None = None
@@ -68,12 +69,18 @@ class Lane:
             self._submitted += 1
         self._jobs.put(job)
 
+    def reaper_idle(self) -> bool:
+        """Whether the reaper holds no lease (so a completed launch may answer directly)."""
+        with self._lock:
+            return self._watching == 0
+
     def watch(
         self, marker: Marker, lease: Any, done: Callable[[BaseException | None], None]
     ) -> None:
         """Hold ``lease`` until ``marker`` completed, then call ``done`` (from the reaper)."""
         with self._lock:
             self._submitted += 1
+            self._watching += 1
         self._watch.put((marker, lease, done))
 
     def after_reaped(self, fn: Callable[[], None]) -> None:
@@ -131,6 +138,8 @@ class Lane:
             except BaseException as exc:
                 err = exc
             del lease
+            with self._lock:
+                self._watching -= 1
             try:
                 done(err)
             finally:
