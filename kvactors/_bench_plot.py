@@ -1,0 +1,97 @@
+"""The ``kvactors bench`` plot: kernel GB/s per layout and direction, runtime and messaging.
+
+matplotlib is optional (``pip install kvactors[bench]``) and always used with the Agg
+backend, so the plot renders on headless hosts and never opens a window.
+"""
+
+from __future__ import annotations
+
+from typing import TYPE_CHECKING
+
+if TYPE_CHECKING:
+    from kvactors.bench import BenchReport
+
+__all__ = ("plot",)
+
+_COLORS = {"kvactors": "#1f77b4", "raw copy": "#7f7f7f", "LMCache torch path": "#d62728"}
+
+
+def plot(report: BenchReport, path: str) -> None:
+    """Write the figure for ``report`` to ``path`` (PNG).
+
+    Raises:
+        ImportError: matplotlib is not installed.
+    """
+    try:
+        import matplotlib
+    except ImportError as exc:
+        raise ImportError("the bench plot needs matplotlib: pip install 'kvactors[bench]'") from exc
+    matplotlib.use("Agg")
+    import matplotlib.pyplot as plt
+
+    rows = [r for r in report.transfer if r.threads == min((x.threads for x in report.transfer),
+                                                            default=1)]
+    fig = plt.figure(figsize=(12, 6.5), dpi=110)
+    grid = fig.add_gridspec(1, 3, width_ratios=[3.2, 1, 0.05], wspace=0.3)
+    ax = fig.add_subplot(grid[0, 0])
+    labels = [f"{r.layout}\n{r.direction}" for r in rows]
+    series: dict[str, list[float]] = {
+        "kvactors": [r.kvactors_gbps for r in rows],
+        "raw copy": [r.raw_gbps for r in rows],
+    }
+    if any(r.lmcache_gbps is not None for r in rows):
+        series["LMCache torch path"] = [r.lmcache_gbps or 0.0 for r in rows]
+    width = 0.8 / len(series)
+    for i, (name, vals) in enumerate(series.items()):
+        xs = [x + (i - (len(series) - 1) / 2) * width for x in range(len(rows))]
+        ax.bar(xs, vals, width, label=name, color=_COLORS[name])
+        if name == "kvactors":
+            for x, r in zip(xs, rows, strict=True):
+                note = f"{r.vs_raw:.0%} of raw"
+                if r.vs_lmcache is not None:
+                    note += f"\n{r.vs_lmcache:.1f}x LMCache"
+                ax.annotate(note, (x, r.kvactors_gbps), textcoords="offset points",
+                            xytext=(0, 3), ha="center", fontsize=7)
+    ax.set_xticks(range(len(rows)), labels, fontsize=8)
+    ax.set_ylabel("GB/s (median of interleaved repetitions)")
+    thr = rows[0].threads if rows else 1
+    ax.set_title(f"KV gather (device->host) / scatter (host->device), {thr} thread, "
+                 "same operands, one run", fontsize=10)
+    ax.legend(fontsize=8, loc="upper right")
+    ax.grid(axis="y", alpha=0.3)
+    ax.margins(y=0.18)
+
+    side = fig.add_subplot(grid[0, 1])
+    if report.runtime:
+        names = [f"{r.direction}" for r in report.runtime]
+        xs = list(range(len(names)))
+        side.bar([x - 0.2 for x in xs], [r.runtime_gbps for r in report.runtime], 0.4,
+                 label="through Runtime", color=_COLORS["kvactors"])
+        side.bar([x + 0.2 for x in xs], [r.raw_gbps for r in report.runtime], 0.4,
+                 label="raw copy", color=_COLORS["raw copy"])
+        for x, rr in zip(xs, report.runtime, strict=True):
+            side.annotate(f"{rr.vs_raw:.0%}", (x - 0.2, rr.runtime_gbps),
+                          textcoords="offset points", xytext=(0, 3), ha="center", fontsize=7)
+        sim = " (simulated)" if report.runtime[0].simulated else ""
+        side.set_xticks(xs, names, fontsize=8)
+        side.set_title(f"NHD through the actors\n{report.runtime[0].device}{sim}", fontsize=9)
+        side.legend(fontsize=7, loc="lower right")
+        side.grid(axis="y", alpha=0.3)
+        side.margins(y=0.15)
+    else:
+        side.axis("off")
+    m = report.messaging
+    if m is not None:
+        side.text(0.0, -0.22,
+                  f"messaging round trip\nactor ask {m['ask_us']:.1f} us "
+                  f"({m['ask_ratio']:.2f}x bare asyncio)\n"
+                  f"blocking call {m['blocking_us']:.1f} us "
+                  f"({m['blocking_ratio']:.2f}x bare thread hop)",
+                  transform=side.transAxes, fontsize=8, va="top")
+    meta = report.meta
+    fig.suptitle(f"kvactors bench{' --quick' if meta.get('quick') else ''}: "
+                 f"{meta.get('cpus')} CPUs, torch {meta.get('torch')}, {meta.get('when')}",
+                 fontsize=11)
+    fig.subplots_adjust(left=0.06, right=0.98, top=0.88, bottom=0.2)
+    fig.savefig(path)
+    plt.close(fig)

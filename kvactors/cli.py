@@ -1,0 +1,105 @@
+"""The ``kvactors`` command: ``doctor``, ``demo``, ``bench``, ``validate``, ``replay``.
+
+Each subcommand lives in its own module and is imported only when it runs, so
+``kvactors doctor`` works even where a heavier dependency (matplotlib) is missing.
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import sys
+from typing import TYPE_CHECKING
+
+import msgspec
+
+if TYPE_CHECKING:
+    from collections.abc import Sequence
+
+__all__ = ("build_parser", "main")
+
+
+def build_parser() -> argparse.ArgumentParser:
+    """The argument parser of ``kvactors``."""
+    from kvactors._devenv import DEVICE_KINDS
+
+    ap = argparse.ArgumentParser(
+        prog="kvactors",
+        description="KV-cache transfer runtime for LMCache on MLU, MUSA and CPU.",
+    )
+    ap.add_argument("--log-level", default="WARNING", help="logging level (default WARNING)")
+    ap.add_argument("--log-json", action="store_true", help="log as JSON lines to stderr")
+    sub = ap.add_subparsers(dest="command", required=True, metavar="COMMAND")
+
+    doc = sub.add_parser("doctor", help="backends, LMCache plugin selection, environment")
+    doc.add_argument("--json", action="store_true", help="print the report as JSON")
+
+    demo = sub.add_parser("demo", help="simulated serving workload, verified bit for bit")
+    demo.add_argument("--device", choices=DEVICE_KINDS, default="cpu")
+    demo.add_argument("--requests", type=int, default=300, help="requests (default 300)")
+    demo.add_argument("--seed", type=int, default=0)
+    demo.add_argument("--stats", action="store_true", help="print every actor's statistics")
+    demo.add_argument("--json", action="store_true", help="print the report as JSON")
+    demo.add_argument("--trace", metavar="FILE", help="record a replayable message trace")
+    demo.add_argument("--prometheus-port", type=int, metavar="PORT",
+                      help="serve Prometheus metrics on PORT while the demo runs")
+    demo.add_argument("--unsafe-skip-fences", action="store_true",
+                      help="negative control: reuse blocks without a fence (should FAIL)")
+
+    bench = sub.add_parser("bench", help="transfer and messaging benchmarks, JSON and PNG")
+    from kvactors.bench import add_arguments as bench_args
+
+    bench_args(bench)
+
+    val = sub.add_parser("validate", help="compare stored and restored KV dumps bit for bit")
+    from kvactors.validate import add_arguments as validate_args
+
+    validate_args(val)
+
+    rep = sub.add_parser("replay", help="replay a recorded trace on a fresh runtime")
+    rep.add_argument("trace", help="a file written by `kvactors demo --trace`")
+    rep.add_argument("--device", choices=DEVICE_KINDS, default="cpu")
+    rep.add_argument("--json", action="store_true")
+    return ap
+
+
+def main(argv: Sequence[str] | None = None) -> int:
+    """Run ``kvactors``; returns the process exit status."""
+    args = build_parser().parse_args(argv)
+    from kvactors.logs import configure
+
+    configure(level=args.log_level, json_format=args.log_json)
+    if args.command == "doctor":
+        return _doctor(args)
+    if args.command == "demo":
+        from kvactors._demo_cli import run as run_demo
+
+        return run_demo(args)
+    if args.command == "bench":
+        from kvactors.bench import run as run_bench
+
+        return run_bench(args)
+    if args.command == "validate":
+        from kvactors.validate import run as run_validate
+
+        return run_validate(args)
+    from kvactors.trace import run as run_replay
+
+    return run_replay(args)
+
+
+def _doctor(args: argparse.Namespace) -> int:
+    from kvactors.doctor import collect, format_doctor
+
+    report = collect()
+    if args.json:
+        data = msgspec.to_builtins(report)
+        data["ok"] = report.ok
+        print(json.dumps(data, indent=2))
+    else:
+        print(format_doctor(report))
+    return 0 if report.ok else 1
+
+
+if __name__ == "__main__":
+    sys.exit(main())

@@ -1,0 +1,314 @@
+"""``kvactors demo``: a simulated serving workload through the runtime, verified bit for bit.
+
+Theory of operation. A small "engine" (one asyncio task on the caller's loop) admits requests
+into a paged KV pool (NHD, one tensor per layer) on the chosen device. For each request it
+looks up the longest cached prefix of its chunks in a host store, retrieves the hits
+(scatter, host -> device) through :class:`~kvactors.runtime.Runtime`, "computes" the rest by
+writing their KV into fresh blocks, and stores the new chunks (gather, device -> host)
+*without waiting*: the store is in flight while the engine goes on, and a chunk becomes
+visible to lookups only once its store completed and verified ("publish after commit").
+
+Requests finish, or are preempted at random and requeued. Either way their blocks go back to
+the free list only after ``fence(blocks)``, and the engine immediately overwrites them with
+a poison pattern, as the next prefill would. That is the race LMCache users hit (a store
+still reading blocks that were reused, field-lessons 1.6-1.8): if the fence did not wait for
+the stores in flight, stored chunks would contain poison, and so would later restores.
+
+Every restored block is read back from device memory and compared bit for bit with the KV
+the chunk must hold (a pure function of its key, :mod:`kvactors._workload`), with
+:func:`kvactors.validate.compare_kv`; every stored chunk is checked the same way before it is
+published. The demo succeeds only when all of it matched and no transfer failed.
+
+Store tasks submit their transfer in their first step (``atransfer`` queues its message before
+its first ``await``); the engine yields once after creating them (``asyncio.sleep(0)``), so a
+later fence is queued after those stores and the mailbox order makes it wait for them.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import collections
+import random
+import time
+from typing import TYPE_CHECKING, Any
+
+import msgspec
+import torch
+
+from kvactors._devenv import device_env
+from kvactors._workload import Geometry, Request, chunk_content, chunk_object, make_requests
+from kvactors.actors.group import DeviceStatistics
+from kvactors.layouts import Direction, KVFormat, ShapeDesc
+from kvactors.plans import TransferRequest
+from kvactors.runtime import Runtime
+from kvactors.validate import KVDump, compare_kv
+
+if TYPE_CHECKING:
+    from collections.abc import Callable
+
+    from kvactors._devenv import DeviceEnv
+
+__all__ = ("DemoConfig", "DemoReport", "run_demo")
+
+
+class DemoConfig(msgspec.Struct, frozen=True, kw_only=True):
+    """What ``kvactors demo`` runs."""
+
+    device: str = "cpu"
+    requests: int = 300
+    seed: int = 0
+    geometry: Geometry = msgspec.field(default_factory=Geometry)
+    store_capacity: int = 96
+    """Host store size in chunks (LRU)."""
+    max_running: int = 4
+    preempt_rate: float = 0.2
+    skip_fences: bool = False
+    """Negative control: release blocks without fencing them (the demo should then FAIL)."""
+
+
+class DemoReport(msgspec.Struct, kw_only=True):
+    """What the demo did and whether everything verified."""
+
+    device: str
+    note: str
+    requests: int = 0
+    preemptions: int = 0
+    lookups: int = 0
+    hit_chunks: int = 0
+    miss_chunks: int = 0
+    retrieves: int = 0
+    stores: int = 0
+    fences: int = 0
+    blocks_restored: int = 0
+    blocks_verified: int = 0
+    block_mismatches: int = 0
+    chunks_stored: int = 0
+    chunk_mismatches: int = 0
+    transfer_errors: list[str] = msgspec.field(default_factory=list)
+    bytes_h2d: int = 0
+    bytes_d2h: int = 0
+    seconds: float = 0.0
+    busy_seconds: float = 0.0
+    """Wall time during which at least one transfer was in flight."""
+    statistics: DeviceStatistics | None = None
+
+    @property
+    def ok(self) -> bool:
+        """Every restored block and stored chunk matched and no transfer failed."""
+        failed = self.statistics.transfers_failed if self.statistics is not None else 0
+        return (
+            self.block_mismatches == 0
+            and self.chunk_mismatches == 0
+            and not self.transfer_errors
+            and failed == 0
+            and self.blocks_verified == self.blocks_restored
+        )
+
+
+class _Engine:
+    """The simulated engine: block allocator, host store, admission, preemption."""
+
+    def __init__(self, rt: Runtime, env: DeviceEnv, cfg: DemoConfig, report: DemoReport) -> None:
+        self.rt, self.env, self.cfg, self.report = rt, env, cfg, report
+        g = self.geo = cfg.geometry
+        self.backing = env.zeros(g.pool_shape, g.torch_dtype)
+        self.paged = list(self.backing.unbind(0))
+        self.shape = ShapeDesc(
+            kv_size=2,
+            nl=g.num_layers,
+            nb=g.num_blocks,
+            bs=g.block_size,
+            nh=g.num_heads,
+            hs=g.head_size,
+            element_size=torch.empty(0, dtype=g.torch_dtype).element_size(),
+            dtype=g.dtype,
+        )
+        self.rng = random.Random(cfg.seed)
+        self.free = list(range(g.num_blocks))
+        self.rng.shuffle(self.free)
+        self.store: collections.OrderedDict[int, torch.Tensor] = collections.OrderedDict()
+        self.storing: set[asyncio.Task[None]] = set()
+        self.running: collections.deque[Request] = collections.deque()
+        self.inflight = 0
+        self.busy_since = 0.0
+        self.poison = env.to_device(
+            torch.full((g.num_layers, 2, 1, *g.pool_shape[3:]), -1, dtype=torch.int16).view(
+                g.torch_dtype
+            )
+        )
+
+    # ---- the engine's own device reads and writes (outside the runtime) -----------
+
+    def _write(self, blocks: list[int], data: torch.Tensor) -> None:
+        self.backing[:, :, torch.tensor(blocks)] = self.env.to_device(data)
+        self.env.synchronize()
+
+    def _read(self, blocks: list[int]) -> torch.Tensor:
+        return self.backing[:, :, torch.tensor(blocks)].cpu()
+
+    def _request(self, direction: Direction, blocks: list[int]) -> TransferRequest:
+        return TransferRequest(
+            fmt=int(KVFormat.NL_X_TWO_NB_BS_NH_HS),
+            direction=int(direction),
+            block_ids=tuple(blocks),
+            chunk_size=self.geo.chunk_tokens,
+            shape=self.shape,
+        )
+
+    async def _transfer(self, direction: Direction, blocks: list[int],
+                        objects: list[torch.Tensor]) -> int:
+        # Accounts the time during which any transfer is in flight (the runtime's busy time).
+        if self.inflight == 0:
+            self.busy_since = time.perf_counter()
+        self.inflight += 1
+        try:
+            done = await self.rt.atransfer(self._request(direction, blocks), self.paged, objects)
+        finally:
+            self.inflight -= 1
+            if self.inflight == 0:
+                self.report.busy_seconds += time.perf_counter() - self.busy_since
+        return done.nbytes
+
+    def _blocks_of(self, req: Request, i: int) -> list[int]:
+        cb = self.geo.chunk_blocks
+        return req.blocks[i * cb : (i + 1) * cb]
+
+    # ---- serving ----------------------------------------------------------------
+
+    async def serve(self, requests: list[Request]) -> None:
+        queue = collections.deque(requests)
+        while queue:
+            req = queue.popleft()
+            need = len(req.keys) * self.geo.chunk_blocks
+            while len(self.free) < need or len(self.running) >= self.cfg.max_running:
+                await self._release(self.running.popleft())
+                self.report.requests += 1
+            await self._admit(req)
+            self.running.append(req)
+            if self.rng.random() < self.cfg.preempt_rate:
+                victim = self.running[self.rng.randrange(len(self.running))]
+                self.running.remove(victim)
+                await self._release(victim)
+                self.report.preemptions += 1
+                victim.resumed += 1
+                queue.insert(min(len(queue), self.rng.randint(1, 4)), victim)
+        while self.running:
+            await self._release(self.running.popleft())
+            self.report.requests += 1
+        if self.storing:
+            await asyncio.gather(*self.storing)
+
+    async def _admit(self, req: Request) -> None:
+        g, report = self.geo, self.report
+        report.lookups += 1
+        hits = 0
+        for key in req.keys:
+            if key not in self.store:
+                break
+            self.store.move_to_end(key)
+            hits += 1
+        report.hit_chunks += hits
+        report.miss_chunks += len(req.keys) - hits
+        req.blocks = [self.free.pop() for _ in range(len(req.keys) * g.chunk_blocks)]
+        if hits:
+            await self._retrieve(req, hits)
+        for i in range(hits, len(req.keys)):
+            self._write(self._blocks_of(req, i), chunk_content(req.keys[i], g))
+        if hits < len(req.keys):
+            task = asyncio.ensure_future(self._store(req, hits))
+            self.storing.add(task)
+            task.add_done_callback(self.storing.discard)
+            await asyncio.sleep(0)  # let the store task submit its transfer (see module doc)
+
+    async def _retrieve(self, req: Request, hits: int) -> None:
+        g, report = self.geo, self.report
+        blocks = req.blocks[: hits * g.chunk_blocks]
+        objects = [self.store[k] for k in req.keys[:hits]]
+        try:
+            nbytes = await self._transfer(Direction.H2D, blocks, objects)
+        except Exception as exc:
+            report.transfer_errors.append(f"retrieve: {type(exc).__name__}: {exc}")
+            return
+        report.retrieves += 1
+        report.bytes_h2d += nbytes
+        report.blocks_restored += len(blocks)
+        got = self._read(blocks)
+        want = torch.cat([chunk_content(k, g) for k in req.keys[:hits]], dim=2)
+        result = compare_kv(
+            KVDump(tuple(blocks), list(want.unbind(0)), 1),
+            KVDump(tuple(blocks), list(got.unbind(0)), 1),
+        )
+        bad = _bad_positions(result.mismatches)
+        report.block_mismatches += len(bad)
+        report.blocks_verified += len(blocks) - len(bad)
+
+    async def _store(self, req: Request, start: int) -> None:
+        g, report = self.geo, self.report
+        keys = req.keys[start:]
+        blocks = req.blocks[start * g.chunk_blocks :]
+        objects = [self.rt.backend.pin(torch.empty(g.object_shape, dtype=g.torch_dtype))
+                   for _ in keys]
+        try:
+            nbytes = await self._transfer(Direction.D2H, blocks, objects)
+        except Exception as exc:
+            report.transfer_errors.append(f"store: {type(exc).__name__}: {exc}")
+            return
+        report.stores += 1
+        report.bytes_d2h += nbytes
+        for key, obj in zip(keys, objects, strict=True):
+            want = chunk_object(chunk_content(key, g), g)
+            if torch.equal(want.view(torch.int16), obj.view(torch.int16)):
+                report.chunks_stored += 1
+                self.store[key] = obj
+                self.store.move_to_end(key)
+                while len(self.store) > self.cfg.store_capacity:
+                    self.store.popitem(last=False)
+            else:
+                report.chunk_mismatches += 1
+
+    async def _release(self, req: Request) -> None:
+        # Fence first (rule 4), then reuse: poison the blocks as the next prefill would.
+        if not self.cfg.skip_fences:
+            await self.rt.afence(req.blocks)
+            self.report.fences += 1
+        if req.blocks:
+            self.backing[:, :, torch.tensor(req.blocks)] = self.poison
+            self.env.synchronize()
+        self.free.extend(req.blocks)
+        req.blocks = []
+
+
+def _bad_positions(mismatches: list[Any]) -> set[int]:
+    return {m.position for m in mismatches}
+
+
+def run_demo(
+    cfg: DemoConfig, *, attach: Callable[[Runtime], Any] | None = None
+) -> DemoReport:
+    """Run the simulated workload; see the module docstring.
+
+    Args:
+        cfg: The configuration.
+        attach: Called with the started runtime before the workload (observers, tracing).
+
+    Returns:
+        The report, with a statistics snapshot of every actor taken at the end.
+
+    Raises:
+        BackendUnavailableError: the device cannot run here (and no fake can stand in).
+    """
+    geo = cfg.geometry
+    if geo.num_blocks < cfg.max_running * 6 * geo.chunk_blocks:
+        raise ValueError("geometry.num_blocks too small for max_running requests")
+    with device_env(cfg.device, seed=cfg.seed) as env:
+        report = DemoReport(device=cfg.device, note=env.note)
+        requests = list(make_requests(cfg.requests, seed=cfg.seed))
+        with Runtime(env.kind, default_timeout=60.0) as rt:
+            if attach is not None:
+                attach(rt)
+            engine = _Engine(rt, env, cfg, report)
+            t0 = time.perf_counter()
+            asyncio.run(engine.serve(requests))
+            report.seconds = time.perf_counter() - t0
+            report.statistics = rt.statistics()
+    return report
