@@ -13,6 +13,7 @@ if TYPE_CHECKING:
 
 __all__ = ("plot",)
 
+_SHORT = {"nhd_separate": "nhd-sep"}
 _COLORS = {"kvactors": "#1f77b4", "raw copy": "#7f7f7f", "LMCache torch path": "#d62728"}
 
 
@@ -32,9 +33,15 @@ def plot(report: BenchReport, path: str) -> None:
     rows = [r for r in report.transfer if r.threads == min((x.threads for x in report.transfer),
                                                             default=1)]
     fig = plt.figure(figsize=(12, 6.5), dpi=110)
-    grid = fig.add_gridspec(1, 3, width_ratios=[3.2, 1, 0.05], wspace=0.3)
-    ax = fig.add_subplot(grid[0, 0])
-    labels = [f"{r.layout}\n{r.direction}" for r in rows]
+    grid = fig.add_gridspec(2, 2, width_ratios=[3.3, 1], height_ratios=[3, 1], wspace=0.22,
+                            hspace=0.35)
+    ax = fig.add_subplot(grid[:, 0])
+    labels = []
+    for r in rows:
+        note = f"{r.vs_raw:.0%} raw"
+        if r.vs_lmcache is not None:
+            note += f"\n{r.vs_lmcache:.1f}x LMC"
+        labels.append(f"{_SHORT.get(r.layout, r.layout)}\n{r.direction}\n{note}")
     series: dict[str, list[float]] = {
         "kvactors": [r.kvactors_gbps for r in rows],
         "raw copy": [r.raw_gbps for r in rows],
@@ -45,21 +52,14 @@ def plot(report: BenchReport, path: str) -> None:
     for i, (name, vals) in enumerate(series.items()):
         xs = [x + (i - (len(series) - 1) / 2) * width for x in range(len(rows))]
         ax.bar(xs, vals, width, label=name, color=_COLORS[name])
-        if name == "kvactors":
-            for x, r in zip(xs, rows, strict=True):
-                note = f"{r.vs_raw:.0%} of raw"
-                if r.vs_lmcache is not None:
-                    note += f"\n{r.vs_lmcache:.1f}x LMCache"
-                ax.annotate(note, (x, r.kvactors_gbps), textcoords="offset points",
-                            xytext=(0, 3), ha="center", fontsize=7)
-    ax.set_xticks(range(len(rows)), labels, fontsize=8)
+    ax.set_xticks(range(len(rows)), labels, fontsize=7.5)
     ax.set_ylabel("GB/s (median of interleaved repetitions)")
     thr = rows[0].threads if rows else 1
     ax.set_title(f"KV gather (device->host) / scatter (host->device), {thr} thread, "
                  "same operands, one run", fontsize=10)
-    ax.legend(fontsize=8, loc="upper right")
+    ax.legend(fontsize=8, loc="upper left", ncols=len(series))
     ax.grid(axis="y", alpha=0.3)
-    ax.margins(y=0.18)
+    ax.margins(y=0.12)
 
     side = fig.add_subplot(grid[0, 1])
     if report.runtime:
@@ -69,29 +69,30 @@ def plot(report: BenchReport, path: str) -> None:
                  label="through Runtime", color=_COLORS["kvactors"])
         side.bar([x + 0.2 for x in xs], [r.raw_gbps for r in report.runtime], 0.4,
                  label="raw copy", color=_COLORS["raw copy"])
-        for x, rr in zip(xs, report.runtime, strict=True):
-            side.annotate(f"{rr.vs_raw:.0%}", (x - 0.2, rr.runtime_gbps),
-                          textcoords="offset points", xytext=(0, 3), ha="center", fontsize=7)
+        side.set_xticks(xs, [f"{n}\n{rr.vs_raw:.0%} raw" for n, rr in
+                             zip(names, report.runtime, strict=True)], fontsize=8)
         sim = " (simulated)" if report.runtime[0].simulated else ""
-        side.set_xticks(xs, names, fontsize=8)
-        side.set_title(f"NHD through the actors\n{report.runtime[0].device}{sim}", fontsize=9)
-        side.legend(fontsize=7, loc="lower right")
+        side.set_title(f"NHD through the actors, {report.runtime[0].device}{sim}", fontsize=9)
+        top = max(max(rr.runtime_gbps, rr.raw_gbps) for rr in report.runtime)
+        side.set_ylim(0, top * 1.35)
+        side.legend(fontsize=7, loc="upper center", ncols=2)
         side.grid(axis="y", alpha=0.3)
-        side.margins(y=0.15)
     else:
         side.axis("off")
+    text = fig.add_subplot(grid[1, 1])
+    text.axis("off")
     m = report.messaging
     if m is not None:
-        side.text(0.0, -0.22,
-                  f"messaging round trip\nactor ask {m['ask_us']:.1f} us "
-                  f"({m['ask_ratio']:.2f}x bare asyncio)\n"
-                  f"blocking call {m['blocking_us']:.1f} us "
-                  f"({m['blocking_ratio']:.2f}x bare thread hop)",
-                  transform=side.transAxes, fontsize=8, va="top")
+        text.text(0.0, 1.0,
+                  f"messaging round trip (median)\n"
+                  f"actor ask: {m['ask_us']:.1f} us, {m['ask_ratio']:.2f}x bare asyncio\n"
+                  f"blocking call: {m['blocking_us']:.1f} us, {m['blocking_ratio']:.2f}x "
+                  "thread hop",
+                  transform=text.transAxes, fontsize=8.5, va="top")
     meta = report.meta
     fig.suptitle(f"kvactors bench{' --quick' if meta.get('quick') else ''}: "
                  f"{meta.get('cpus')} CPUs, torch {meta.get('torch')}, {meta.get('when')}",
                  fontsize=11)
-    fig.subplots_adjust(left=0.06, right=0.98, top=0.88, bottom=0.2)
+    fig.subplots_adjust(left=0.06, right=0.98, top=0.9, bottom=0.16)
     fig.savefig(path)
     plt.close(fig)

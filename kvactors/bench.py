@@ -167,22 +167,22 @@ def run_bench(cfg: BenchConfig, *, progress: Callable[[str], None] | None = None
     threads = cfg.threads if not cfg.quick or cfg.threads != (1, 2) else (1,)
     meta: dict[str, Any] = {
         "host": platform.node(), "platform": platform.platform(), "cpus": os.cpu_count(),
-        "python": platform.python_version(), "torch": torch.__version__,
+        "python": platform.python_version(), "torch": str(torch.__version__),
         "device": cfg.device, "quick": cfg.quick, "threads": list(threads),
         "when": time.strftime("%Y-%m-%dT%H:%M:%SZ", time.gmtime()),
     }
+    reps = cfg.reps if cfg.reps is not None else (9 if cfg.quick else 15)
     rows: list[BenchRow] = []
     if cfg.layouts:
         rows = run_transfer_bench(
             list(cfg.layouts), list(cfg.directions), list(threads), quick=cfg.quick,
-            reps=cfg.reps, include_lmcache=cfg.include_lmcache, seed=cfg.seed,
+            reps=reps, include_lmcache=cfg.include_lmcache, seed=cfg.seed,
             progress=lambda line: step(" ".join(line.split()[:3])),
         )
     meta["lmcache_baseline"] = any(r.lmcache_gbps is not None for r in rows)
     runtime: list[RuntimeRow] = []
     if cfg.runtime:
         w = BenchWorkload(num_blocks=256) if cfg.quick else BenchWorkload()
-        reps = cfg.reps if cfg.reps is not None else (4 if cfg.quick else 15)
         with device_env(cfg.device, seed=cfg.seed) as env:
             meta["device_note"] = env.note
             runtime = _runtime_rows(env, w, reps, cfg.seed)
