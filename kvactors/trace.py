@@ -49,6 +49,7 @@ __all__ = (
     "iter_messages",
     "read_trace",
     "replay",
+    "run",
 )
 
 _FORMAT = "kvactors-trace/1"

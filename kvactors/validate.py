@@ -32,11 +32,13 @@ __all__ = (
     "BlockMismatch",
     "KVDump",
     "ValidationReport",
+    "add_arguments",
     "compare_kv",
     "dump_paged",
     "format_report",
     "load_dump",
     "main",
+    "run",
     "save_dump",
 )
 
