@@ -23,18 +23,27 @@ def build_parser() -> argparse.ArgumentParser:
     """The argument parser of ``kvactors``."""
     from kvactors._devenv import DEVICE_KINDS
 
+    # The logging flags are accepted before and after the subcommand; SUPPRESS keeps a
+    # subcommand's parser from resetting a value given before it.
+    common = argparse.ArgumentParser(add_help=False)
+    common.add_argument("--log-level", default=argparse.SUPPRESS,
+                        help="logging level of the kvactors loggers (default WARNING)")
+    common.add_argument("--log-json", action="store_true", default=argparse.SUPPRESS,
+                        help="log as JSON lines to stderr")
     ap = argparse.ArgumentParser(
         prog="kvactors",
         description="KV-cache transfer runtime for LMCache on MLU, MUSA and CPU.",
+        parents=[common],
     )
-    ap.add_argument("--log-level", default="WARNING", help="logging level (default WARNING)")
-    ap.add_argument("--log-json", action="store_true", help="log as JSON lines to stderr")
     sub = ap.add_subparsers(dest="command", required=True, metavar="COMMAND")
 
-    doc = sub.add_parser("doctor", help="backends, LMCache plugin selection, environment")
+    def add_parser(name: str, help: str) -> argparse.ArgumentParser:
+        return sub.add_parser(name, parents=[common], help=help)
+
+    doc = add_parser("doctor", help="backends, LMCache plugin selection, environment")
     doc.add_argument("--json", action="store_true", help="print the report as JSON")
 
-    demo = sub.add_parser("demo", help="simulated serving workload, verified bit for bit")
+    demo = add_parser("demo", help="simulated serving workload, verified bit for bit")
     demo.add_argument("--device", choices=DEVICE_KINDS, default="cpu")
     demo.add_argument("--requests", type=int, default=300, help="requests (default 300)")
     demo.add_argument("--seed", type=int, default=0)
@@ -46,17 +55,17 @@ def build_parser() -> argparse.ArgumentParser:
     demo.add_argument("--unsafe-skip-fences", action="store_true",
                       help="negative control: reuse blocks without a fence (should FAIL)")
 
-    bench = sub.add_parser("bench", help="transfer and messaging benchmarks, JSON and PNG")
+    bench = add_parser("bench", help="transfer and messaging benchmarks, JSON and PNG")
     from kvactors.bench import add_arguments as bench_args
 
     bench_args(bench)
 
-    val = sub.add_parser("validate", help="compare stored and restored KV dumps bit for bit")
+    val = add_parser("validate", help="compare stored and restored KV dumps bit for bit")
     from kvactors.validate import add_arguments as validate_args
 
     validate_args(val)
 
-    rep = sub.add_parser("replay", help="replay a recorded trace on a fresh runtime")
+    rep = add_parser("replay", help="replay a recorded trace on a fresh runtime")
     rep.add_argument("trace", help="a file written by `kvactors demo --trace`")
     rep.add_argument("--device", choices=DEVICE_KINDS, default="cpu")
     rep.add_argument("--json", action="store_true")
@@ -68,7 +77,9 @@ def main(argv: Sequence[str] | None = None) -> int:
     args = build_parser().parse_args(argv)
     from kvactors.logs import configure
 
-    configure(level=args.log_level, json_format=args.log_json)
+    # Actions are shared between parsers (parents=), so defaults live here, not in set_defaults.
+    configure(level=getattr(args, "log_level", "WARNING"),
+              json_format=getattr(args, "log_json", False))
     if args.command == "doctor":
         return _doctor(args)
     if args.command == "demo":

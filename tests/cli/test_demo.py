@@ -28,12 +28,15 @@ def test_demo_json(capsys: pytest.CaptureFixture[str]) -> None:
     assert data["statistics"]["transfers_ok"] == data["stores"] + data["retrieves"]
 
 
-def test_demo_is_deterministic_per_seed() -> None:
+def test_demo_schedule_is_deterministic_per_seed() -> None:
+    # Requests and preemptions follow the seed; hits depend on which stores completed before
+    # each lookup (publish after commit), which is timing and may differ between runs.
     a = run_demo(DemoConfig(requests=30, seed=7))
     b = run_demo(DemoConfig(requests=30, seed=7))
     assert a.ok
     assert b.ok
-    assert (a.hit_chunks, a.preemptions, a.bytes_h2d) == (b.hit_chunks, b.preemptions, b.bytes_h2d)
+    assert (a.requests, a.preemptions, a.lookups) == (b.requests, b.preemptions, b.lookups)
+    assert a.hit_chunks + a.miss_chunks == b.hit_chunks + b.miss_chunks
 
 
 @pytest.mark.parametrize("device", ["mlu", "musa"])
@@ -52,3 +55,12 @@ def test_demo_cuda_without_hardware_is_refused(capsys: pytest.CaptureFixture[str
         pytest.skip("a real GPU is present")
     assert main(["demo", "--device", "cuda", "--requests", "5"]) == 2
     assert "unavailable" in capsys.readouterr().err
+
+
+def test_log_flags_before_or_after_the_subcommand(capsys: pytest.CaptureFixture[str]) -> None:
+    assert main(["demo", "--requests", "3", "--log-level", "INFO", "--log-json"]) == 0
+    err = capsys.readouterr().err
+    assert '"msg": "demo finished"' in err
+    assert main(["--log-level", "INFO", "demo", "--requests", "3"]) == 0
+    assert "demo finished ok=True" in capsys.readouterr().err
+    main(["--log-level", "WARNING", "doctor"])  # restore the default level for later tests
