@@ -16,6 +16,7 @@ inside the runtime, at mailbox admission, would remove that; see ``docs/architec
 
 from __future__ import annotations
 
+import asyncio
 import functools
 import itertools
 import threading
@@ -116,16 +117,27 @@ def _wrap(hub: _Hub, name: str, method: Callable[..., Any]) -> Callable[..., Any
     if name.startswith("a"):
 
         @functools.wraps(method)
-        async def awrapper(*args: Any, **kw: Any) -> Any:
+        def awrapper(*args: Any, **kw: Any) -> Any:
+            # The a* methods submit at call time and return a future; so does the wrapper,
+            # keeping call order equal to mailbox order.
             call = _make_call(hub, name, args, kw)
             hub.started(call)
             try:
-                result = await method(*args, **kw)
+                fut = method(*args, **kw)
             except BaseException as exc:
                 hub.finished(call, None, exc)
                 raise
-            hub.finished(call, result, None)
-            return result
+
+            def done(f: Any) -> None:
+                if f.cancelled():
+                    hub.finished(call, None, asyncio.CancelledError())
+                elif (exc := f.exception()) is not None:
+                    hub.finished(call, None, exc)
+                else:
+                    hub.finished(call, f.result(), None)
+
+            fut.add_done_callback(done)
+            return fut
 
         return awrapper
 

@@ -318,7 +318,7 @@ class Runtime:
         result: TransferDone = self._ask(_gather, msg, TransferOperands(paged, objects), timeout)
         return result
 
-    async def atransfer(
+    def atransfer(
         self,
         request: TransferRequest,
         paged: Any,
@@ -326,33 +326,35 @@ class Runtime:
         *,
         stream_handle: int = 0,
         timeout: float | None = None,
-    ) -> TransferDone:
-        """Asyncio twin of :meth:`transfer`."""
+    ) -> asyncio.Future[TransferDone]:
+        """Asyncio twin of :meth:`transfer`: submitted now, awaited later.
+
+        Like every ``a*`` method it queues the message before returning, so calls made in
+        program order reach the mailbox in that order (a fence issued after a store waits for
+        it even if the store's future has not been awaited yet).
+        """
         msg = Transfer(transfer_id=next(self._ids), request=request, stream_handle=stream_handle)
-        result: TransferDone = await self._aask(
-            _gather, msg, TransferOperands(paged, objects), timeout
-        )
-        return result
+        return self._aask(_gather, msg, TransferOperands(paged, objects), timeout)
 
     def fence(self, block_ids: Iterable[int], *, timeout: float | None = None) -> Fenced:
         """Return once every transfer begun earlier on ``block_ids`` has completed."""
         result: Fenced = self._ask(_gather, Fence(block_ids=tuple(block_ids)), None, timeout)
         return result
 
-    async def afence(self, block_ids: Iterable[int], *, timeout: float | None = None) -> Fenced:
-        """Asyncio twin of :meth:`fence`."""
-        result: Fenced = await self._aask(_gather, Fence(block_ids=tuple(block_ids)), None, timeout)
-        return result
+    def afence(
+        self, block_ids: Iterable[int], *, timeout: float | None = None
+    ) -> asyncio.Future[Fenced]:
+        """Asyncio twin of :meth:`fence` (submitted now)."""
+        return self._aask(_gather, Fence(block_ids=tuple(block_ids)), None, timeout)
 
     def ping(self, seq: int = 0, *, timeout: float | None = None) -> Pong:
         """Round trip to the GatherActor (liveness; the messaging benchmark's unit)."""
         result: Pong = self._ask(_gather, Ping(seq=seq), None, timeout)
         return result
 
-    async def aping(self, seq: int = 0, *, timeout: float | None = None) -> Pong:
-        """Asyncio twin of :meth:`ping`."""
-        result: Pong = await self._aask(_gather, Ping(seq=seq), None, timeout)
-        return result
+    def aping(self, seq: int = 0, *, timeout: float | None = None) -> asyncio.Future[Pong]:
+        """Asyncio twin of :meth:`ping` (submitted now)."""
+        return self._aask(_gather, Ping(seq=seq), None, timeout)
 
     # ---- streams, completions, events ---------------------------------------------
 

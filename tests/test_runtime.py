@@ -251,3 +251,19 @@ async def test_async_api_from_another_loop() -> None:
         assert done.blocks == 2
         assert (await rt.afence([2, 4])).waited_for == 0
         assert (await rt.aping(5)).seq == 5
+
+
+def test_statistics_count_stream_syncs_and_wait_time() -> None:
+    backend = ManualBackend(auto=True)
+    with Runtime(backend) as rt:
+        assert rt.statistics().stream_syncs == 0
+        rt.synchronize(0)
+        rt.record_completion(0, "finish", b"p")
+        rt.synchronize(0)
+        stats = rt.statistics()
+        assert stats.stream_syncs == 3
+        assert stats.sync_wait_seconds >= 0.0
+        assert rt.drain_completions() == [("finish", b"p")]
+        names = [a.name for a in stats.actors]
+        assert names[:2] == ["gather:cpu:0", "ipc:cpu:0"]
+        assert any(n.startswith("stream:cpu:0:") for n in names)

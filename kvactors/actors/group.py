@@ -37,6 +37,8 @@ class DeviceStatistics(msgspec.Struct, frozen=True, kw_only=True):
     ipc_owners_open: int
     completions_pending: int
     events_pending: int
+    stream_syncs: int = 0
+    sync_wait_seconds: float = 0.0
 
 
 class DeviceActors:
@@ -113,4 +115,6 @@ class DeviceActors:
             ipc_owners_open=self.ipc.open_owners,
             completions_pending=self.completions.pending,
             events_pending=self.events.pending,
+            stream_syncs=sum(s.syncs for s in self.streams.all()),
+            sync_wait_seconds=sum(s.sync_seconds for s in self.streams.all()),
         )

@@ -17,6 +17,7 @@ from __future__ import annotations
 
 import asyncio
 import contextlib
+import time
 from typing import TYPE_CHECKING, Any, final
 
 from kvactors.actors.lane import Lane
@@ -79,6 +80,17 @@ class StreamActor(Actor[StreamRequest]):
         self._events = events
         self._stop_timeout = stop_timeout
         self._device = f"{backend.kind}:{index}"
+        self.sync_seconds = 0.0
+        self.syncs = 0
+
+    def _synchronize(self) -> None:
+        # Runs on the lane thread (the only writer of these counters).
+        t0 = time.perf_counter()
+        try:
+            self.backend.synchronize(self.stream)
+        finally:
+            self.sync_seconds += time.perf_counter() - t0
+            self.syncs += 1
 
     def start(self) -> None:
         """Start the lane threads, then the actor task."""
@@ -152,7 +164,7 @@ class StreamActor(Actor[StreamRequest]):
 
             def publish() -> None:
                 try:
-                    backend.synchronize(stream)
+                    self._synchronize()
                 except BaseException as exc:
                     outbox.withdraw(seq)
                     post(settle, _sync_failed(exc, self._device), None)
@@ -167,7 +179,7 @@ class StreamActor(Actor[StreamRequest]):
 
             def sync() -> None:
                 try:
-                    backend.synchronize(stream)
+                    self._synchronize()
                 except BaseException as exc:
                     post(settle, _sync_failed(exc, self._device), None)
                     return

@@ -71,7 +71,7 @@ class CpuBackend(Backend):
         return Probe(
             backend="cpu",
             available=True,
-            details={"torch": torch.__version__, "threads": str(torch.get_num_threads())},
+            details={"torch": str(torch.__version__), "threads": str(torch.get_num_threads())},
         )
 
     def device(self, index: int) -> torch.device:

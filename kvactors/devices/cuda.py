@@ -50,7 +50,7 @@ class CudaBackend(TorchLikeBackend):
         except Exception as exc:
             return Probe(backend="cuda", available=False,
                          reason=f"torch.cuda probe failed ({type(exc).__name__}: {exc})")
-        details = {"torch": torch.__version__, "cuda": str(torch.version.cuda),
+        details = {"torch": str(torch.__version__), "cuda": str(torch.version.cuda),
                    "device_count": str(count)}
         if not built:
             return Probe(backend="cuda", available=False, details=details,
