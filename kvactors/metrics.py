@@ -7,8 +7,9 @@ Three layers, each usable alone:
   :class:`Sample` rows: bytes moved, transfers by result, transfers in flight, IPC owners,
   pending records, and per actor its state, mailbox depth, peak, capacity, processed, failed.
 * :class:`CallMetrics` is an observer (:func:`kvactors.observe.observe`) that counts calls,
-  errors and seconds per facade operation. The runtime keeps no sync-wait counter, so the
-  time callers spend blocked in ``synchronize`` and ``fence`` is measured here, from outside
+  errors and seconds per facade operation. The time lanes spend blocked in stream syncs comes
+  from the runtime (``kvactors_stream_sync_seconds_total``); the time callers spend waiting in
+  ``synchronize`` and ``fence`` is measured here, from outside
   (``kvactors_sync_wait_seconds_total``): it includes the hop to the loop and back.
 * :func:`register_prometheus` exposes both through ``prometheus_client`` when it is
   installed (``pip install kvactors[metrics]``); values are read at scrape time, nothing is
@@ -79,6 +80,11 @@ def samples(stats: DeviceStatistics) -> list[Sample]:
                "drained", dev, float(stats.completions_pending)),
         Sample("kvactors_events_pending", "gauge", "Published event records not drained",
                dev, float(stats.events_pending)),
+        Sample("kvactors_stream_syncs_total", "counter", "Stream synchronizations on lanes",
+               dev, float(stats.stream_syncs)),
+        Sample("kvactors_stream_sync_seconds_total", "counter",
+               "Seconds lanes spent blocked in stream synchronization", dev,
+               float(stats.sync_wait_seconds)),
     ]
     for a in stats.actors:
         lab = {**dev, "actor": a.name}
