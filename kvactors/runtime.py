@@ -291,7 +291,8 @@ class Runtime:
             try:
                 fut = pick(actors).ask_nowait(msg, operands, timeout=t)
             except BaseException as exc:
-                cf.set_exception(exc)
+                if not cf.done():
+                    cf.set_exception(exc)
                 return
             fut.add_done_callback(lambda f: _settle_concurrent(f, cf))
 
@@ -442,6 +443,8 @@ def _settle_slot(fut: asyncio.Future[Any], slot: _Reply) -> None:
 
 
 def _settle_concurrent(fut: asyncio.Future[Any], cf: concurrent.futures.Future[Any]) -> None:
+    if cf.done():  # the caller cancelled its awaitable: nobody wants the answer
+        return
     if fut.cancelled():
         cf.cancel()
     elif (exc := fut.exception()) is not None:

@@ -144,7 +144,14 @@ class StreamActor(Actor[StreamRequest]):
                     return
                 if marker.query() and lane.reaper_idle():
                     # Already complete (CPU work is, when launched) and nothing earlier is
-                    # still watched: answer from here, skipping a hop through the reaper.
+                    # still watched: answer from here, skipping a hop through the reaper. The
+                    # synchronize returns at once, and it is where a stream error surfaces.
+                    try:
+                        marker.synchronize()
+                    except BaseException as exc:
+                        del lease
+                        done(exc)
+                        return
                     del lease
                     done(None)
                     return

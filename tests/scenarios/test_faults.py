@@ -117,14 +117,6 @@ async def test_device_error_is_reported_as_failure_and_others_complete() -> None
     assert backend.use_after_free == 0
 
 
-@pytest.mark.xfail(
-    strict=True,
-    reason="BUG (kvactors/actors/stream.py, StreamActor launch fast path): when the marker "
-    "already completed and the reaper is idle, the lane answers done(None) after "
-    "marker.query() without ever calling marker.synchronize(), the only place a stream "
-    "error is observed; a launch whose device work failed is reported as a success "
-    "(FakeEvent.query is True for a completed marker that carries the stream error).",
-)
 async def test_completed_marker_carrying_an_error_is_still_a_failure() -> None:
     backend = FaultyBackend(auto=True)  # work runs at launch: the marker is born complete
     src = paged(13)
@@ -193,14 +185,6 @@ async def test_cancelled_atransfer_keeps_operands_and_the_runtime_works() -> Non
     await _cancel_atransfer_in_flight(15)
 
 
-@pytest.mark.xfail(
-    strict=True,
-    reason="BUG (kvactors/runtime.py, _aask/_settle_concurrent): cancelling an a* call "
-    "cancels its concurrent future; when the actor later answers, _settle_concurrent calls "
-    "cf.set_result on the cancelled future, which raises InvalidStateError inside a loop "
-    "callback ('Exception in callback Runtime._aask...' logged at ERROR on every cancel). "
-    "Fix: return early when cf.done() (or use cf.set_running_or_notify_cancel()).",
-)
 async def test_cancelled_atransfer_logs_no_error_on_the_runtime_loop(
     caplog: pytest.LogCaptureFixture,
 ) -> None:
