@@ -312,6 +312,9 @@ def test_exporter_killed_while_we_hold_its_mappings() -> None:
             for h in handles:  # the exporter died before unlinking: clean up after it
                 with contextlib.suppress(FileNotFoundError):
                     os.unlink(f"/dev/shm/{h.name}")
+                    from multiprocessing import resource_tracker
+
+                    resource_tracker.unregister(f"/{h.name}", "shared_memory")
         assert open_fds() == fds0
 
 
