@@ -63,9 +63,10 @@ class _Observed(ManualBackend):
     a stream sync, and checks IPC owner closes.
 
     A launch is chosen by its stream and its position on that stream (mailbox order, so the
-    choice does not depend on thread timing). A failing launch's marker reports the device
-    error from ``synchronize`` and never claims completion from ``query`` (the fast-path bug
-    this would otherwise hit has its own strict-xfail test in test_faults.py).
+    choice does not depend on thread timing). A failing launch's marker reports completion
+    from ``query`` once its work ran, like the fake vendors' events, and the device error
+    from ``synchronize`` (the lane must synchronize before reporting a launch done; see
+    ``test_completed_marker_carrying_an_error_is_still_a_failure`` in test_faults.py).
     """
 
     def __init__(self) -> None:
@@ -86,7 +87,7 @@ class _Observed(ManualBackend):
 
         class Counted:
             def query(self) -> bool:
-                out = inner.query() and not failing
+                out = inner.query()
                 with backend._cond:
                     backend.queried += 1
                     backend._cond.notify_all()
