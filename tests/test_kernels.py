@@ -13,6 +13,7 @@ from torch.profiler import ProfilerActivity, profile
 
 from kvactors.errors import TransferValidationError
 from kvactors.kernels import _moves
+from kvactors.kernels._views import void_view
 from kvactors.kernels.fast import ScratchCache, run_fast
 from kvactors.kernels.reference import run_reference
 from kvactors.layouts import KVFormat
@@ -74,6 +75,34 @@ def test_numpy_free_fallbacks_match(fmt: KVFormat, monkeypatch: pytest.MonkeyPat
     for alloc in ("stacked", "separate"):
         both(mk(fmt, alloc=alloc), 0, [5, 0, 7, 2, 3, 6])
         both(mk(fmt, alloc=alloc), 0, [5, 6, 7, 1], skip=2)
+
+
+@pytest.mark.parametrize("fmt", [NHD, HND, MLA, KVFormat.TWO_X_NL_X_NB_BS_NH_HS])
+@pytest.mark.parametrize("alloc", ["stacked", "gapped", "permuted", "separate"])
+def test_numpy_free_gather_matches(
+    fmt: KVFormat, alloc: str, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    # the host gather of a stacked non-tight layout (HND) goes through numpy void views;
+    # without numpy it must fall back to the fused index_select and give the same bytes
+    monkeypatch.setattr(_moves, "_NUMPY", False)
+    both(mk(fmt, alloc=alloc), 1, [5, 0, 7, 2, 3, 6])
+    both(mk(fmt, alloc=alloc), 1, [5, 6, 7, 1], skip=2)
+
+
+def test_void_view_items_are_last_axis_runs() -> None:
+    t = torch.arange(2 * 3 * 4, dtype=torch.int16).view(2, 3, 4)
+    v = void_view(t.permute(1, 0, 2))  # strided outer axes, contiguous last axis
+    assert v is not None
+    assert v.shape == (3, 2)
+    assert v.dtype.itemsize == 8
+    assert v[2, 1].tobytes() == t[1, 2].numpy().tobytes()
+    assert void_view(t.transpose(1, 2)) is None  # last axis not contiguous
+    odd = t[:, :, :1].as_strided((2, 3, 1), (12, 4, 7))  # size-1 last axis, odd stride
+    w = void_view(odd)
+    assert w is not None
+    assert w[1, 2].tobytes() == t[1, 2, :1].numpy().tobytes()
+    w[1, 2] = w[0, 0]  # writes go to the tensor
+    assert t[1, 2, 0] == t[0, 0, 0]
 
 
 def test_reference_matches_lmcache_oracle_for_nhd() -> None:

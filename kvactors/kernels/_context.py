@@ -10,13 +10,15 @@ tiny index tensors.
 
 from __future__ import annotations
 
-from typing import TYPE_CHECKING
+from typing import TYPE_CHECKING, Any
 
 import torch
 
-from kvactors.kernels._views import canonical_unit, object_view, raw, stacked_view
+from kvactors.kernels._views import canonical_unit, object_view, raw, stacked_view, void_view
 
 if TYPE_CHECKING:
+    import numpy as np
+
     from kvactors.plans import Segment, TransferPlan
 
 __all__ = ("KernelContext",)
@@ -27,6 +29,7 @@ class KernelContext:
 
     __slots__ = (
         "_plane_views",
+        "_stacked_void",
         "_unit_views",
         "bpo",
         "device",
@@ -55,6 +58,15 @@ class KernelContext:
         )
         self._plane_views: list[tuple[torch.Tensor, int]] | None = None
         self._unit_views: list[tuple[torch.Tensor, int, range]] | None = None
+        self._stacked_void: tuple[np.ndarray[Any, np.dtype[np.void]] | None] | None = None
+
+    def stacked_void(self) -> np.ndarray[Any, np.dtype[np.void]] | None:
+        """:attr:`stacked` as the numpy ``[L, P, B, S, H]`` array of ``HS`` runs
+        (:func:`~kvactors.kernels._views.void_view`); CPU and numpy only; built once per call."""
+        if self._stacked_void is None:
+            assert self.stacked is not None
+            self._stacked_void = (void_view(self.stacked),)
+        return self._stacked_void[0]
 
     def plane_views(self) -> list[tuple[torch.Tensor, int]]:
         """``(rows, i)`` per (paged tensor, plane): the plane as ``[NB, BS*NH*HS]`` rows and

@@ -8,12 +8,18 @@ path). The paths, in order of preference (measured in performance.md and bench_t
   token-major run. Gather is ONE ``index_select`` over a ``[rows, BS*NH*HS]`` view whose
   output is the contiguous chunk itself, which torch serves with one ``memcpy`` per block
   plane. Scatter is the mirror image through numpy fancy assignment (torch's ``index_copy_``
-  runs at half speed); numpy releases the GIL for it.
+  runs at half speed) on rows seen as single opaque items (``void_view``), so numpy moves one
+  block plane per item instead of walking its elements; numpy releases the GIL for it.
 * planes: block planes are contiguous but the layers are separate allocations: the same, one
   call per (layer, plane).
-* stacked: one strided view covers all layers but blocks are not token-major (HND): gather is
-  one ``index_select`` on the view in physical order, writing a permuted view of the chunk (the
-  transpose is fused); scatter is one ``copy_`` per run of consecutive block ids.
+* stacked: one strided view covers all layers but blocks are not token-major (HND). On the
+  host, both directions are one numpy assignment per run of consecutive block ids between
+  ``void_view``s of the stacked memory and of the chunk, whose items are whole ``HS`` runs:
+  the transpose becomes a strided copy of ``HS*itemsize``-byte items, near the speed of a C
+  ``memcpy`` loop over those runs (torch's strided copy kernel is 10-20 %
+  slower). Without numpy (and on the staged device path) gather is one ``index_select`` on
+  the view in physical order, writing a permuted view of the chunk (the transpose is fused),
+  and scatter one ``copy_`` per run of consecutive block ids.
 * units: anything else, one call per paged tensor (physical order again).
 
 No path allocates anything chunk-sized: outputs are views of the target, inputs views of the
@@ -26,7 +32,7 @@ from typing import TYPE_CHECKING
 
 import torch
 
-from kvactors.kernels._views import block_runs, physical_order
+from kvactors.kernels._views import block_runs, physical_order, void_view
 
 if TYPE_CHECKING:
     from kvactors.kernels._context import KernelContext
@@ -49,10 +55,14 @@ def numpy_usable() -> bool:
     return _NUMPY
 
 
-def gather_segment(ctx: KernelContext, seg: Segment, target: torch.Tensor) -> None:
+def gather_segment(
+    ctx: KernelContext, seg: Segment, target: torch.Tensor, *, use_numpy: bool
+) -> None:
     """Copy the segment's blocks from the paged memory into ``target`` (raw, chunk-shaped)."""
-    ids = ctx.ids(seg)
     n, j0 = seg.count, seg.slot0
+    if use_numpy and ctx.rows is None and _stacked_runs(ctx, seg, target, gather=True):
+        return
+    ids = ctx.ids(seg)
     if ctx.rows is not None:
         idx = ctx.row_index(ids)
         if n == ctx.bpo:
@@ -86,14 +96,17 @@ def scatter_segment(
     block_ids = ctx.plan.request.block_ids[seg.start : seg.stop]
     n, j0 = seg.count, seg.slot0
     if use_numpy and ctx.rows is not None:
-        rows = ctx.rows.numpy()
+        rows = void_view(ctx.rows)
+        assert rows is not None  # rows are unit-stride by construction
         idx = ctx.row_index(torch.tensor(block_ids, dtype=torch.int64))
         if n == ctx.bpo:
-            rows[idx.view(-1).numpy()] = source.view(idx.numel(), -1).numpy()
+            rows[idx.view(-1).numpy()] = void_view(source.view(idx.numel(), -1))
         else:
             sv = ctx.plane_rows(source)
             for i in range(idx.size(0)):
-                rows[idx[i].numpy()] = sv[i, j0 : j0 + n].numpy()
+                rows[idx[i].numpy()] = void_view(sv[i, j0 : j0 + n])
+        return
+    if use_numpy and _stacked_runs(ctx, seg, source, gather=False):
         return
     if use_numpy and ctx.plan.tight and ctx.stacked is None:
         sv = ctx.plane_rows(source)[:, j0 : j0 + n]
@@ -116,3 +129,22 @@ def scatter_segment(
         else:
             for k, b, r in block_runs(block_ids):
                 cu.narrow(1, b, r).copy_(src.narrow(1, k, r))
+
+
+def _stacked_runs(ctx: KernelContext, seg: Segment, chunk: torch.Tensor, *, gather: bool) -> bool:
+    """The stacked host path through numpy (module docstring); ``False`` when it does not
+    apply (no stacked view, or an ``HS`` axis that is not contiguous), nothing moved then."""
+    if ctx.stacked is None:
+        return False
+    paged = ctx.stacked_void()
+    if paged is None:
+        return False
+    ov = ctx.target_view(chunk).permute(1, 0, 2, 3, 4, 5)[:, :, seg.slot0 : seg.slot0 + seg.count]
+    obj = void_view(ov)
+    assert obj is not None  # chunks are contiguous
+    for k, b, r in block_runs(ctx.plan.request.block_ids[seg.start : seg.stop]):
+        if gather:
+            obj[:, :, k : k + r] = paged[:, :, b : b + r]
+        else:
+            paged[:, :, b : b + r] = obj[:, :, k : k + r]
+    return True

@@ -13,13 +13,15 @@ tensor per call, performance.md section 2).
 
 from __future__ import annotations
 
-from typing import TYPE_CHECKING
+from typing import TYPE_CHECKING, Any
 
 import torch
 
 from kvactors.layouts import FormatSpec, PagedKind
 
 if TYPE_CHECKING:
+    import numpy as np
+
     from kvactors.plans import StackedView
 
 __all__ = (
@@ -29,6 +31,7 @@ __all__ = (
     "physical_order",
     "raw",
     "stacked_view",
+    "void_view",
 )
 
 _RAW = {1: torch.uint8, 2: torch.int16, 4: torch.int32, 8: torch.int64}
@@ -87,3 +90,20 @@ def block_runs(ids: tuple[int, ...] | list[int]) -> list[tuple[int, int, int]]:
 def is_kv_list(spec: FormatSpec) -> bool:
     """Whether each paged tensor holds one plane of one layer."""
     return spec.kind is PagedKind.KV_LIST
+
+
+def void_view(t: torch.Tensor) -> np.ndarray[Any, np.dtype[np.void]] | None:
+    """A CPU tensor ``[..., D]`` as a numpy array ``[...]`` whose items are its last axis as
+    one opaque ``D*itemsize``-byte run (no copy), or ``None`` when that axis is not contiguous.
+
+    numpy copies such items with one ``memcpy``-like move each and releases the GIL, so a
+    strided copy of ``[..., D]`` runs at the speed of its runs, not of its elements."""
+    if t.dim() == 0:
+        return None
+    d = t.size(-1)
+    if t.stride(-1) != 1:
+        if d > 1:
+            return None
+        t = t.as_strided(t.size(), (*t.stride()[:-1], 1), t.storage_offset())
+    a = t.numpy()
+    return a.view(f"V{d * a.itemsize}")[..., 0]

@@ -138,7 +138,7 @@ def run_fast(
         np_ok = numpy_usable()
         for seg in plan.segments:
             if d2h:
-                gather_segment(ctx, seg, raw_objs[seg.obj])
+                gather_segment(ctx, seg, raw_objs[seg.obj], use_numpy=np_ok)
             else:
                 scatter_segment(ctx, seg, raw_objs[seg.obj], use_numpy=np_ok)
         return
@@ -161,7 +161,7 @@ def _run_staged(
         obj = objs[seg.obj]
         staging = scratch.get(ctx.device, obj.shape, obj.dtype)
         if d2h:
-            gather_segment(ctx, seg, staging)
+            gather_segment(ctx, seg, staging, use_numpy=False)
             copy(_region(ctx, obj, seg), _region(ctx, staging, seg))
         else:
             copy(_region(ctx, staging, seg), _region(ctx, obj, seg))
