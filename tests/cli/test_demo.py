@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import importlib
 import json
 
 import pytest
@@ -48,11 +49,10 @@ def test_demo_on_the_fake_vendor_says_so(device: str, capsys: pytest.CaptureFixt
     assert f"fake torch_{device}" in out
 
 
+@pytest.mark.skipif(
+    importlib.import_module("torch").cuda.is_available(), reason="a real GPU is present"
+)
 def test_demo_cuda_without_hardware_is_refused(capsys: pytest.CaptureFixture[str]) -> None:
-    import torch
-
-    if torch.cuda.is_available():
-        pytest.skip("a real GPU is present")
     assert main(["demo", "--device", "cuda", "--requests", "5"]) == 2
     assert "unavailable" in capsys.readouterr().err
 
