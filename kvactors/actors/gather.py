@@ -16,7 +16,7 @@ from __future__ import annotations
 import itertools
 from typing import TYPE_CHECKING, Any, final
 
-from kvactors.actors.mailbox import DEFERRED, Actor, Envelope
+from kvactors.actors.mailbox import DEFERRED, Actor, Envelope, unreachable
 from kvactors.actors.stream import Work
 from kvactors.errors import OperandTypeError
 from kvactors.kernels.fast import ScratchCache, run_fast
@@ -114,13 +114,15 @@ class GatherActor(Actor[GatherRequest]):
     def receive(self, env: Envelope[GatherRequest]) -> Any:
         """Dispatch one message."""
         msg = env.msg
-        if isinstance(msg, Ping):
-            return Pong(seq=msg.seq)
-        if isinstance(msg, Transfer):
-            return self._transfer(env, msg)
-        if isinstance(msg, Fence):
-            return self._fence(env, msg)
-        raise TypeError(f"unhandled message {type(msg).__name__}")
+        match msg:
+            case Ping():
+                return Pong(seq=msg.seq)
+            case Transfer():
+                return self._transfer(env, msg)
+            case Fence():
+                return self._fence(env, msg)
+            case _:
+                return unreachable(msg)
 
     def _transfer(self, env: Envelope[GatherRequest], msg: Transfer) -> Any:
         ops = env.operands

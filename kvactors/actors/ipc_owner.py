@@ -18,7 +18,7 @@ import asyncio
 import itertools
 from typing import TYPE_CHECKING, Any
 
-from kvactors.actors.mailbox import DEFERRED, Actor, Envelope
+from kvactors.actors.mailbox import DEFERRED, Actor, Envelope, unreachable
 from kvactors.errors import IPCError, ProtocolError
 from kvactors.protocols.ipc import CloseContext, ContextClosed, IPCRequest, Opened, OpenHandle
 from kvactors.protocols.stream import Sync
@@ -67,11 +67,13 @@ class IPCOwnerActor(Actor[IPCRequest]):
     def receive(self, env: Envelope[IPCRequest]) -> Any:
         """Dispatch one message."""
         msg = env.msg
-        if isinstance(msg, OpenHandle):
-            return self._open(msg)
-        if isinstance(msg, CloseContext):
-            return self._close(env, msg)
-        raise TypeError(f"unhandled message {type(msg).__name__}")
+        match msg:
+            case OpenHandle():
+                return self._open(msg)
+            case CloseContext():
+                return self._close(env, msg)
+            case _:
+                return unreachable(msg)
 
     def _open(self, msg: OpenHandle) -> tuple[Opened, torch.Tensor]:
         ctx = msg.context_id

@@ -35,7 +35,7 @@ import asyncio
 import collections
 import contextlib
 import enum
-from typing import TYPE_CHECKING, Any, Final, Generic, Protocol, TypeVar, final
+from typing import TYPE_CHECKING, Any, Final, Generic, NoReturn, Protocol, TypeVar, final
 
 import msgspec
 
@@ -50,7 +50,15 @@ from kvactors.errors import (
 if TYPE_CHECKING:
     from collections.abc import Callable
 
-__all__ = ("DEFERRED", "Actor", "ActorState", "ActorStatistics", "Envelope", "ReplySlot")
+__all__ = (
+    "DEFERRED",
+    "Actor",
+    "ActorState",
+    "ActorStatistics",
+    "Envelope",
+    "ReplySlot",
+    "unreachable",
+)
 
 M = TypeVar("M")
 
@@ -64,6 +72,12 @@ class _Deferred:
 
 DEFERRED: Final = _Deferred()
 """Returned by ``receive`` when the actor settles the reply itself later."""
+
+
+def unreachable(msg: NoReturn) -> NoReturn:
+    """The ``case _`` of an exhaustive ``match`` on a protocol union: a message type added to
+    the union but not handled fails the type check here, and at run time raises."""
+    raise AssertionError(f"unhandled message {type(msg).__name__}")
 
 
 class ReplySlot(Protocol):

@@ -21,7 +21,7 @@ import time
 from typing import TYPE_CHECKING, Any, final
 
 from kvactors.actors.lane import Lane
-from kvactors.actors.mailbox import DEFERRED, Actor, Envelope
+from kvactors.actors.mailbox import DEFERRED, Actor, Envelope, unreachable
 from kvactors.errors import DeviceOpError, KvactorsError, TransferFailedError
 from kvactors.protocols.stream import (
     EventRecord,
@@ -116,87 +116,94 @@ class StreamActor(Actor[StreamRequest]):
     def receive(self, env: Envelope[StreamRequest]) -> Any:
         """Turn the message into one lane job, in mailbox order."""
         msg = env.msg
+        match msg:
+            case Launch():
+                self._launch(env, msg)
+            case RecordCompletion():
+                self._record(env, self._completions, (msg.kind, msg.payload))
+            case RecordEvent():
+                self._record(env, self._events, msg.record)
+            case Sync():
+                self._sync(env)
+            case _:
+                unreachable(msg)
+        return DEFERRED
+
+    def _launch(self, env: Envelope[StreamRequest], msg: Launch) -> None:
+        work = env.operands
+        if not isinstance(work, Work):
+            raise TypeError(f"Launch needs a Work operand bundle, got {type(work).__name__}")
+        env.operands = None
         post = self._post()
         backend, stream, lane = self.backend, self.stream, self.lane
-        if isinstance(msg, Launch):
-            work = env.operands
-            if not isinstance(work, Work):
-                raise TypeError(f"Launch needs a Work operand bundle, got {type(work).__name__}")
-            env.operands = None
-            settle = self.defer(env)
-            tid, nbytes, device = msg.transfer_id, msg.nbytes, self._device
+        settle = self.defer(env)
+        tid, nbytes, device = msg.transfer_id, msg.nbytes, self._device
 
-            def done(err: BaseException | None) -> None:
-                if err is None:
-                    post(settle, None, Launched(transfer_id=tid, nbytes=nbytes))
-                else:
-                    post(settle, _failed(err, tid, device), None)
-
-            def launch() -> None:
-                lease = work
-                try:
-                    if lane.bind_error is not None:
-                        raise lane.bind_error
-                    backend.launch(stream, lease.fn)
-                    marker = backend.record_marker(stream)
-                except BaseException as exc:
-                    done(exc)
-                    return
-                if marker.query() and lane.reaper_idle():
-                    # Already complete (CPU work is, when launched) and nothing earlier is
-                    # still watched: answer from here, skipping a hop through the reaper. The
-                    # synchronize returns at once, and it is where a stream error surfaces.
-                    try:
-                        marker.synchronize()
-                    except BaseException as exc:
-                        del lease
-                        done(exc)
-                        return
-                    del lease
-                    done(None)
-                    return
-                lane.watch(marker, lease, done)
-
-            lane.submit(launch)
-            return DEFERRED
-        if isinstance(msg, (RecordCompletion, RecordEvent)):
-            if isinstance(msg, RecordCompletion):
-                outbox: Outbox[Any] = self._completions
-                record: Any = (msg.kind, msg.payload)
+        def done(err: BaseException | None) -> None:
+            if err is None:
+                post(settle, None, Launched(transfer_id=tid, nbytes=nbytes))
             else:
-                outbox = self._events
-                record = msg.record
-            seq = outbox.reserve()
-            settle = self.defer(env)
+                post(settle, _failed(err, tid, device), None)
 
-            def publish() -> None:
+        def launch() -> None:
+            lease = work
+            try:
+                if lane.bind_error is not None:
+                    raise lane.bind_error
+                backend.launch(stream, lease.fn)
+                marker = backend.record_marker(stream)
+            except BaseException as exc:
+                done(exc)
+                return
+            if marker.query() and lane.reaper_idle():
+                # Already complete (CPU work is, when launched) and nothing earlier is still
+                # watched: answer from here, skipping a hop through the reaper. The
+                # synchronize returns at once, and it is where a stream error surfaces.
+                err: BaseException | None = None
                 try:
-                    self._synchronize()
+                    marker.synchronize()
                 except BaseException as exc:
-                    outbox.withdraw(seq)
-                    post(settle, _sync_failed(exc, self._device), None)
-                    return
-                outbox.publish(seq, record)
-                post(settle, None, None)
+                    err = exc
+                del lease
+                done(err)
+                return
+            lane.watch(marker, lease, done)
 
-            lane.submit(publish)
-            return DEFERRED
-        if isinstance(msg, Sync):
-            settle = self.defer(env)
+        lane.submit(launch)
 
-            def sync() -> None:
-                try:
-                    self._synchronize()
-                except BaseException as exc:
-                    post(settle, _sync_failed(exc, self._device), None)
-                    return
-                # Answer from the reaper, so every lease of earlier work is dropped first:
-                # whoever acts on the barrier (an IPC close) finds no host reference left.
-                lane.after_reaped(lambda: post(settle, None, Synced(completed=lane.completed)))
+    def _record(self, env: Envelope[StreamRequest], outbox: Outbox[Any], record: Any) -> None:
+        post = self._post()
+        seq = outbox.reserve()
+        settle = self.defer(env)
 
-            lane.submit(sync)
-            return DEFERRED
-        raise TypeError(f"unhandled message {type(msg).__name__}")
+        def publish() -> None:
+            try:
+                self._synchronize()
+            except BaseException as exc:
+                outbox.withdraw(seq)
+                post(settle, _sync_failed(exc, self._device), None)
+                return
+            outbox.publish(seq, record)
+            post(settle, None, None)
+
+        self.lane.submit(publish)
+
+    def _sync(self, env: Envelope[StreamRequest]) -> None:
+        post = self._post()
+        lane = self.lane
+        settle = self.defer(env)
+
+        def sync() -> None:
+            try:
+                self._synchronize()
+            except BaseException as exc:
+                post(settle, _sync_failed(exc, self._device), None)
+                return
+            # Answer from the reaper, so every lease of earlier work is dropped first:
+            # whoever acts on the barrier (an IPC close) finds no host reference left.
+            lane.after_reaped(lambda: post(settle, None, Synced(completed=lane.completed)))
+
+        lane.submit(sync)
 
 
 def _failed(err: BaseException, transfer_id: int, device: str) -> BaseException:
