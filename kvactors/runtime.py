@@ -24,10 +24,11 @@ import itertools
 import threading
 from typing import TYPE_CHECKING, Any, TypeVar
 
+from kvactors._bridge import ReplyLock, settle_concurrent, settle_slot
 from kvactors.actors.gather import TransferOperands
 from kvactors.actors.group import DeviceActors, DeviceStatistics
 from kvactors.devices.base import Backend
-from kvactors.errors import ActorClosedError, DeadlineExceededError, MailboxFullError
+from kvactors.errors import ActorClosedError, MailboxFullError
 from kvactors.protocols.gather import Fence, Fenced, Ping, Pong, Transfer, TransferDone
 from kvactors.protocols.ipc import CloseContext, ContextClosed, Opened, OpenHandle
 from kvactors.protocols.stream import EventRecord, RecordCompletion, RecordEvent, Sync, Synced
@@ -55,45 +56,6 @@ def resolve_backend(backend: str | Backend) -> Backend:
     from kvactors.devices import get_backend
 
     return get_backend(backend)
-
-
-class _Reply:
-    """A one-shot reply slot a foreign thread can sleep on (a pre-acquired lock).
-
-    It has the shape of a future (``done``/``set_result``/``set_exception``), so actors settle
-    it directly on the loop: the caller wakes without a further loop iteration.
-    """
-
-    __slots__ = ("_done", "_exc", "_lock", "_value")
-
-    def __init__(self) -> None:
-        self._lock = threading.Lock()
-        self._lock.acquire()
-        self._done = False
-        self._value: Any = None
-        self._exc: BaseException | None = None
-
-    def done(self) -> bool:
-        return self._done
-
-    def set_result(self, value: Any) -> None:
-        if not self._done:
-            self._done = True
-            self._value = value
-            self._lock.release()
-
-    def set_exception(self, exc: BaseException) -> None:
-        if not self._done:
-            self._done = True
-            self._exc = exc
-            self._lock.release()
-
-    def wait(self, timeout: float, what: str) -> Any:
-        if not self._lock.acquire(timeout=timeout):
-            raise DeadlineExceededError(actor="runtime", message_type=what, timeout=timeout)
-        if self._exc is not None:
-            raise self._exc
-        return self._value
 
 
 class Runtime:
@@ -124,7 +86,7 @@ class Runtime:
         self._actors: DeviceActors | None = None
         self._closed = False
         self._ids = itertools.count(1)
-        self._outstanding: set[_Reply] = set()
+        self._outstanding: set[ReplyLock] = set()
 
     # ---- lifecycle -----------------------------------------------------------------
 
@@ -228,7 +190,7 @@ class Runtime:
     ) -> Any:
         loop, actors = self._running()
         t = self.default_timeout if timeout is None else timeout
-        reply = _Reply()
+        reply = ReplyLock()
         with self._lock:
             self._outstanding.add(reply)
 
@@ -250,7 +212,7 @@ class Runtime:
         # Returns once the message is queued (mailbox order = call order per thread); waits
         # for mailbox space instead of dropping the message when the mailbox is full.
         loop, actors = self._running()
-        reply = _Reply()
+        reply = ReplyLock()
         with self._lock:
             self._outstanding.add(reply)
 
@@ -262,7 +224,7 @@ class Runtime:
             except MailboxFullError:
                 assert actor is not None
                 task = loop.create_task(actor.tell(msg))
-                task.add_done_callback(lambda f: _settle_slot(f, reply))
+                task.add_done_callback(lambda f: settle_slot(f, reply))
                 return
             except BaseException as exc:
                 reply.set_exception(exc)
@@ -294,7 +256,7 @@ class Runtime:
                 if not cf.done():
                     cf.set_exception(exc)
                 return
-            fut.add_done_callback(lambda f: _settle_concurrent(f, cf))
+            fut.add_done_callback(lambda f: settle_concurrent(f, cf))
 
         loop.call_soon_threadsafe(submit)
         return asyncio.wrap_future(cf)
@@ -431,26 +393,6 @@ class Runtime:
         loop, actors = self._running()
         cf = asyncio.run_coroutine_threadsafe(_snapshot(actors), loop)
         return cf.result(self.default_timeout if timeout is None else timeout)
-
-
-def _settle_slot(fut: asyncio.Future[Any], slot: _Reply) -> None:
-    if fut.cancelled():
-        slot.set_exception(ActorClosedError("request cancelled", actor="runtime"))
-    elif (exc := fut.exception()) is not None:
-        slot.set_exception(exc)
-    else:
-        slot.set_result(fut.result())
-
-
-def _settle_concurrent(fut: asyncio.Future[Any], cf: concurrent.futures.Future[Any]) -> None:
-    if cf.done():  # the caller cancelled its awaitable: nobody wants the answer
-        return
-    if fut.cancelled():
-        cf.cancel()
-    elif (exc := fut.exception()) is not None:
-        cf.set_exception(exc)
-    else:
-        cf.set_result(fut.result())
 
 
 async def _snapshot(actors: DeviceActors) -> DeviceStatistics:
