@@ -1,4 +1,5 @@
-"""The ``kvactors`` command: ``doctor``, ``demo``, ``bench``, ``validate``, ``replay``.
+"""The ``kvactors`` command: ``doctor``, ``demo``, ``bench``, ``validate``, ``replay``,
+``selftest``.
 
 Each subcommand lives in its own module and is imported only when it runs, so
 ``kvactors doctor`` works even where a heavier dependency (matplotlib) is missing.
@@ -65,6 +66,11 @@ def build_parser() -> argparse.ArgumentParser:
 
     validate_args(val)
 
+    st = add_parser("selftest", help="conformance suite on one device (real, or --fake)")
+    from kvactors.selftest import add_arguments as selftest_args
+
+    selftest_args(st)
+
     rep = add_parser("replay", help="replay a recorded trace on a fresh runtime")
     rep.add_argument("trace", help="a file written by `kvactors demo --trace`")
     rep.add_argument("--device", choices=DEVICE_KINDS, default="cpu")
@@ -94,6 +100,10 @@ def main(argv: Sequence[str] | None = None) -> int:
         from kvactors.validate import run as run_validate
 
         return run_validate(args)
+    if args.command == "selftest":
+        from kvactors.selftest import run as run_selftest
+
+        return run_selftest(args)
     from kvactors.trace import run as run_replay
 
     return run_replay(args)

@@ -24,6 +24,9 @@ The pytest plugin :mod:`kvactors.testing.pytest_plugin` provides fixtures ``fake
 :class:`ManualBackend` (loaded on first access, since it builds on the CPU backend) is a
 kvactors backend whose device runs launched work only when the test calls ``release()``:
 the deterministic tool behind the ordering-rule tests.
+
+:func:`check_backend` (loaded on first access: it runs the Runtime) is the conformance suite
+behind ``kvactors selftest``, for vendors' CI: ``check_backend("musa").ok``.
 """
 
 from __future__ import annotations
@@ -43,6 +46,8 @@ if TYPE_CHECKING:
     from collections.abc import Iterator
 
 __all__ = (
+    "BackendReport",
+    "CheckResult",
     "FakeDevice",
     "FakeDeviceError",
     "FakeDeviceTensor",
@@ -53,15 +58,24 @@ __all__ = (
     "FakeVendor",
     "MUSAIPCTensorHandle",
     "ManualBackend",
+    "check_backend",
     "fake_vendor",
 )
 
+_LAZY = {
+    "ManualBackend": "kvactors.testing.manual",
+    "BackendReport": "kvactors.testing.check",
+    "CheckResult": "kvactors.testing.check",
+    "check_backend": "kvactors.testing.check",
+}
+
 
 def __getattr__(name: str) -> Any:
-    if name == "ManualBackend":
-        from kvactors.testing.manual import ManualBackend
+    module = _LAZY.get(name)
+    if module is not None:
+        import importlib
 
-        return ManualBackend
+        return getattr(importlib.import_module(module), name)
     raise AttributeError(f"module {__name__!r} has no attribute {name!r}")
 
 

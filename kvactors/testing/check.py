@@ -1,0 +1,525 @@
+"""The conformance suite behind ``kvactors selftest``: :func:`check_backend`.
+
+An operator runs it on a real card in one command; a vendor runs it in CI; kvactors' own CI
+runs it on the fake vendor modules. Every check goes through :class:`~kvactors.runtime.Runtime`
+(the path users run) and compares bytes with kvactors' reference kernel on CPU copies:
+
+``probe``
+    the backend is available here (else the report names what is missing, and stops).
+``roundtrip.<FORMAT>.<d2h|h2d>.skip<k>``
+    a gather (device -> host chunks) or scatter (host chunks -> device) of every format with
+    ``skip_blocks`` 0 and 1, bit-exact; a format the backend refuses up front is a skip. At
+    least one format must round trip (``roundtrip.supported``).
+``strided_d2h``
+    a partial-chunk gather, whose device-to-host copies land in non-contiguous host slices
+    (torch_mlu returns wrong data from the asynchronous form), bit-exact.
+``order.publish_after_sync``
+    caller work queued on its own stream, then ``record_completion`` on that stream's handle:
+    the record is never drainable before the work completed, and is never lost.
+``order.handle0_default_stream``
+    caller work on the device's default stream, then ``synchronize(0)``: the work is done.
+``order.borrowed_stream``
+    caller work on its own stream, then a transfer on that stream's handle sees its result;
+    the stream still works after the runtime that borrowed it closed.
+``ipc.close_after_sync``
+    export, ``open_ipc``, caller work writing the opened view on its stream, then
+    ``close_ipc_context``: the work completed before the owner closed; a second close is a
+    no-op. Skipped where the backend has no IPC.
+``throughput``
+    gather and scatter of a larger cache; reports GB/s (a figure, not a pass criterion).
+
+Ordering checks need asynchronous streams; on ``cpu`` (synchronous lanes) they are skips.
+"""
+
+from __future__ import annotations
+
+import contextlib
+import functools
+import platform
+import statistics
+import time
+from typing import TYPE_CHECKING, Any
+
+import msgspec
+import torch
+
+from kvactors.errors import TransferValidationError, UnsupportedOperationError
+from kvactors.layouts import FORMAT_SPECS, Direction, KVFormat
+from kvactors.runtime import Runtime, resolve_backend
+from kvactors.testing._check_io import DeviceIO, KVCase, same_bytes
+
+if TYPE_CHECKING:
+    from collections.abc import Callable, Iterator, Mapping, Sequence
+
+    from kvactors.devices.base import Backend
+    from kvactors.testing.vendor import FakeVendor
+
+__all__ = ("CHECK_GROUPS", "FAKE_KNOBS", "BackendReport", "CheckResult", "check_backend")
+
+CHECK_GROUPS = (
+    "roundtrip",
+    "strided_d2h",
+    "order.publish_after_sync",
+    "order.handle0_default_stream",
+    "order.borrowed_stream",
+    "ipc.close_after_sync",
+    "throughput",
+)
+"""The check groups, in run order (``probe`` always runs first)."""
+
+FAKE_KNOBS: dict[str, Any] = {"seed": 0, "delay": 0.001, "jitter": 0.001}
+"""Knobs of the simulated device: every queued op waits, so a broken rule shows."""
+
+_SIMULATED_VENDOR = {"mlu": "torch_mlu", "musa": "torch_musa"}
+
+
+class CheckResult(msgspec.Struct, frozen=True, kw_only=True):
+    """One check: ``ok`` (a skip is ok), a readable ``detail``, its duration and figures."""
+
+    name: str
+    ok: bool
+    detail: str
+    seconds: float = 0.0
+    skipped: bool = False
+    metrics: dict[str, float] = msgspec.field(default_factory=dict)
+
+
+class BackendReport(msgspec.Struct, frozen=True, kw_only=True):
+    """What :func:`check_backend` found: ``ok`` only when every check passed."""
+
+    device: str
+    simulated: bool
+    versions: dict[str, str]
+    checks: tuple[CheckResult, ...]
+
+    @property
+    def ok(self) -> bool:
+        """Whether there was at least one check and every check passed (skips pass)."""
+        return bool(self.checks) and all(c.ok for c in self.checks)
+
+    @property
+    def failed(self) -> tuple[CheckResult, ...]:
+        """The checks that failed."""
+        return tuple(c for c in self.checks if not c.ok)
+
+    def to_builtins(self) -> dict[str, Any]:
+        """The JSON form: the fields plus ``ok``."""
+        data: dict[str, Any] = msgspec.to_builtins(self)
+        data["ok"] = self.ok
+        return data
+
+
+class _Skip(Exception):
+    """Raised by a check that does not apply here."""
+
+
+class _Fail(Exception):
+    """Raised by a check whose rule was broken."""
+
+
+class _Outcome:
+    __slots__ = ("detail", "metrics")
+
+    def __init__(self, detail: str, metrics: dict[str, float] | None = None) -> None:
+        self.detail = detail
+        self.metrics = metrics or {}
+
+
+def check_backend(
+    device: str | Backend = "cpu",
+    *,
+    fake: bool | Mapping[str, Any] = False,
+    device_index: int = 0,
+    only: Sequence[str] | None = None,
+) -> BackendReport:
+    """Run the conformance suite on one device through the Runtime.
+
+    Args:
+        device: ``"cpu"``, ``"mlu"``, ``"musa"``, ``"cuda"``, or a backend instance (a
+            vendor's own subclass, for instance).
+        fake: Run on :func:`kvactors.testing.fake_vendor` instead of the real vendor module
+            (``mlu`` and ``musa`` only). A mapping gives fake knobs, merged over
+            :data:`FAKE_KNOBS` (e.g. ``{"strided_d2h_bug": True}``).
+        device_index: The device to test.
+        only: Check groups (from :data:`CHECK_GROUPS`) to run; default all.
+
+    Returns:
+        The frozen report. When the backend is unavailable, its only check is a failed
+        ``probe`` that names what is missing.
+
+    Raises:
+        ValueError: ``fake`` for a device kind without a fake, or an unknown check group.
+    """
+    backend = resolve_backend(device)
+    groups = tuple(CHECK_GROUPS if only is None else only)
+    unknown = sorted(set(groups) - set(CHECK_GROUPS))
+    if unknown:
+        raise ValueError(f"unknown check groups {unknown}; expected some of {CHECK_GROUPS}")
+    if fake is not False and backend.kind not in _SIMULATED_VENDOR:
+        raise ValueError(f"there is no fake {backend.kind} device: --fake is for mlu and musa")
+    name = f"{backend.kind}:{device_index}"
+    with _installed(backend.kind, fake) as (vendor, problem):
+        simulated = vendor is not None
+        versions = _versions(backend, simulated)
+        if problem:
+            return BackendReport(device=name, simulated=simulated, versions=versions,
+                                 checks=(CheckResult(name="probe", ok=False, detail=problem),))
+        probe = backend.probe()
+        versions.update(probe.details)
+        if not probe.available:
+            detail = f"{backend.kind.upper()} is not available: {probe.reason}"
+            return BackendReport(device=name, simulated=simulated, versions=versions,
+                                 checks=(CheckResult(name="probe", ok=False, detail=detail),))
+        first = CheckResult(name="probe", ok=True, detail=_probe_detail(probe.details, vendor))
+        io = DeviceIO(backend, device_index, vendor)
+        suite = _Suite(backend, io, simulated)
+        checks = (first, *suite.run(groups))
+        return BackendReport(device=name, simulated=simulated, versions=versions, checks=checks)
+
+
+@contextlib.contextmanager
+def _installed(
+    kind: str, fake: bool | Mapping[str, Any]
+) -> Iterator[tuple[FakeVendor | None, str]]:
+    if fake is False:
+        yield None, ""
+        return
+    from kvactors.testing import fake_vendor
+
+    knobs = dict(FAKE_KNOBS)
+    if fake is not True:
+        knobs.update(fake)
+    try:
+        cm = fake_vendor(kind, **knobs)
+        vendor = cm.__enter__()
+    except RuntimeError as exc:
+        yield None, f"the fake {_SIMULATED_VENDOR[kind]} cannot be installed: {exc}"
+        return
+    try:
+        yield vendor, ""
+    finally:
+        cm.__exit__(None, None, None)
+
+
+def _versions(backend: Backend, simulated: bool) -> dict[str, str]:
+    from kvactors import __version__
+
+    out = {"kvactors": __version__, "torch": str(torch.__version__),
+           "python": platform.python_version(), "backend": type(backend).__qualname__}
+    if simulated:
+        out["vendor"] = f"fake {_SIMULATED_VENDOR[backend.kind]} (kvactors.testing)"
+    return out
+
+
+def _probe_detail(details: dict[str, str], vendor: FakeVendor | None) -> str:
+    facts = ", ".join(f"{k}={v}" for k, v in sorted(details.items())) or "available"
+    return f"SIMULATED on the fake vendor module; {facts}" if vendor is not None else facts
+
+
+class _Suite:
+    """The checks, run in order against one Runtime."""
+
+    def __init__(self, backend: Backend, io: DeviceIO, simulated: bool) -> None:
+        self.backend = backend
+        self.io = io
+        self.simulated = simulated
+        # The caller-side work that ordering checks race against: long enough on hardware
+        # that a record published before the stream ran is caught.
+        self.elems = 4096 if simulated else 16 << 20
+        self.ops = 4 if simulated else 2
+        self.trials = 3
+
+    def run(self, groups: Sequence[str]) -> list[CheckResult]:
+        out: list[CheckResult] = []
+        rt = Runtime(self.backend, device_index=self.io.index, default_timeout=60.0)
+        try:
+            rt.start()
+            for group in groups:
+                if group == "roundtrip":
+                    out.extend(self._roundtrips(rt))
+                    continue
+                fn: Callable[[Runtime], _Outcome] = getattr(self, "_" + group.replace(".", "_"))
+                out.append(_timed(group, functools.partial(fn, rt)))
+                self.io.settle()
+        finally:
+            rt.close()
+        return out
+
+    # ---- round trips ------------------------------------------------------------------
+
+    def _roundtrips(self, rt: Runtime) -> list[CheckResult]:
+        out: list[CheckResult] = []
+        for n, fmt in enumerate(FORMAT_SPECS):
+            for direction in (Direction.D2H, Direction.H2D):
+                for skip in (0, 1):
+                    name = f"roundtrip.{fmt.name}.{direction.name.lower()}.skip{skip}"
+                    seed = 100 * n + 10 * int(direction) + skip
+                    out.append(_timed(name, functools.partial(
+                        self._roundtrip, rt, fmt, direction, skip, seed)))
+        passed = {c.name.split(".")[1] for c in out if c.ok and not c.skipped}
+        detail = f"{len(passed)} of {len(FORMAT_SPECS)} formats moved bit-exact"
+        out.append(CheckResult(name="roundtrip.supported", ok=bool(passed), detail=detail))
+        return out
+
+    def _roundtrip(
+        self, rt: Runtime, fmt: KVFormat, direction: Direction, skip: int, seed: int
+    ) -> _Outcome:
+        case = KVCase(fmt=fmt)
+        ids = [6, 1, 3, 4, 0]
+        return self._move(rt, case, int(direction), ids, skip, seed)
+
+    def _move(
+        self, rt: Runtime, case: KVCase, direction: int, ids: list[int], skip: int, seed: int,
+    ) -> _Outcome:
+        gen = torch.Generator().manual_seed(seed)
+        io = self.io
+        req = case.request(direction, ids, skip)
+        units = case.units(gen)
+        dev = [io.to_device(u) for u in units]
+        n_obj = case.n_objects(len(ids))
+        if direction == int(Direction.D2H):
+            objs = [io.host(o) for o in case.objects(n_obj, None)]
+            want = case.objects(n_obj, None)
+            _transfer(rt, req, case.paged(dev), objs)
+            rt.synchronize(0)
+            case.reference(req, units, want)
+            if not same_bytes(objs, want):
+                raise _Fail(f"host chunks differ from the reference kernel's ({_diff(objs, want)})")
+        else:
+            objs = [io.host(o) for o in case.objects(n_obj, gen)]
+            _transfer(rt, req, case.paged(dev), objs)
+            rt.synchronize(0)
+            case.reference(req, units, [o.clone() for o in objs])
+            got = [io.read(d) for d in dev]
+            if not same_bytes(got, units):
+                raise _Fail(f"paged memory differs from the reference's ({_diff(got, units)})")
+        return _Outcome(f"{len(ids)} blocks, skip {skip}: bit-exact")
+
+    def _strided_d2h(self, rt: Runtime) -> _Outcome:
+        # A chunk whose first block is skipped is copied per row range: the destinations are
+        # non-contiguous slices of the pinned host chunk.
+        case = KVCase(fmt=KVFormat.NL_X_TWO_NB_BS_NH_HS, dtype=torch.float32)
+        for trial in range(self.trials):
+            try:
+                self._move(rt, case, int(Direction.D2H), [0, 1, 2, 3], 1, 7 + trial)
+            except _Fail as exc:
+                raise _Fail(f"trial {trial}: D2H into a non-contiguous host slice: {exc}") from exc
+        return _Outcome(f"{self.trials} partial-chunk gathers into strided host slices: bit-exact")
+
+    # ---- ordering rules with real streams -------------------------------------------
+
+    def _accelerator(self) -> Any:
+        if self.io.is_host:
+            raise _Skip("cpu lanes run work synchronously: no asynchronous stream to order")
+        return self.io.vendor()
+
+    def _slow_write(self, stream: Any, dev: torch.Tensor, host: torch.Tensor, value: float) -> None:
+        """Queue ``ops`` fills of ``dev`` and an async copy into pinned ``host`` on ``stream``."""
+        mod = self.io.vendor()
+        with mod.stream(stream):
+            for _ in range(self.ops):
+                dev.fill_(value)
+            host.copy_(dev, non_blocking=True)
+
+    def _buffers(self) -> tuple[torch.Tensor, torch.Tensor]:
+        return (self.io.to_device(torch.zeros(self.elems)),
+                self.io.host(torch.zeros(self.elems)))
+
+    def _order_publish_after_sync(self, rt: Runtime) -> _Outcome:
+        mod = self._accelerator()
+        stream = mod.Stream(device=self.io.index)
+        handle = self.backend.stream_handle(stream)
+        dev, host = self._buffers()
+        rt.drain_completions()
+        early = 0
+        for trial in range(self.trials):
+            value = float(trial + 1)
+            payload = b"selftest-%d" % trial
+            self._slow_write(stream, dev, host, value)
+            rt.record_completion(handle, "kvactors.selftest", payload)
+            deadline = time.monotonic() + rt.default_timeout
+            while True:
+                records = rt.drain_completions()
+                if records:
+                    if not bool((host == value).all()):
+                        early += 1
+                    if records != [("kvactors.selftest", payload)]:
+                        raise _Fail(f"trial {trial}: drained {records!r}")
+                    break
+                if time.monotonic() > deadline:
+                    raise _Fail(f"trial {trial}: the record was never published")
+                time.sleep(0.0002)  # LMCache polls too; the record's own timing is the check
+            stream.synchronize()
+        if early:
+            raise _Fail(f"{early} of {self.trials} records were drainable before the earlier "
+                        "work on their stream completed")
+        return _Outcome(f"{self.trials} records on a caller stream, each published after "
+                        "the earlier work on it completed")
+
+    def _order_handle0_default_stream(self, rt: Runtime) -> _Outcome:
+        mod = self._accelerator()
+        default = mod.default_stream(self.io.index)
+        dev, host = self._buffers()
+        for trial in range(self.trials):
+            value = float(trial + 1)
+            self._slow_write(default, dev, host, value)
+            rt.synchronize(0)
+            if not bool((host == value).all()):
+                raise _Fail(f"trial {trial}: synchronize(0) returned before the work on the "
+                            "default stream completed (handle 0 is not the default stream)")
+        return _Outcome("synchronize(0) waited for the default stream's work "
+                        f"({self.trials} trials)")
+
+    def _order_borrowed_stream(self, rt: Runtime) -> _Outcome:
+        mod = self._accelerator()
+        stream = mod.Stream(device=self.io.index)
+        handle = self.backend.stream_handle(stream)
+        case = KVCase(fmt=KVFormat.NL_X_TWO_NB_BS_NH_HS)
+        ids = [0, 1, 2, 3]
+        dev = [self.io.to_device(u) for u in case.units(torch.Generator().manual_seed(1))]
+        objs = [self.io.host(o) for o in case.objects(case.n_objects(len(ids)), None)]
+        big, host = self._buffers()
+        with Runtime(self.backend, device_index=self.io.index, default_timeout=60.0) as own:
+            for trial in range(self.trials):
+                value = float(trial + 1)
+                # Long work first, then the writes the transfer must see.
+                self._slow_write(stream, big, host, value)
+                with mod.stream(stream):
+                    for d in dev:
+                        d.fill_(value)
+                _transfer(own, case.request(int(Direction.D2H), ids), case.paged(dev), objs,
+                          stream_handle=handle)
+                own.synchronize(handle)
+                if not all(bool((o == value).all()) for o in objs):
+                    raise _Fail(f"trial {trial}: a transfer on the caller's stream handle ran "
+                                "before the caller's earlier work on that stream")
+        self._slow_write(stream, big, host, 42.0)
+        stream.synchronize()
+        if not bool((host == 42.0).all()):
+            raise _Fail("the borrowed stream no longer works after the runtime closed")
+        return _Outcome(f"transfers on a borrowed stream ordered after its work ({self.trials} "
+                        "trials); the stream outlived the runtime")
+
+    # ---- IPC -------------------------------------------------------------------------------
+
+    def _ipc_close_after_sync(self, rt: Runtime) -> _Outcome:
+        if not self.io.is_host:
+            exported = self.io.to_device(torch.zeros(self.elems))
+            try:
+                return self._ipc_round(rt, self._export(exported), exported)
+            finally:
+                # With the rule broken, work on the (non-owning) opened view may still be
+                # queued: the exporter's memory must outlive it.
+                self.io.settle()
+        alloc = getattr(self.backend, "alloc_shared", None)
+        if alloc is None:
+            raise _Skip(f"{type(self.backend).__name__} cannot allocate shared memory")
+        shared = alloc((self.elems,), torch.float32)
+        try:
+            return self._ipc_round(rt, self._export(shared.tensor), shared.tensor)
+        finally:
+            # A failure's traceback may still reference the mapping; the segment is
+            # unlinked regardless.
+            with contextlib.suppress(BufferError):
+                shared.close()
+
+    def _export(self, t: torch.Tensor) -> Any:
+        try:
+            return self.backend.ipc_export(t)
+        except UnsupportedOperationError as exc:
+            raise _Skip(f"no IPC on this backend: {exc}") from exc
+
+    def _ipc_round(self, rt: Runtime, handle: Any, exported: torch.Tensor) -> _Outcome:
+        pattern = torch.arange(self.elems, dtype=torch.float32)
+        context = 0x5E1F
+        view = rt.open_ipc(handle, context_id=context)
+        handles: tuple[int, ...] = (0,)
+        if self.io.is_host:
+            view.copy_(pattern)
+        else:
+            mod = self.io.vendor()
+            stream = mod.Stream(device=self.io.index)
+            handles = (self.backend.stream_handle(stream),)
+            src = self.io.to_device(pattern)
+            with mod.stream(stream):
+                for _ in range(self.ops):
+                    view.fill_(-1.0)
+                view.copy_(src, non_blocking=True)
+        del view
+        closed = rt.close_ipc_context(context, stream_handles=handles)
+        now = self.io.read_unordered(exported)
+        if not torch.equal(now, pattern):
+            raise _Fail("close_ipc_context returned (owner closed) before the work on the "
+                        "opened view completed")
+        if closed.owners_closed != 1:
+            raise _Fail(f"close reported {closed.owners_closed} owners closed, expected 1")
+        again = rt.close_ipc_context(context, stream_handles=handles)
+        if again.owners_closed != 0:
+            raise _Fail(f"a second close closed {again.owners_closed} owners, expected 0")
+        return _Outcome(f"{handle.backend} IPC: export, open, write on a stream, close after "
+                        "sync; second close is a no-op")
+
+    # ---- throughput -------------------------------------------------------------------------
+
+    def _throughput(self, rt: Runtime) -> _Outcome:
+        nb = 32 if self.simulated or self.io.is_host else 256
+        case = KVCase(fmt=KVFormat.NL_X_TWO_NB_BS_NH_HS, nl=4, nb=nb, bs=16, nh=8, hs=128,
+                      bpo=16)
+        gen = torch.Generator().manual_seed(3)
+        ids = list(torch.randperm(nb, generator=gen).tolist())
+        units = case.units(gen)
+        dev = [self.io.to_device(u) for u in units]
+        objs = [self.io.host(o) for o in case.objects(case.n_objects(nb), None)]
+        nbytes = sum(u.numel() * u.element_size() for u in units)
+        figures: dict[str, float] = {"bytes": float(nbytes)}
+        for direction in (Direction.D2H, Direction.H2D):
+            req = case.request(int(direction), ids)
+            times = []
+            for _ in range(3):
+                t0 = time.perf_counter()
+                _transfer(rt, req, case.paged(dev), objs)
+                rt.synchronize(0)
+                times.append(time.perf_counter() - t0)
+            figures[f"{direction.name.lower()}_gbps"] = nbytes / statistics.median(times) / 1e9
+            if direction is Direction.D2H:
+                want = case.objects(len(objs), None)
+                case.reference(req, units, want)
+                if not same_bytes(objs, want):
+                    raise _Fail("the large gather differs from the reference kernel's")
+        return _Outcome(
+            f"{nbytes / 2**20:.0f} MiB per transfer: D2H {figures['d2h_gbps']:.2f} GB/s, "
+            f"H2D {figures['h2d_gbps']:.2f} GB/s (median of 3)", figures)
+
+
+def _transfer(
+    rt: Runtime, req: Any, paged: Any, objs: list[torch.Tensor], *, stream_handle: int = 0
+) -> None:
+    try:
+        rt.transfer(req, paged, objs, stream_handle=stream_handle)
+    except UnsupportedOperationError as exc:
+        raise _Skip(f"refused by the backend: {exc}") from exc
+    except TransferValidationError as exc:
+        if exc.field != "fmt":
+            raise
+        raise _Skip(f"refused by the backend: {exc}") from exc
+
+
+def _diff(got: list[torch.Tensor], want: list[torch.Tensor]) -> str:
+    bad = [i for i, (g, w) in enumerate(zip(got, want, strict=True)) if not same_bytes([g], [w])]
+    return f"tensors {bad} of {len(want)}"
+
+
+def _timed(name: str, fn: Callable[[], _Outcome]) -> CheckResult:
+    t0 = time.perf_counter()
+    try:
+        outcome = fn()
+    except _Skip as exc:
+        return CheckResult(name=name, ok=True, skipped=True, detail=f"skipped: {exc}",
+                           seconds=time.perf_counter() - t0)
+    except _Fail as exc:
+        return CheckResult(name=name, ok=False, detail=str(exc), seconds=time.perf_counter() - t0)
+    except Exception as exc:
+        return CheckResult(name=name, ok=False, detail=f"{type(exc).__name__}: {exc}",
+                           seconds=time.perf_counter() - t0)
+    return CheckResult(name=name, ok=True, detail=outcome.detail, metrics=outcome.metrics,
+                       seconds=time.perf_counter() - t0)
