@@ -59,14 +59,6 @@ class Geometry(msgspec.Struct, frozen=True, kw_only=True):
         """One host chunk, token-major: ``[2, NL, T, NH*HS]``."""
         return (2, self.num_layers, self.chunk_tokens, self.num_heads * self.head_size)
 
-    @property
-    def chunk_bytes(self) -> int:
-        """Bytes of one chunk."""
-        n = 1
-        for d in self.object_shape:
-            n *= d
-        return n * torch.empty(0, dtype=self.torch_dtype).element_size()
-
 
 class Request(msgspec.Struct, kw_only=True):
     """One simulated request: its chunk keys and, while admitted, its blocks."""
@@ -74,7 +66,6 @@ class Request(msgspec.Struct, kw_only=True):
     rid: int
     keys: list[int]
     blocks: list[int] = msgspec.field(default_factory=list)
-    resumed: int = 0
 
 
 def chunk_key(parent: int, part: str) -> int:

@@ -190,7 +190,6 @@ class _Engine:
                 self.running.remove(victim)
                 await self._release(victim)
                 self.report.preemptions += 1
-                victim.resumed += 1
                 queue.insert(min(len(queue), self.rng.randint(1, 4)), victim)
         while self.running:
             await self._release(self.running.popleft())

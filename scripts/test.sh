@@ -1,5 +1,6 @@
 #!/usr/bin/env bash
-# The whole test job: set up .venv, lint (ruff), type-check (mypy strict on kvactors/), pytest.
+# The whole test job: set up .venv, lint (ruff), type-check (mypy strict on kvactors/),
+# dead code (vulture), pytest.
 # Exits non-zero on any failure, including "no tests collected".
 set -euo pipefail
 cd "$(dirname "${BASH_SOURCE[0]}")/.."
@@ -10,6 +11,8 @@ echo "== ruff"
 "$PY" -m ruff check .
 echo "== mypy (strict, kvactors/)"
 "$PY" -m mypy
+echo "== vulture (dead code: names only tests reach; reasons in vulture_whitelist.py)"
+"$PY" -m vulture kvactors adapters examples scripts vulture_whitelist.py --min-confidence 60
 echo "== pytest"
 set +e
 "$PY" -m pytest "$@"

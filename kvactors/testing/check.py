@@ -230,6 +230,14 @@ class _Suite:
         self.trials = 3
 
     def run(self, groups: Sequence[str]) -> list[CheckResult]:
+        single: dict[str, Callable[[Runtime], _Outcome]] = {
+            "strided_d2h": self._strided_d2h,
+            "order.publish_after_sync": self._publish_after_sync,
+            "order.handle0_default_stream": self._handle0_default_stream,
+            "order.borrowed_stream": self._borrowed_stream,
+            "ipc.close_after_sync": self._ipc_close_after_sync,
+            "throughput": self._throughput,
+        }
         out: list[CheckResult] = []
         rt = Runtime(self.backend, device_index=self.io.index, default_timeout=60.0)
         try:
@@ -238,8 +246,7 @@ class _Suite:
                 if group == "roundtrip":
                     out.extend(self._roundtrips(rt))
                     continue
-                fn: Callable[[Runtime], _Outcome] = getattr(self, "_" + group.replace(".", "_"))
-                out.append(_timed(group, functools.partial(fn, rt)))
+                out.append(_timed(group, functools.partial(single[group], rt)))
                 self.io.settle()
         finally:
             rt.close()
@@ -325,7 +332,7 @@ class _Suite:
         return (self.io.to_device(torch.zeros(self.elems)),
                 self.io.host(torch.zeros(self.elems)))
 
-    def _order_publish_after_sync(self, rt: Runtime) -> _Outcome:
+    def _publish_after_sync(self, rt: Runtime) -> _Outcome:
         mod = self._accelerator()
         stream = mod.Stream(device=self.io.index)
         handle = self.backend.stream_handle(stream)
@@ -356,7 +363,7 @@ class _Suite:
         return _Outcome(f"{self.trials} records on a caller stream, each published after "
                         "the earlier work on it completed")
 
-    def _order_handle0_default_stream(self, rt: Runtime) -> _Outcome:
+    def _handle0_default_stream(self, rt: Runtime) -> _Outcome:
         mod = self._accelerator()
         default = mod.default_stream(self.io.index)
         dev, host = self._buffers()
@@ -370,7 +377,7 @@ class _Suite:
         return _Outcome("synchronize(0) waited for the default stream's work "
                         f"({self.trials} trials)")
 
-    def _order_borrowed_stream(self, rt: Runtime) -> _Outcome:
+    def _borrowed_stream(self, rt: Runtime) -> _Outcome:
         mod = self._accelerator()
         stream = mod.Stream(device=self.io.index)
         handle = self.backend.stream_handle(stream)
