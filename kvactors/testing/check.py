@@ -22,9 +22,10 @@ runs it on the fake vendor modules. Every check goes through :class:`~kvactors.r
     caller work on its own stream, then a transfer on that stream's handle sees its result;
     the stream still works after the runtime that borrowed it closed.
 ``ipc.close_after_sync``
-    export, ``open_ipc``, caller work writing the opened view on its stream, then
-    ``close_ipc_context``: the work completed before the owner closed; a second close is a
-    no-op. Skipped where the backend has no IPC.
+    a spawned exporter process exports a buffer (on the fake: this process); ``open_ipc``,
+    caller work writing the opened view on its stream, then ``close_ipc_context``: the
+    exporter, reading without waiting for our streams, sees the writes completed before the
+    owner closed; a second close is a no-op. Skipped where the backend has no IPC.
 ``throughput``
     gather and scatter of a larger cache; reports GB/s (a figure, not a pass criterion).
 
@@ -47,6 +48,7 @@ from kvactors.errors import TransferValidationError, UnsupportedOperationError
 from kvactors.layouts import FORMAT_SPECS, Direction, KVFormat
 from kvactors.runtime import Runtime, resolve_backend
 from kvactors.testing._check_io import DeviceIO, KVCase, same_bytes
+from kvactors.testing._check_ipc import Exporter, pattern
 
 if TYPE_CHECKING:
     from collections.abc import Callable, Iterator, Mapping, Sequence
@@ -410,25 +412,27 @@ class _Suite:
     # ---- IPC -------------------------------------------------------------------------------
 
     def _ipc_close_after_sync(self, rt: Runtime) -> _Outcome:
-        if not self.io.is_host:
+        if self.simulated:
+            # The fake's IPC registry lives in this process: export and open here.
             exported = self.io.to_device(torch.zeros(self.elems))
             try:
-                return self._ipc_round(rt, self._export(exported), exported)
+                handle = self._export(exported)
+                return self._ipc_round(rt, handle, lambda: bool(
+                    torch.equal(self.io.read_unordered(exported), pattern(self.elems))))
             finally:
                 # With the rule broken, work on the (non-owning) opened view may still be
                 # queued: the exporter's memory must outlive it.
                 self.io.settle()
-        alloc = getattr(self.backend, "alloc_shared", None)
-        if alloc is None:
-            raise _Skip(f"{type(self.backend).__name__} cannot allocate shared memory")
-        shared = alloc((self.elems,), torch.float32)
+        exporter = Exporter(self.backend.kind, self.io.index, self.elems)
         try:
-            return self._ipc_round(rt, self._export(shared.tensor), shared.tensor)
+            try:
+                handle = exporter.handle()
+            except UnsupportedOperationError as exc:
+                raise _Skip(f"no IPC on this backend: {exc}") from exc
+            return self._ipc_round(rt, handle, exporter.verify, "across processes")
         finally:
-            # A failure's traceback may still reference the mapping; the segment is
-            # unlinked regardless.
-            with contextlib.suppress(BufferError):
-                shared.close()
+            self.io.settle()
+            exporter.close()
 
     def _export(self, t: torch.Tensor) -> Any:
         try:
@@ -436,26 +440,28 @@ class _Suite:
         except UnsupportedOperationError as exc:
             raise _Skip(f"no IPC on this backend: {exc}") from exc
 
-    def _ipc_round(self, rt: Runtime, handle: Any, exported: torch.Tensor) -> _Outcome:
-        pattern = torch.arange(self.elems, dtype=torch.float32)
+    def _ipc_round(
+        self, rt: Runtime, handle: Any, exporter_sees_pattern: Callable[[], bool],
+        where: str = "in one process (simulated)",
+    ) -> _Outcome:
+        src = pattern(self.elems)
         context = 0x5E1F
         view = rt.open_ipc(handle, context_id=context)
         handles: tuple[int, ...] = (0,)
         if self.io.is_host:
-            view.copy_(pattern)
+            view.copy_(src)
         else:
             mod = self.io.vendor()
             stream = mod.Stream(device=self.io.index)
             handles = (self.backend.stream_handle(stream),)
-            src = self.io.to_device(pattern)
+            src_dev = self.io.to_device(src)
             with mod.stream(stream):
                 for _ in range(self.ops):
                     view.fill_(-1.0)
-                view.copy_(src, non_blocking=True)
+                view.copy_(src_dev, non_blocking=True)
         del view
         closed = rt.close_ipc_context(context, stream_handles=handles)
-        now = self.io.read_unordered(exported)
-        if not torch.equal(now, pattern):
+        if not exporter_sees_pattern():
             raise _Fail("close_ipc_context returned (owner closed) before the work on the "
                         "opened view completed")
         if closed.owners_closed != 1:
@@ -463,8 +469,8 @@ class _Suite:
         again = rt.close_ipc_context(context, stream_handles=handles)
         if again.owners_closed != 0:
             raise _Fail(f"a second close closed {again.owners_closed} owners, expected 0")
-        return _Outcome(f"{handle.backend} IPC: export, open, write on a stream, close after "
-                        "sync; second close is a no-op")
+        return _Outcome(f"{handle.backend} IPC {where}: export, open, write on a stream, close "
+                        "after sync; a second close is a no-op")
 
     # ---- throughput -------------------------------------------------------------------------
 

@@ -57,6 +57,7 @@ def test_cpu_passes_and_writes_json(tmp_path: Path, capsys: pytest.CaptureFixtur
                  "ipc.close_after_sync", "throughput"):
         assert by_name[name]["ok"] is True
         assert by_name[name]["skipped"] is False, name
+    assert "across processes" in by_name["ipc.close_after_sync"]["detail"]
     for name in ORDERING:  # no asynchronous streams on cpu: said, not faked
         assert by_name[name]["skipped"] is True
     assert by_name["throughput"]["metrics"]["d2h_gbps"] > 0
