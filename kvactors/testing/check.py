@@ -227,7 +227,7 @@ class _Suite:
         self.simulated = simulated
         # The caller-side work that ordering checks race against: long enough on hardware
         # that a record published before the stream ran is caught.
-        self.elems = 4096 if simulated else 16 << 20
+        self.elems = 4096 if simulated or io.is_host else 32 << 20  # 128 MiB: a D2H of ms
         self.ops = 4 if simulated else 2
         self.trials = 3
 
@@ -243,7 +243,9 @@ class _Suite:
         out: list[CheckResult] = []
         rt = Runtime(self.backend, device_index=self.io.index, default_timeout=60.0)
         try:
-            rt.start()
+            started = _timed("runtime", lambda: _Outcome(repr(rt.start())))
+            if not started.ok:
+                return [started]
             for group in groups:
                 if group == "roundtrip":
                     out.extend(self._roundtrips(rt))
@@ -423,6 +425,8 @@ class _Suite:
                 # With the rule broken, work on the (non-owning) opened view may still be
                 # queued: the exporter's memory must outlive it.
                 self.io.settle()
+        if not self.io.is_host:  # refused up front where the backend has no IPC at all
+            self._export(self.io.to_device(torch.zeros(16)))
         exporter = Exporter(self.backend.kind, self.io.index, self.elems)
         try:
             try:
