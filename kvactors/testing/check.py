@@ -14,8 +14,9 @@ runs it on the fake vendor modules. Every check goes through :class:`~kvactors.r
     a partial-chunk gather, whose device-to-host copies land in non-contiguous host slices
     (torch_mlu returns wrong data from the asynchronous form), bit-exact.
 ``order.publish_after_sync``
-    caller work queued on its own stream, then ``record_completion`` on that stream's handle:
-    the record is never drainable before the work completed, and is never lost.
+    caller work queued on its own stream, then ``record_completion`` or ``record_event`` on
+    that stream's handle: the record is never drainable before the work completed, and is
+    never lost.
 ``order.handle0_default_stream``
     caller work on the device's default stream, then ``synchronize(0)``: the work is done.
 ``order.borrowed_stream``
@@ -46,6 +47,7 @@ import torch
 
 from kvactors.errors import TransferValidationError, UnsupportedOperationError
 from kvactors.layouts import FORMAT_SPECS, Direction, KVFormat
+from kvactors.protocols.stream import EventRecord
 from kvactors.runtime import Runtime, resolve_backend
 from kvactors.testing._check_io import DeviceIO, KVCase, same_bytes
 from kvactors.testing._check_ipc import Exporter, pattern
@@ -342,30 +344,47 @@ class _Suite:
         handle = self.backend.stream_handle(stream)
         dev, host = self._buffers()
         rt.drain_completions()
-        early = 0
-        for trial in range(self.trials):
+        rt.drain_events()
+        early: list[str] = []
+        for trial in range(2 * self.trials):
             value = float(trial + 1)
-            payload = b"selftest-%d" % trial
             self._slow_write(stream, dev, host, value)
-            rt.record_completion(handle, "kvactors.selftest", payload)
-            deadline = time.monotonic() + rt.default_timeout
-            while True:
-                records = rt.drain_completions()
-                if records:
-                    if not bool((host == value).all()):
-                        early += 1
-                    if records != [("kvactors.selftest", payload)]:
-                        raise _Fail(f"trial {trial}: drained {records!r}")
-                    break
-                if time.monotonic() > deadline:
-                    raise _Fail(f"trial {trial}: the record was never published")
-                time.sleep(0.0002)  # LMCache polls too; the record's own timing is the check
+            # Completion records and event records alternate: both publish after the sync.
+            drain: Callable[[], list[Any]]
+            if trial % 2 == 0:
+                record: Any = ("kvactors.selftest", b"trial-%d" % trial)
+                rt.record_completion(handle, *record)
+                drain = rt.drain_completions
+            else:
+                record = EventRecord(event_type="kvactors.selftest", session_id=str(trial),
+                                     wall_ts=time.time(), str_fields={}, int_fields={})
+                rt.record_event(handle, record)
+                drain = rt.drain_events
+            if not self._await_record(rt, drain, record, functools.partial(_holds, host, value)):
+                early.append("completion" if trial % 2 == 0 else "event")
             stream.synchronize()
         if early:
-            raise _Fail(f"{early} of {self.trials} records were drainable before the earlier "
-                        "work on their stream completed")
-        return _Outcome(f"{self.trials} records on a caller stream, each published after "
-                        "the earlier work on it completed")
+            raise _Fail(f"{len(early)} of {2 * self.trials} records ({', '.join(early)}) were "
+                        "drainable before the earlier work on their stream completed")
+        return _Outcome(f"{self.trials} completion and {self.trials} event records on a caller "
+                        "stream, each published only after the earlier work on it completed")
+
+    @staticmethod
+    def _await_record(
+        rt: Runtime, drain: Callable[[], list[Any]], record: Any, work_done: Callable[[], bool]
+    ) -> bool:
+        """Poll ``drain`` until ``record`` shows; whether the work was done when it showed."""
+        deadline = time.monotonic() + rt.default_timeout
+        while True:
+            records = drain()
+            if records:
+                done = work_done()
+                if records != [record]:
+                    raise _Fail(f"drained {records!r}, expected [{record!r}]")
+                return done
+            if time.monotonic() > deadline:
+                raise _Fail(f"the record {record!r} was never published")
+            time.sleep(0.0002)  # LMCache polls too; the record's own timing is the check
 
     def _handle0_default_stream(self, rt: Runtime) -> _Outcome:
         mod = self._accelerator()
@@ -519,6 +538,10 @@ def _transfer(
         if exc.field != "fmt":
             raise
         raise _Skip(f"refused by the backend: {exc}") from exc
+
+
+def _holds(host: torch.Tensor, value: float) -> bool:
+    return bool((host == value).all())
 
 
 def _diff(got: list[torch.Tensor], want: list[torch.Tensor]) -> str:
