@@ -38,7 +38,7 @@ if TYPE_CHECKING:
 
     import torch
 
-    from kvactors.actors.mailbox import Actor
+    from kvactors.actors.actor import Actor
     from kvactors.devices.base import IPCHandle
     from kvactors.plans import TransferRequest
 

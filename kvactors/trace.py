@@ -36,7 +36,7 @@ if TYPE_CHECKING:
     import argparse
     from collections.abc import Callable, Iterator
 
-    from kvactors._devenv import DeviceEnv
+    from kvactors.cli._devenv import DeviceEnv
     from kvactors.observe import Call
     from kvactors.runtime import Runtime
 
@@ -319,7 +319,7 @@ def run(args: argparse.Namespace) -> int:
     """``kvactors replay TRACE``: 0 when every call had its recorded outcome."""
     import json
 
-    from kvactors._devenv import device_env
+    from kvactors.cli._devenv import device_env
     from kvactors.runtime import Runtime
 
     try:

@@ -21,7 +21,7 @@ MODULES = [
     "kvactors.protocols.gather",
     "kvactors.protocols.ipc",
     "kvactors.protocols.codec",
-    "kvactors.actors.mailbox",
+    "kvactors.actors.actor",
     "kvactors.actors.stream",
     "kvactors.actors.gather",
     "kvactors.actors.ipc_owner",

@@ -14,9 +14,9 @@ import msgspec
 
 from kvactors.actors.gather import GatherActor
 from kvactors.actors.ipc_owner import IPCOwnerActor
-from kvactors.actors.mailbox import ActorStatistics
+from kvactors.actors.actor import ActorStatistics
 from kvactors.actors.outbox import Outbox
-from kvactors.actors.streams import StreamDirectory
+from kvactors.actors.directory import StreamDirectory
 
 if TYPE_CHECKING:
     from kvactors.devices.base import Backend

@@ -19,7 +19,7 @@ import torch
 from kvactors.actors.ipc_owner import IPCOwnerActor
 from kvactors.actors.outbox import Outbox
 from kvactors.actors.stream import Work
-from kvactors.actors.streams import StreamDirectory
+from kvactors.actors.directory import StreamDirectory
 from kvactors.errors import IPCError
 from kvactors.protocols.ipc import CloseContext, OpenHandle
 from kvactors.protocols.stream import (

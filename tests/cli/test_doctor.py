@@ -6,9 +6,9 @@ import json
 
 import pytest
 
-from kvactors._selection import SpecFact, predict_selection
+from kvactors.cli._selection import SpecFact, predict_selection
 from kvactors.cli import main
-from kvactors.doctor import ENV_VARS, collect
+from kvactors.cli.doctor import ENV_VARS, collect
 
 _ENV = (*ENV_VARS, "KVACTORS_LMCACHE_CPU")
 

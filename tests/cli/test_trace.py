@@ -9,7 +9,7 @@ import pytest
 import torch
 
 from kvactors.cli import main
-from kvactors.demo import DemoConfig, run_demo
+from kvactors.cli.demo import DemoConfig, run_demo
 from kvactors.layouts import KVFormat, ShapeDesc
 from kvactors.plans import TransferRequest
 from kvactors.protocols.gather import Fence, Transfer

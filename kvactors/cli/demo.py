@@ -35,18 +35,18 @@ from typing import TYPE_CHECKING, Any
 import msgspec
 import torch
 
-from kvactors._devenv import device_env
-from kvactors._workload import Geometry, Request, chunk_content, chunk_object, make_requests
+from kvactors.cli._devenv import device_env
+from kvactors.cli._workload import Geometry, Request, chunk_content, chunk_object, make_requests
 from kvactors.actors.group import DeviceStatistics
 from kvactors.layouts import Direction, KVFormat, ShapeDesc
 from kvactors.plans import TransferRequest
 from kvactors.runtime import Runtime
-from kvactors.validate import KVDump, compare_kv
+from kvactors.cli.validate import KVDump, compare_kv
 
 if TYPE_CHECKING:
     from collections.abc import Callable
 
-    from kvactors._devenv import DeviceEnv
+    from kvactors.cli._devenv import DeviceEnv
 
 __all__ = ("DemoConfig", "DemoReport", "run_demo")
 

@@ -30,13 +30,13 @@ from typing import TYPE_CHECKING, Any
 import msgspec
 import torch
 
-from kvactors.bench_transfer import LAYOUTS, BenchRow, BenchWorkload, run_transfer_bench
+from kvactors.cli.bench.transfer import LAYOUTS, BenchRow, BenchWorkload, run_transfer_bench
 
 if TYPE_CHECKING:
     import argparse
     from collections.abc import Callable
 
-    from kvactors._devenv import DeviceEnv
+    from kvactors.cli._devenv import DeviceEnv
 
 __all__ = ("BenchConfig", "BenchReport", "RuntimeRow", "add_arguments", "run", "run_bench")
 
@@ -160,7 +160,7 @@ def run_bench(cfg: BenchConfig, *, progress: Callable[[str], None] | None = None
         cfg: What to measure.
         progress: Called with a label after each finished step.
     """
-    from kvactors._devenv import device_env
+    from kvactors.cli._devenv import device_env
 
     t0 = time.perf_counter()
     step = progress or (lambda _label: None)
@@ -189,7 +189,7 @@ def run_bench(cfg: BenchConfig, *, progress: Callable[[str], None] | None = None
         step(f"runtime {cfg.device}")
     messaging = None
     if cfg.messaging:
-        from kvactors.bench_messaging import run_messaging_bench
+        from kvactors.cli.bench.messaging import run_messaging_bench
 
         m = run_messaging_bench(n=300, reps=5) if cfg.quick else run_messaging_bench()
         messaging = msgspec.to_builtins(m)
@@ -200,7 +200,7 @@ def run_bench(cfg: BenchConfig, *, progress: Callable[[str], None] | None = None
 
 def add_arguments(ap: argparse.ArgumentParser) -> None:
     """The command line of ``kvactors bench``."""
-    from kvactors._devenv import DEVICE_KINDS
+    from kvactors.cli._devenv import DEVICE_KINDS
 
     ap.add_argument("--device", choices=DEVICE_KINDS, default="cpu",
                     help="device of the runtime figures (kernel figures are host-side)")
@@ -223,7 +223,7 @@ def add_arguments(ap: argparse.ArgumentParser) -> None:
 
 def run(args: argparse.Namespace) -> int:
     """Run a parsed ``bench`` command; writes ``bench.json`` and ``bench.png`` under ``--out``."""
-    from kvactors.bench_transfer import format_table
+    from kvactors.cli.bench.transfer import format_table
     from kvactors.errors import BackendUnavailableError
 
     threads = tuple(args.threads) if args.threads else ((1,) if args.quick else (1, 2))
@@ -258,7 +258,7 @@ def run(args: argparse.Namespace) -> int:
               f"{m['bare_thread_us']:.2f}, ratio {m['blocking_ratio']:.2f})")
     print(f"wrote {json_path}", end="")
     if not args.no_plot:
-        from kvactors._bench_plot import plot
+        from kvactors.cli.bench._plot import plot
 
         png = os.path.join(args.out, "bench.png")
         plot(report, png)

@@ -16,7 +16,7 @@ import sys
 
 import msgspec
 
-from kvactors._selection import (
+from kvactors.cli._selection import (
     BUILTIN_BACKENDS,
     KVACTORS_PLUGINS,
     Selection,
