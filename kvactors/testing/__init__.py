@@ -59,7 +59,7 @@ __all__ = (
 
 def __getattr__(name: str) -> Any:
     if name == "ManualBackend":
-        from kvactors.testing.manual import ManualBackend
+        from kvactors.devices.manual import ManualBackend
 
         return ManualBackend
     raise AttributeError(f"module {__name__!r} has no attribute {name!r}")

@@ -31,7 +31,7 @@ from kvactors.protocols.stream import (
     Sync,
     Synced,
 )
-from kvactors.testing.manual import ManualBackend
+from kvactors.devices.manual import ManualBackend
 
 
 def _directory(backend: ManualBackend) -> StreamDirectory:
