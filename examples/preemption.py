@@ -45,11 +45,11 @@ from typing import TYPE_CHECKING, Any
 import torch
 
 from kvactors.devices import get_backend
+from kvactors.devices.manual import ManualBackend
 from kvactors.layouts import Direction, KVFormat, ShapeDesc
 from kvactors.plans import TransferRequest
 from kvactors.runtime import Runtime
 from kvactors.testing import fake_vendor
-from kvactors.devices.manual import ManualBackend
 
 if TYPE_CHECKING:
     from collections.abc import Iterator

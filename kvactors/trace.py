@@ -20,10 +20,9 @@ from __future__ import annotations
 
 import asyncio
 import struct
-import sys
 import threading
 import time
-from typing import TYPE_CHECKING, Any, BinaryIO
+from typing import TYPE_CHECKING, Any, BinaryIO, Protocol
 
 import msgspec
 import torch
@@ -33,14 +32,13 @@ from kvactors.protocols.codec import GATHER_REQUESTS, encode
 from kvactors.protocols.gather import Fence, Ping, Transfer
 
 if TYPE_CHECKING:
-    import argparse
     from collections.abc import Callable, Iterator
 
-    from kvactors.cli._devenv import DeviceEnv
     from kvactors.observe import Call
     from kvactors.runtime import Runtime
 
 __all__ = (
+    "DeviceMemory",
     "OperandShapes",
     "ReplayReport",
     "TraceEntry",
@@ -49,8 +47,15 @@ __all__ = (
     "iter_messages",
     "read_trace",
     "replay",
-    "run",
 )
+
+class DeviceMemory(Protocol):
+    """Where :func:`replay` allocates synthetic paged memory (``kvactors.cli``'s device env)."""
+
+    def zeros(self, shape: tuple[int, ...], dtype: torch.dtype) -> torch.Tensor:
+        """A zero-filled tensor of ``shape`` in device memory."""
+        ...
+
 
 _FORMAT = "kvactors-trace/1"
 _LEN = struct.Struct("<I")
@@ -210,7 +215,7 @@ class ReplayReport(msgspec.Struct, kw_only=True):
 class _Operands:
     """Synthetic operands, one set per distinct shape signature."""
 
-    def __init__(self, env: DeviceEnv | None) -> None:
+    def __init__(self, env: DeviceMemory | None) -> None:
         self.env = env
         self.cache: dict[Any, Any] = {}
 
@@ -238,7 +243,7 @@ class _Operands:
         return result
 
 
-async def _replay(rt: Runtime, entries: list[TraceEntry], env: DeviceEnv | None,
+async def _replay(rt: Runtime, entries: list[TraceEntry], env: DeviceMemory | None,
                   report: ReplayReport) -> None:
     calls = [e for e in entries if e.kind == "call"]
     done = {e.seq: e for e in entries if e.kind == "done"}
@@ -289,7 +294,7 @@ async def _replay(rt: Runtime, entries: list[TraceEntry], env: DeviceEnv | None,
         await asyncio.gather(*tasks.values())
 
 
-def replay(path: str, rt: Runtime, *, env: DeviceEnv | None = None) -> ReplayReport:
+def replay(path: str, rt: Runtime, *, env: DeviceMemory | None = None) -> ReplayReport:
     """Replay the trace at ``path`` on ``rt`` (started if needed); see the module docstring.
 
     Args:
@@ -313,33 +318,3 @@ def iter_messages(path: str) -> Iterator[tuple[float, msgspec.Struct]]:
     for e in entries:
         if e.kind == "call" and e.op != "synchronize":
             yield e.t, GATHER_REQUESTS.decode(e.message)
-
-
-def run(args: argparse.Namespace) -> int:
-    """``kvactors replay TRACE``: 0 when every call had its recorded outcome."""
-    import json
-
-    from kvactors.cli._devenv import device_env
-    from kvactors.runtime import Runtime
-
-    try:
-        with device_env(args.device) as env, Runtime(env.kind) as rt:
-            report = replay(args.trace, rt, env=env)
-    except (OSError, ValueError) as exc:
-        print(f"kvactors replay: {exc}", file=sys.stderr)
-        return 2
-    if args.json:
-        out = msgspec.to_builtins(report)
-        out["ok"] = report.ok
-        print(json.dumps(out, indent=2))
-    else:
-        print(
-            f"replayed {report.calls} calls ({report.transfers} transfers, "
-            f"{report.bytes_moved / 2**20:.1f} MiB) in {report.seconds:.2f}s "
-            f"(recorded run: {report.recorded_seconds:.2f}s): "
-            + ("every outcome as recorded" if report.ok else
-               f"{len(report.outcome_mismatches)} outcomes differ")
-        )
-        for m in report.outcome_mismatches[:20]:
-            print(f"  {m}")
-    return 0 if report.ok else 1

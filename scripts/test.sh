@@ -1,5 +1,6 @@
 #!/usr/bin/env bash
-# The whole test job: set up .venv, lint (ruff), type-check (mypy strict on kvactors/), pytest.
+# The whole test job: set up .venv, lint (ruff check + format check), import contracts
+# (import-linter), type-check (mypy), pytest.
 # Exits non-zero on any failure, including "no tests collected".
 set -euo pipefail
 cd "$(dirname "${BASH_SOURCE[0]}")/.."
@@ -8,7 +9,11 @@ PY=.venv/bin/python
 export LMCACHE_TRACK_USAGE=false PYTHONHASHSEED=0
 echo "== ruff"
 "$PY" -m ruff check .
-echo "== mypy (strict, kvactors/)"
+echo "== ruff format --check"
+"$PY" -m ruff format --check .
+echo "== import contracts (the floors of docs/architecture.md)"
+.venv/bin/lint-imports
+echo "== mypy (strict: kvactors/, adapters/; tests/ non-strict)"
 "$PY" -m mypy
 echo "== pytest"
 set +e

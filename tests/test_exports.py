@@ -48,7 +48,7 @@ def test_all_lists_every_public_definition(name: str) -> None:
 
 
 def test_manual_backend_is_public() -> None:
-    from kvactors.testing import ManualBackend
+    from kvactors.devices.manual import ManualBackend
 
     assert ManualBackend.__module__ == "kvactors.devices.manual"
     assert kvactors.Runtime.__module__ == "kvactors.runtime"

@@ -12,11 +12,11 @@ from typing import TYPE_CHECKING
 
 import msgspec
 
+from kvactors.actors.actor import ActorStatistics
+from kvactors.actors.directory import StreamDirectory
 from kvactors.actors.gather import GatherActor
 from kvactors.actors.ipc_owner import IPCOwnerActor
-from kvactors.actors.actor import ActorStatistics
 from kvactors.actors.outbox import Outbox
-from kvactors.actors.directory import StreamDirectory
 
 if TYPE_CHECKING:
     from kvactors.devices.base import Backend

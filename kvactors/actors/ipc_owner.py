@@ -26,8 +26,8 @@ from kvactors.protocols.stream import Sync
 if TYPE_CHECKING:
     import torch
 
-    from kvactors.actors.stream import StreamActor
     from kvactors.actors.directory import StreamDirectory
+    from kvactors.actors.stream import StreamActor
     from kvactors.devices.base import Backend, IPCOwner
 
 __all__ = ("IPCOwnerActor",)

@@ -20,8 +20,8 @@ import contextlib
 import time
 from typing import TYPE_CHECKING, Any, final
 
-from kvactors.actors.lane import Lane
 from kvactors.actors.actor import DEFERRED, Actor, Envelope, unreachable
+from kvactors.actors.lane import Lane
 from kvactors.errors import DeviceOpError, KvactorsError, TransferFailedError
 from kvactors.protocols.stream import (
     EventRecord,

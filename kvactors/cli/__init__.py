@@ -94,7 +94,7 @@ def main(argv: Sequence[str] | None = None) -> int:
         from kvactors.cli.validate import run as run_validate
 
         return run_validate(args)
-    from kvactors.trace import run as run_replay
+    from kvactors.cli.replay import run as run_replay
 
     return run_replay(args)
 

@@ -24,6 +24,8 @@ from __future__ import annotations
 
 import msgspec
 
+from kvactors.plugins import PLUGIN_MUSA, PLUGINS
+
 __all__ = ("BUILTIN_BACKENDS", "Selection", "SpecFact", "predict_selection")
 
 BUILTIN_BACKENDS: tuple[tuple[str, str], ...] = (
@@ -39,7 +41,7 @@ BUILTIN_BACKENDS: tuple[tuple[str, str], ...] = (
 )
 """LMCache 0.5.6's built-in ``(backend_name, device_type)`` pairs, in registry order."""
 
-KVACTORS_PLUGINS = {"mlu": "mlu", "kvactors_musa": "musa", "kvactors_cpu": "cpu"}
+KVACTORS_PLUGINS = PLUGINS
 """kvactors' plugin backend names and their device types."""
 
 _MODES = ("auto", "engine_driven", "lmcache_driven")
@@ -164,11 +166,11 @@ def _transfer_mode(chosen: SpecFact | None, env: dict[str, str]) -> tuple[str, s
     if raw and raw != "auto":
         if raw == "lmcache_driven" and chosen is not None and chosen.backend in KVACTORS_PLUGINS:
             handle = env.get("LMCACHE_MUSA_HANDLE_TRANSFER", "").strip().lower()
-            if chosen.backend != "kvactors_musa" or handle not in ("1", "true", "yes", "on"):
+            if chosen.backend != PLUGIN_MUSA or handle not in ("1", "true", "yes", "on"):
                 return raw, "LMCACHE_MP_TRANSFER_MODE", (
                     f"{chosen.backend} does not offer the lmcache_driven (handle) path"
                     + (" without LMCACHE_MUSA_HANDLE_TRANSFER=1" if chosen.backend ==
-                       "kvactors_musa" else "")
+                       PLUGIN_MUSA else "")
                     + "; use LMCACHE_MP_TRANSFER_MODE=engine_driven"
                 )
         return raw, "LMCACHE_MP_TRANSFER_MODE", ""

@@ -15,7 +15,7 @@ still reading blocks that were reused, field-lessons 1.6-1.8): if the fence did 
 the stores in flight, stored chunks would contain poison, and so would later restores.
 
 Every restored block is read back from device memory and compared bit for bit with the KV
-the chunk must hold (a pure function of its key, :mod:`kvactors._workload`), with
+the chunk must hold (a pure function of its key, :mod:`kvactors.cli._workload`), with
 :func:`kvactors.validate.compare_kv`; every stored chunk is checked the same way before it is
 published. The demo succeeds only when all of it matched and no transfer failed.
 
@@ -35,13 +35,13 @@ from typing import TYPE_CHECKING, Any
 import msgspec
 import torch
 
+from kvactors.actors.group import DeviceStatistics
 from kvactors.cli._devenv import device_env
 from kvactors.cli._workload import Geometry, Request, chunk_content, chunk_object, make_requests
-from kvactors.actors.group import DeviceStatistics
+from kvactors.cli.validate import KVDump, compare_kv
 from kvactors.layouts import Direction, KVFormat, ShapeDesc
 from kvactors.plans import TransferRequest
 from kvactors.runtime import Runtime
-from kvactors.cli.validate import KVDump, compare_kv
 
 if TYPE_CHECKING:
     from collections.abc import Callable

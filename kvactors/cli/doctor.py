@@ -3,7 +3,7 @@
 Everything is read without side effects: packages through ``importlib.metadata`` and
 ``importlib.util.find_spec`` (lmcache and the adapter are never imported: importing lmcache
 runs its device detection), backends through kvactors' probes (which never raise), and the
-LMCache selection is predicted by :mod:`kvactors._selection`.
+LMCache selection is predicted by :mod:`kvactors.cli._selection`.
 """
 
 from __future__ import annotations
@@ -24,6 +24,7 @@ from kvactors.cli._selection import (
     predict_selection,
 )
 from kvactors.devices import BACKEND_KINDS, Probe, probe_all
+from kvactors.plugins import PLUGIN_CPU, PLUGIN_MLU, PLUGIN_MUSA
 
 __all__ = ("ENV_VARS", "DoctorReport", "Finding", "collect", "format_doctor")
 
@@ -128,7 +129,7 @@ def _spec_facts(
     for name in plugins:
         if name in KVACTORS_PLUGINS:
             dtype = KVACTORS_PLUGINS[name]
-            if name == "kvactors_cpu":
+            if name == PLUGIN_CPU:
                 flag = env.get("KVACTORS_LMCACHE_CPU", "").strip().lower()
                 on = flag in ("1", "true", "yes", "on")
                 avail, why = on, "" if on else "set KVACTORS_LMCACHE_CPU=1 to enable"
@@ -249,7 +250,7 @@ def _findings(r: DoctorReport, env: dict[str, str]) -> list[Finding]:
 
 def _selection_fix(s: Selection, env: dict[str, str]) -> str:
     if "Multiple LMCache backends" in s.error and "musa" in s.error:
-        return "export LMCACHE_DEVICE_BACKEND=kvactors_musa in every process (server and workers)"
+        return f"export LMCACHE_DEVICE_BACKEND={PLUGIN_MUSA} in every process (server and workers)"
     if "LMCACHE_DEVICE_BACKEND" in s.error:
         return ("fix or unset LMCACHE_DEVICE_BACKEND; run `kvactors doctor` in the same "
                 "environment as the LMCache process")
@@ -261,9 +262,9 @@ def _selection_fix(s: Selection, env: dict[str, str]) -> str:
 def _not_kvactors_fix(r: DoctorReport) -> str:
     avail = {p.backend for p in r.backends if p.available}
     if "mlu" in avail:
-        return "export LMCACHE_DEVICE_BACKEND=mlu"
+        return f"export LMCACHE_DEVICE_BACKEND={PLUGIN_MLU}"
     if "musa" in avail:
-        return "export LMCACHE_DEVICE_BACKEND=kvactors_musa"
+        return f"export LMCACHE_DEVICE_BACKEND={PLUGIN_MUSA}"
     return ("no accelerator for kvactors here; for a CPU-only test of the plugin export "
             "KVACTORS_LMCACHE_CPU=1 (tests only)")
 

@@ -21,9 +21,8 @@ Example::
 The pytest plugin :mod:`kvactors.testing.pytest_plugin` provides fixtures ``fake_mlu`` and
 ``fake_musa``. The vendor fakes depend on nothing else in kvactors.
 
-:class:`ManualBackend` (loaded on first access, since it builds on the CPU backend) is a
-kvactors backend whose device runs launched work only when the test calls ``release()``:
-the deterministic tool behind the ordering-rule tests.
+The step-by-step CPU backend behind the ordering-rule tests is a backend, so it lives with
+the backends: :class:`kvactors.devices.manual.ManualBackend`.
 """
 
 from __future__ import annotations
@@ -52,17 +51,8 @@ __all__ = (
     "FakeStream",
     "FakeVendor",
     "MUSAIPCTensorHandle",
-    "ManualBackend",
     "fake_vendor",
 )
-
-
-def __getattr__(name: str) -> Any:
-    if name == "ManualBackend":
-        from kvactors.devices.manual import ManualBackend
-
-        return ManualBackend
-    raise AttributeError(f"module {__name__!r} has no attribute {name!r}")
 
 
 @contextlib.contextmanager

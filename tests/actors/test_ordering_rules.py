@@ -16,10 +16,11 @@ import weakref
 import pytest
 import torch
 
+from kvactors.actors.directory import StreamDirectory
 from kvactors.actors.ipc_owner import IPCOwnerActor
 from kvactors.actors.outbox import Outbox
 from kvactors.actors.stream import Work
-from kvactors.actors.directory import StreamDirectory
+from kvactors.devices.manual import ManualBackend
 from kvactors.errors import IPCError
 from kvactors.protocols.ipc import CloseContext, OpenHandle
 from kvactors.protocols.stream import (
@@ -31,7 +32,6 @@ from kvactors.protocols.stream import (
     Sync,
     Synced,
 )
-from kvactors.devices.manual import ManualBackend
 
 
 def _directory(backend: ManualBackend) -> StreamDirectory:

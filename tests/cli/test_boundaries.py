@@ -11,8 +11,9 @@ import pytest
 
 ROOT = pathlib.Path(__file__).resolve().parents[2]
 SURFACE = [
-    "kvactors.cli", "kvactors.cli.doctor", "kvactors.cli.demo", "kvactors.cli.bench", "kvactors.metrics",
-    "kvactors.logs", "kvactors.trace", "kvactors.cli.validate", "kvactors.observe",
+    "kvactors.cli", "kvactors.cli.doctor", "kvactors.cli.demo", "kvactors.cli.bench",
+    "kvactors.cli.replay", "kvactors.metrics", "kvactors.logs", "kvactors.trace",
+    "kvactors.cli.validate", "kvactors.validate", "kvactors.observe", "kvactors.plugins",
 ]
 
 

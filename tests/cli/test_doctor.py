@@ -6,8 +6,8 @@ import json
 
 import pytest
 
-from kvactors.cli._selection import SpecFact, predict_selection
 from kvactors.cli import main
+from kvactors.cli._selection import SpecFact, predict_selection
 from kvactors.cli.doctor import ENV_VARS, collect
 
 _ENV = (*ENV_VARS, "KVACTORS_LMCACHE_CPU")

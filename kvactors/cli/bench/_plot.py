@@ -9,7 +9,7 @@ from __future__ import annotations
 from typing import TYPE_CHECKING
 
 if TYPE_CHECKING:
-    from kvactors.cli.bench import BenchReport
+    from kvactors.cli.bench._report import BenchReport
 
 __all__ = ("plot",)
 

@@ -10,7 +10,7 @@ timing (an untouched page reads as the shared zero page, which would flatter eve
 kvactors never imports lmcache: the LMCache baseline is a plugin found through the
 ``kvactors.baselines`` entry-point group (registered by the adapter package).
 
-Run ``python -m kvactors.bench_transfer --help``.
+Run ``python -m kvactors.cli.bench.transfer --help``.
 """
 
 from __future__ import annotations
@@ -281,7 +281,7 @@ def format_table(rows: Sequence[BenchRow], *, header: bool = True) -> str:
 
 def main(argv: Sequence[str] | None = None) -> int:
     """Command line entry point; prints a table of GB/s and ratios."""
-    ap = argparse.ArgumentParser(prog="python -m kvactors.bench_transfer", description=__doc__)
+    ap = argparse.ArgumentParser(prog="python -m kvactors.cli.bench.transfer", description=__doc__)
     ap.add_argument("--layouts", nargs="+", default=list(LAYOUTS), choices=LAYOUTS)
     ap.add_argument("--directions", nargs="+", default=["gather", "scatter"])
     ap.add_argument("--threads", nargs="+", type=int, default=[1, 2])
