@@ -76,6 +76,12 @@ def samples(stats: DeviceStatistics) -> list[Sample]:
                dev, float(stats.inflight)),
         Sample("kvactors_ipc_owners_open", "gauge", "Opened IPC owners not yet closed",
                dev, float(stats.ipc_owners_open)),
+        Sample("kvactors_ipc_owners_opened_total", "counter", "IPC owners opened",
+               dev, float(stats.ipc_owners_opened)),
+        Sample("kvactors_ipc_owners_closed_total", "counter", "IPC owners closed",
+               dev, float(stats.ipc_owners_closed)),
+        Sample("kvactors_lanes_abandoned_total", "counter", "Stream lanes whose threads did "
+               "not end within the stop timeout", dev, float(stats.lanes_abandoned)),
         Sample("kvactors_completions_pending", "gauge", "Published completion records not "
                "drained", dev, float(stats.completions_pending)),
         Sample("kvactors_events_pending", "gauge", "Published event records not drained",

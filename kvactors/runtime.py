@@ -20,6 +20,7 @@ from __future__ import annotations
 import asyncio
 import atexit
 import concurrent.futures
+import contextlib
 import itertools
 import threading
 from typing import TYPE_CHECKING, Any, TypeVar
@@ -28,7 +29,7 @@ from kvactors._bridge import ReplyLock, settle_concurrent, settle_slot
 from kvactors.actors.gather import TransferOperands
 from kvactors.actors.group import DeviceActors, DeviceStatistics
 from kvactors.devices.base import Backend
-from kvactors.errors import ActorClosedError, MailboxFullError
+from kvactors.errors import ActorClosedError, DeviceOpError, MailboxFullError
 from kvactors.protocols.gather import Fence, Fenced, Ping, Pong, Transfer, TransferDone
 from kvactors.protocols.ipc import CloseContext, ContextClosed, Opened, OpenHandle
 from kvactors.protocols.stream import EventRecord, RecordCompletion, RecordEvent, Sync, Synced
@@ -103,18 +104,30 @@ class Runtime:
             ready = threading.Event()
             failure: list[BaseException] = []
 
+            async def start_actors(actors: DeviceActors) -> None:
+                # On the loop (actors start on the running loop), and awaited here so that a
+                # failed start fails start() instead of leaving actors that never started.
+                try:
+                    actors.start()
+                except BaseException:
+                    with contextlib.suppress(Exception):
+                        await actors.stop(timeout=self._stop_timeout)
+                    raise
+
             def run() -> None:
                 asyncio.set_event_loop(loop)
                 try:
-                    self._actors = DeviceActors(
+                    actors = DeviceActors(
                         self.backend,
                         self.device_index,
                         capacity=self._capacity,
                         stop_timeout=self._stop_timeout,
                     )
-                    loop.call_soon(self._actors.start)
+                    loop.run_until_complete(start_actors(actors))
+                    self._actors = actors
                 except BaseException as exc:
                     failure.append(exc)
+                    loop.close()
                     ready.set()
                     return
                 loop.call_soon(ready.set)
@@ -137,7 +150,12 @@ class Runtime:
         return self._closed
 
     def close(self, timeout: float | None = None) -> None:
-        """Stop the actors (bounded), then the loop; idempotent. Pending calls fail."""
+        """Stop the actors (bounded), then the loop; idempotent. Pending calls fail.
+
+        Raises:
+            DeviceOpError: a stream lane's threads did not end in time (they were abandoned
+                and may still touch device memory); everything else was shut down.
+        """
         with self._lock:
             if self._closed:
                 return
@@ -158,6 +176,12 @@ class Runtime:
             leftovers, self._outstanding = self._outstanding, set()
         for reply in leftovers:
             reply.set_exception(closed)
+        if actors.lanes_abandoned:
+            raise DeviceOpError(
+                f"{actors.lanes_abandoned} stream lane(s) did not end within {t}s; their "
+                "threads may still touch device memory (see DeviceStatistics.lanes_abandoned)",
+                device=actors.device, op="close",
+            )
 
     def __enter__(self) -> Runtime:
         return self.start()
@@ -436,4 +460,5 @@ def _close_all() -> None:
         rts = list(_runtimes.values())
         _runtimes.clear()
     for rt in rts:
-        rt.close(timeout=2.0)
+        with contextlib.suppress(DeviceOpError):  # abandoned lanes were logged; exit anyway
+            rt.close(timeout=2.0)

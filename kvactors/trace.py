@@ -250,29 +250,35 @@ async def _replay(rt: Runtime, entries: list[TraceEntry], env: DeviceMemory | No
     operands = _Operands(env)
     tasks: dict[int, asyncio.Task[None]] = {}
 
-    async def one(e: TraceEntry) -> None:
+    def submit(e: TraceEntry) -> asyncio.Future[Any]:
+        # Called in trace order: the a* methods queue their message when called, so the
+        # mailbox order of the replay is the trace order (a recorded fence after a store is
+        # queued after it). Only the waiting happens in a task.
+        if e.op == "transfer":
+            msg = GATHER_REQUESTS.decode(e.message)
+            assert isinstance(msg, Transfer)
+            assert e.operands is not None
+            paged, objects = operands.get(e.operands)
+            return rt.atransfer(msg.request, paged, objects, stream_handle=e.stream_handle)
+        if e.op == "fence":
+            msg_f = GATHER_REQUESTS.decode(e.message)
+            assert isinstance(msg_f, Fence)
+            return rt.afence(msg_f.block_ids)
+        if e.op == "ping":
+            msg_p = GATHER_REQUESTS.decode(e.message)
+            assert isinstance(msg_p, Ping)
+            return rt.aping(msg_p.seq)
+        return asyncio.get_running_loop().run_in_executor(None, rt.synchronize, e.stream_handle)
+
+    async def one(e: TraceEntry, submitted: asyncio.Future[Any] | Exception) -> None:
         error = ""
         try:
+            if isinstance(submitted, Exception):
+                raise submitted
+            r = await submitted
             if e.op == "transfer":
-                msg = GATHER_REQUESTS.decode(e.message)
-                assert isinstance(msg, Transfer)
-                assert e.operands is not None
-                paged, objects = operands.get(e.operands)
-                r = await rt.atransfer(msg.request, paged, objects, stream_handle=e.stream_handle)
                 report.transfers += 1
                 report.bytes_moved += r.nbytes
-            elif e.op == "fence":
-                msg_f = GATHER_REQUESTS.decode(e.message)
-                assert isinstance(msg_f, Fence)
-                await rt.afence(msg_f.block_ids)
-            elif e.op == "ping":
-                msg_p = GATHER_REQUESTS.decode(e.message)
-                assert isinstance(msg_p, Ping)
-                await rt.aping(msg_p.seq)
-            else:
-                await asyncio.get_running_loop().run_in_executor(
-                    None, rt.synchronize, e.stream_handle
-                )
         except Exception as exc:
             error = type(exc).__name__
         want = done[e.seq].error if e.seq in done else ""
@@ -287,8 +293,12 @@ async def _replay(rt: Runtime, entries: list[TraceEntry], env: DeviceMemory | No
             if d is not None and d.t <= e.t:
                 await task
                 del tasks[seq]
-        tasks[e.seq] = asyncio.ensure_future(one(e))
-        await asyncio.sleep(0)  # the task's first step submits its message, in trace order
+        submitted: asyncio.Future[Any] | Exception
+        try:
+            submitted = submit(e)
+        except Exception as exc:  # refused before it was queued: replayed as that outcome
+            submitted = exc
+        tasks[e.seq] = asyncio.ensure_future(one(e, submitted))
         report.calls += 1
     if tasks:
         await asyncio.gather(*tasks.values())

@@ -17,6 +17,7 @@ from __future__ import annotations
 
 import asyncio
 import contextlib
+import logging
 import time
 from typing import TYPE_CHECKING, Any, final
 
@@ -41,6 +42,8 @@ if TYPE_CHECKING:
     from kvactors.devices.base import Backend, StreamLike
 
 __all__ = ("StreamActor", "Work")
+
+_log = logging.getLogger("kvactors.actors.stream")
 
 
 @final
@@ -82,6 +85,7 @@ class StreamActor(Actor[StreamRequest]):
         self._device = f"{backend.kind}:{index}"
         self.sync_seconds = 0.0
         self.syncs = 0
+        self.lanes_abandoned = 0
 
     def _synchronize(self) -> None:
         # Runs on the lane thread (the only writer of these counters).
@@ -100,7 +104,12 @@ class StreamActor(Actor[StreamRequest]):
     async def on_stop(self, closed: Any) -> None:
         """Let the lane finish queued work (bounded), then end its threads."""
         loop = asyncio.get_running_loop()
-        await loop.run_in_executor(None, self.lane.stop, self._stop_timeout)
+        if not await loop.run_in_executor(None, self.lane.stop, self._stop_timeout):
+            # The threads stay alive as daemons and may still touch device memory: say so, count
+            # it (DeviceStatistics.lanes_abandoned) and let Runtime.close() raise it.
+            self.lanes_abandoned += 1
+            _log.error("%s: lane threads did not end within %ss; abandoned", self.name,
+                       self._stop_timeout, extra={"actor": self.name, "device": self._device})
 
     def _post(self) -> Callable[..., None]:
         loop = self._loop
