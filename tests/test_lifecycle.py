@@ -32,7 +32,7 @@ NL, NB, BS, NH, HS = 2, 8, 4, 2, 8
 class _NoStreamBackend(CpuBackend):
     """A CPU backend whose default stream cannot be had: the actors cannot start."""
 
-    def stream_from_handle(self, index: int, handle: int) -> Any:
+    def stream_from_handle(self, handle: int, index: int) -> Any:
         raise DeviceOpError("no stream here", device=f"cpu:{index}", op="stream_from_handle")
 
 

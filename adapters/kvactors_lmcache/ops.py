@@ -166,7 +166,8 @@ class KvactorsDeviceOps(DeviceOps):
             if idx and index is None:
                 raise OperandTypeError(f"bad device {device!r}", field="device")
         else:
-            kind = getattr(device, "type", None)
+            raw_kind = getattr(device, "type", None)
+            kind = raw_kind if isinstance(raw_kind, str) else ""  # no type: refused below
             raw = getattr(device, "index", None)
             index = None if raw is None else int(raw)
         if kind != self.device_type:
@@ -222,10 +223,12 @@ class KvactorsDeviceOps(DeviceOps):
         )
         index = self._device_index(device)
         rt = self._runtime(index)
+        # check_tensor_operands refused anything but tensors; this keeps them, typed as such.
+        objects = [o for o in lmcache_objects_ptrs if isinstance(o, torch.Tensor)]
         rt.transfer(
             request,
             paged_buffer_ptrs_tensor,
-            list(lmcache_objects_ptrs),
+            objects,
             stream_handle=self._stream_handle(rt, index),
         )
         key = f"{self.kvactors_backend}:{'H2D' if request.direction == 0 else 'D2H'}"

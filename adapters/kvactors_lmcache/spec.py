@@ -184,7 +184,8 @@ class KvactorsMusaSpec(KvactorsSpecBase):
             return None
         from lmcache.v1.platform.devices.musa.ipc_wrapper import MusaIPCWrapper
 
-        return MusaIPCWrapper
+        wrapper: type[Any] = MusaIPCWrapper
+        return wrapper
 
     @property
     def event_ipc_backend(self) -> EventIPCBackend | None:

@@ -31,7 +31,7 @@ def _lmcache_imports(path: pathlib.Path) -> list[int]:
               and node.args and isinstance(node.args[0], ast.Constant)):
             names = [str(node.args[0].value)]
         if any(n.split(".")[0] == "lmcache" for n in names):
-            lines.append(node.lineno)
+            lines.append(getattr(node, "lineno", 0))
     return lines
 
 

@@ -145,7 +145,7 @@ ROWS: tuple[Row, ...] = (
         lambda e: e.rt.tensor_from_ptr(e.objs[0].data_ptr(), (2, 4), torch.float32,
                                        stride=(4,))),
     Row("pointer-wrong-device", InvalidPointerError, "cpu backend cannot view device",
-        lambda e: e.rt.backend.tensor_from_ptr(e.objs[0].data_ptr(), (4,), torch.float32,
+        lambda e: e.rt.backend.tensor_from_ptr(e.objs[0].data_ptr(), (4,), torch.float32,  # type: ignore[call-arg]
                                                device="meta")),
     # ---- runtime and actors -------------------------------------------------------------
     Row("closed-runtime", ActorClosedError, "runtime is closed", _closed_runtime),

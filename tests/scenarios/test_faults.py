@@ -326,11 +326,11 @@ def test_opener_killed_while_holding_our_mappings() -> None:
     maps0, fds0 = shm_mappings(), open_fds()
     shared = [backend.alloc_shared((256,), torch.float32) for _ in range(2)]
     names = [s.name for s in shared]
-    handles = [backend.ipc_export(s.tensor) for s in shared]
+    handles = [backend.ipc_export(s.tensor) for s in shared]  # type: ignore[arg-type]
     proc, conn = _spawn(_doubles.opener_child, handles)
     try:
         assert conn.recv() >= 2  # the peer maps both segments
-        assert all(bool((s.tensor == 1.0).all()) for s in shared)  # and wrote through them
+        assert all(bool((s.tensor == 1.0).all()) for s in shared)  # type: ignore[union-attr]  # and wrote through them
         _doubles.kill(proc.pid)
         proc.join(30)
         assert proc.exitcode == -9
