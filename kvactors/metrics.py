@@ -23,6 +23,7 @@ from typing import TYPE_CHECKING, Any
 
 import msgspec
 
+from kvactors.errors import MissingDependencyError
 from kvactors.observe import observe
 
 if TYPE_CHECKING:
@@ -228,13 +229,15 @@ def register_prometheus(
         port: Also start ``prometheus_client``'s HTTP server on this port.
 
     Raises:
-        ImportError: prometheus_client is not installed (``pip install kvactors[metrics]``).
+        MissingDependencyError: prometheus_client is not installed (an ImportError;
+            ``pip install kvactors[metrics]``).
     """
     try:
         import prometheus_client
     except ImportError as exc:
-        raise ImportError(
-            "Prometheus export needs prometheus_client: pip install 'kvactors[metrics]'"
+        raise MissingDependencyError(
+            "Prometheus export needs prometheus_client: pip install 'kvactors[metrics]'",
+            package="prometheus_client",
         ) from exc
     reg = registry if registry is not None else prometheus_client.REGISTRY
     collector = _Collector(rt, calls)

@@ -164,11 +164,13 @@ class Runtime:
         if loop is None or thread is None or actors is None:
             return
         t = self._stop_timeout if timeout is None else timeout
-        stopped = asyncio.run_coroutine_threadsafe(actors.stop(timeout=t), loop)
+        stopping = actors.stop(timeout=t)
+        stopped = asyncio.run_coroutine_threadsafe(stopping, loop)
         try:
             stopped.result(timeout=3 * t + _GRACE)
         except Exception:  # the loop is stopped regardless; pending calls are failed below
-            stopped.cancel()
+            if stopped.cancel():  # never started (a stuck loop): it never will
+                stopping.close()
         loop.call_soon_threadsafe(loop.stop)
         thread.join(timeout=t + _GRACE)
         closed = ActorClosedError("runtime closed before replying", actor="runtime")

@@ -27,6 +27,7 @@ from typing import TYPE_CHECKING, Any, BinaryIO, Protocol
 import msgspec
 import torch
 
+from kvactors.errors import InvalidFileError
 from kvactors.observe import observe
 from kvactors.protocols.codec import GATHER_REQUESTS, encode
 from kvactors.protocols.gather import Fence, Ping, Transfer
@@ -174,7 +175,7 @@ def read_trace(path: str) -> tuple[TraceHeader, list[TraceEntry]]:
     """Read a trace file (a truncated last record is ignored).
 
     Raises:
-        ValueError: not a kvactors trace.
+        InvalidFileError: not a kvactors trace (a ValueError).
     """
     with open(path, "rb") as f:
         data = f.read()
@@ -189,9 +190,11 @@ def read_trace(path: str) -> tuple[TraceHeader, list[TraceEntry]]:
     try:
         header = msgspec.msgpack.decode(recs[0], type=TraceHeader)
     except (IndexError, msgspec.DecodeError) as exc:
-        raise ValueError(f"{path}: not a kvactors trace") from exc
+        raise InvalidFileError(f"{path}: not a kvactors trace", path=path) from exc
     if header.format != _FORMAT:
-        raise ValueError(f"{path}: trace format {header.format!r}, expected {_FORMAT!r}")
+        raise InvalidFileError(
+            f"{path}: trace format {header.format!r}, expected {_FORMAT!r}", path=path
+        )
     dec = msgspec.msgpack.Decoder(TraceEntry)
     return header, [dec.decode(r) for r in recs[1:]]
 

@@ -43,6 +43,7 @@ from kvactors.errors import (
     ActorBrokenError,
     ActorClosedError,
     DeadlineExceededError,
+    InvalidSettingError,
     MailboxFullError,
     UnknownMessageError,
 )
@@ -161,7 +162,9 @@ class Actor(Generic[M]):
 
     def __init__(self, name: str, *, capacity: int = 1024) -> None:
         if capacity <= 0:
-            raise ValueError(f"mailbox capacity must be positive, got {capacity}")
+            raise InvalidSettingError(
+                f"mailbox capacity must be positive, got {capacity}", setting="capacity"
+            )
         self.name = name
         self._capacity = capacity
         self._fifo: collections.deque[Envelope[M]] = collections.deque()

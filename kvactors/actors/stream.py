@@ -23,7 +23,7 @@ from typing import TYPE_CHECKING, Any, final
 
 from kvactors.actors.actor import DEFERRED, Actor, Envelope, unreachable
 from kvactors.actors.lane import Lane
-from kvactors.errors import DeviceOpError, KvactorsError, TransferFailedError
+from kvactors.errors import DeviceOpError, OperandTypeError, TransferFailedError, translate
 from kvactors.protocols.stream import (
     EventRecord,
     Launch,
@@ -141,7 +141,9 @@ class StreamActor(Actor[StreamRequest]):
     def _launch(self, env: Envelope[StreamRequest], msg: Launch) -> None:
         work = env.operands
         if not isinstance(work, Work):
-            raise TypeError(f"Launch needs a Work operand bundle, got {type(work).__name__}")
+            raise OperandTypeError(
+                f"Launch needs a Work operand bundle, got {type(work).__name__}", field="operands"
+            )
         env.operands = None
         post = self._post()
         backend, stream, lane = self.backend, self.stream, self.lane
@@ -216,18 +218,8 @@ class StreamActor(Actor[StreamRequest]):
 
 
 def _failed(err: BaseException, transfer_id: int, device: str) -> BaseException:
-    if isinstance(err, KvactorsError):
-        return err
-    exc = TransferFailedError(
-        str(err) or type(err).__name__, transfer_id=transfer_id, device=device
-    )
-    exc.__cause__ = err
-    return exc
+    return translate(err, lambda m: TransferFailedError(m, transfer_id=transfer_id, device=device))
 
 
 def _sync_failed(err: BaseException, device: str) -> BaseException:
-    if isinstance(err, KvactorsError):
-        return err
-    exc = DeviceOpError(str(err) or type(err).__name__, device=device, op="synchronize")
-    exc.__cause__ = err
-    return exc
+    return translate(err, lambda m: DeviceOpError(m, device=device, op="synchronize"))

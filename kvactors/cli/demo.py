@@ -40,6 +40,7 @@ from kvactors.actors.group import DeviceStatistics
 from kvactors.cli._devenv import device_env
 from kvactors.cli._workload import Geometry, Request, chunk_content, chunk_object, make_requests
 from kvactors.cli.validate import KVDump, compare_kv
+from kvactors.errors import InvalidSettingError
 from kvactors.layouts import Direction, KVFormat, ShapeDesc
 from kvactors.plans import TransferRequest
 from kvactors.runtime import Runtime
@@ -321,7 +322,8 @@ def run_demo(
     """
     geo = cfg.geometry
     if geo.num_blocks < cfg.max_running * 6 * geo.chunk_blocks:
-        raise ValueError("geometry.num_blocks too small for max_running requests")
+        raise InvalidSettingError("geometry.num_blocks too small for max_running requests",
+                                  setting="geometry.num_blocks")
     with device_env(cfg.device, seed=cfg.seed) as env:
         report = DemoReport(device=cfg.device, note=env.note)
         requests = list(make_requests(cfg.requests, seed=cfg.seed))

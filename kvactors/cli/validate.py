@@ -23,6 +23,7 @@ from typing import TYPE_CHECKING, Any
 import msgspec
 import torch
 
+from kvactors.errors import InvalidFileError
 from kvactors.layouts import FORMAT_SPECS, KVFormat, PagedKind
 
 if TYPE_CHECKING:
@@ -140,11 +141,13 @@ def load_dump(path: str) -> KVDump:
     """Read a dump written by :func:`save_dump`.
 
     Raises:
-        ValueError: the file is not a kvactors KV dump.
+        InvalidFileError: the file is not a kvactors KV dump (a ValueError).
     """
     data = torch.load(path, map_location="cpu", weights_only=True)
     if not isinstance(data, dict) or data.get(_MAGIC) != 1:
-        raise ValueError(f"{path}: not a kvactors KV dump (written by kvactors.validate.save_dump)")
+        raise InvalidFileError(
+            f"{path}: not a kvactors KV dump (written by kvactors.validate.save_dump)", path=path
+        )
     return KVDump(tuple(data["block_ids"]), list(data["layers"]), int(data["block_dim"]))
 
 

@@ -26,7 +26,7 @@ from typing import TYPE_CHECKING, cast, final
 
 from kvactors.devices._vendor import as_vendor_module, device_errors, int_attr
 from kvactors.devices.base import Backend
-from kvactors.errors import InvalidPointerError, UnsupportedOperationError
+from kvactors.errors import InvalidPointerError, InvalidSettingError, UnsupportedOperationError
 
 if TYPE_CHECKING:
     from collections.abc import Callable
@@ -211,7 +211,7 @@ class TorchLikeBackend(Backend):
             if reason:
                 raise self._unsupported(f"LMCache-driven transfer mode is not available: {reason}")
             return "lmcache_driven"
-        raise ValueError(f"unknown transfer mode {requested!r}")
+        raise InvalidSettingError(f"unknown transfer mode {requested!r}", setting="transfer_mode")
 
     def lmcache_driven_unavailable(self) -> str:
         """Why LMCache-driven (IPC handle) mode is unavailable; empty when it is available."""

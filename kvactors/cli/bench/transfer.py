@@ -25,6 +25,7 @@ from typing import TYPE_CHECKING, Any
 import msgspec
 import torch
 
+from kvactors.errors import InvalidSettingError
 from kvactors.kernels.fast import ScratchCache, run_fast
 from kvactors.layouts import FORMAT_SPECS, KVFormat, ShapeDesc
 from kvactors.plans import TransferRequest, plan_transfer
@@ -207,7 +208,8 @@ def run_transfer_bench(
     thread_list = [threads] if isinstance(threads, int) else list(threads)
     bad = [x for x in layouts if x not in _FORMATS]
     if bad or any(d not in ("gather", "scatter") for d in directions):
-        raise ValueError(f"unknown layouts {bad} or directions {list(directions)}")
+        raise InvalidSettingError(f"unknown layouts {bad} or directions {list(directions)}",
+                                  setting="layouts")
     old_threads = torch.get_num_threads()
     rows: list[BenchRow] = []
     try:
