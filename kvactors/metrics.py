@@ -19,7 +19,7 @@ Three layers, each usable alone:
 from __future__ import annotations
 
 import threading
-from typing import TYPE_CHECKING, Any
+from typing import TYPE_CHECKING, Any, Literal
 
 import msgspec
 
@@ -48,7 +48,7 @@ class Sample(msgspec.Struct, frozen=True):
     """One metric value: name, kind (``counter``/``gauge``), help, labels, value."""
 
     name: str
-    kind: str
+    kind: Literal["counter", "gauge"]
     help: str
     labels: dict[str, str]
     value: float

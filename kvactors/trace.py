@@ -22,7 +22,7 @@ import asyncio
 import struct
 import threading
 import time
-from typing import TYPE_CHECKING, Any, BinaryIO, Protocol
+from typing import TYPE_CHECKING, Any, BinaryIO, Literal, Protocol
 
 import msgspec
 import torch
@@ -73,7 +73,7 @@ class TraceHeader(msgspec.Struct, frozen=True, kw_only=True):
 class OperandShapes(msgspec.Struct, frozen=True, kw_only=True):
     """The operands of a transfer without their data: structure, shapes, dtype."""
 
-    paged_kind: str
+    paged_kind: Literal["tensor", "list", "kv_list"]
     """``tensor`` (one cross-layer tensor), ``list`` (per layer) or ``kv_list``."""
     paged: list[list[int]]
     objects: list[list[int]]
@@ -83,7 +83,7 @@ class OperandShapes(msgspec.Struct, frozen=True, kw_only=True):
 class TraceEntry(msgspec.Struct, frozen=True, kw_only=True):
     """One ``call`` (submitted) or ``done`` (returned) record."""
 
-    kind: str
+    kind: Literal["call", "done"]
     seq: int
     t: float
     op: str
@@ -95,6 +95,7 @@ class TraceEntry(msgspec.Struct, frozen=True, kw_only=True):
 
 
 def _shapes(paged: Any, objects: Any) -> OperandShapes | None:
+    kind: Literal["tensor", "list", "kv_list"]
     try:
         if isinstance(paged, torch.Tensor):
             kind, tensors = "tensor", [paged]

@@ -35,7 +35,7 @@ import asyncio
 import collections
 import contextlib
 import enum
-from typing import TYPE_CHECKING, Any, Final, Generic, NoReturn, Protocol, TypeVar, final
+from typing import TYPE_CHECKING, Any, Final, Generic, Literal, NoReturn, Protocol, TypeVar, final
 
 import msgspec
 
@@ -115,7 +115,8 @@ class ActorStatistics(msgspec.Struct, frozen=True, kw_only=True):
     """
 
     name: str
-    state: str
+    state: Literal["created", "running", "stopping", "stopped", "broken"]
+    """The :class:`ActorState` value."""
     mailbox_depth: int
     mailbox_peak: int
     capacity: int

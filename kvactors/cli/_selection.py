@@ -22,6 +22,8 @@ specs answer ``engine_driven`` for ``auto``.
 
 from __future__ import annotations
 
+from typing import Literal
+
 import msgspec
 
 from kvactors.plugins import PLUGIN_MUSA, PLUGINS
@@ -52,7 +54,7 @@ class SpecFact(msgspec.Struct, frozen=True, kw_only=True):
 
     backend: str
     device_type: str
-    origin: str
+    origin: Literal["builtin", "plugin"]
     """``builtin`` or ``plugin``."""
     available: bool
     reason: str = ""
@@ -61,7 +63,7 @@ class SpecFact(msgspec.Struct, frozen=True, kw_only=True):
 class Selection(msgspec.Struct, frozen=True, kw_only=True):
     """The predicted outcome of LMCache's device detection and transfer-mode choice."""
 
-    outcome: str
+    outcome: Literal["selected", "error", "stub"]
     """``selected``, ``error`` (``import lmcache`` would raise) or ``stub``."""
     backend: str | None
     device_type: str

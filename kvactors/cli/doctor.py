@@ -13,6 +13,7 @@ import importlib.util
 import os
 import platform
 import sys
+from typing import Literal
 
 import msgspec
 
@@ -54,7 +55,7 @@ _LMCACHE_TESTED = "0.5.6"
 class Finding(msgspec.Struct, frozen=True, kw_only=True):
     """One observation: ``level`` is ``ok``, ``info``, ``warn`` or ``error``."""
 
-    level: str
+    level: Literal["ok", "info", "warn", "error"]
     topic: str
     message: str
     fix: str = ""
@@ -227,7 +228,7 @@ def _findings(r: DoctorReport, env: dict[str, str]) -> list[Finding]:
                            fix=_selection_fix(s, env)))
     elif lm is not None:
         who = f"{s.backend} (kvactors)" if s.kvactors else (s.backend or "StubCPUDevice")
-        level = "ok" if s.kvactors else "info"
+        level: Literal["ok", "info"] = "ok" if s.kvactors else "info"
         out.append(Finding(level=level, topic="LMCache selection",
                            message=f"LMCache would select {who}: {s.reason}; MP transfer mode "
                            f"{s.transfer_mode} ({s.transfer_mode_reason})",

@@ -22,7 +22,7 @@ Vendor ``RuntimeError``s become :class:`~kvactors.errors.DeviceOpError`.
 from __future__ import annotations
 
 import threading
-from typing import TYPE_CHECKING, cast, final
+from typing import TYPE_CHECKING, Literal, cast, final
 
 from kvactors.devices._vendor import as_vendor_module, device_errors, int_attr
 from kvactors.devices.base import Backend
@@ -38,8 +38,8 @@ if TYPE_CHECKING:
 
 __all__ = ("EventMarker", "TorchLikeBackend", "TransferMode")
 
-TransferMode = str
-"""``"engine_driven"`` or ``"lmcache_driven"``."""
+TransferMode = Literal["engine_driven", "lmcache_driven"]
+"""The transfer modes a backend can serve."""
 
 
 @final
