@@ -6,11 +6,11 @@ Three layers, each usable alone:
   :meth:`Runtime.statistics() <kvactors.runtime.Runtime.statistics>`) into flat
   :class:`Sample` rows: bytes moved, transfers by result, transfers in flight, IPC owners,
   pending records, and per actor its state, mailbox depth, peak, capacity, processed, failed.
-* :class:`CallMetrics` is an observer (:func:`kvactors.observe.observe`) that counts calls,
-  errors and seconds per facade operation. The time lanes spend blocked in stream syncs comes
-  from the runtime (``kvactors_stream_sync_seconds_total``); the time callers spend waiting in
-  ``synchronize`` and ``fence`` is measured here, from outside
-  (``kvactors_sync_wait_seconds_total``): it includes the hop to the loop and back.
+* :class:`CallMetrics` is an observer (:func:`kvactors.observe.observe`, the runtime's hook)
+  that counts calls, errors and seconds per operation, from mailbox admission to the settled
+  reply. The time lanes spend blocked in stream syncs comes from the runtime
+  (``kvactors_stream_sync_seconds_total``); the time ``synchronize`` and ``fence`` calls wait
+  is measured per call (``kvactors_sync_wait_seconds_total``).
 * :func:`register_prometheus` exposes both through ``prometheus_client`` when it is
   installed (``pip install kvactors[metrics]``); values are read at scrape time, nothing is
   copied in the background. :func:`render_text` writes the Prometheus text format without it.
@@ -114,7 +114,7 @@ def samples(stats: DeviceStatistics) -> list[Sample]:
 
 
 class CallMetrics:
-    """Counts, errors and seconds per facade operation, measured around each call."""
+    """Counts, errors and seconds per operation, from mailbox admission to the settled reply."""
 
     def __init__(self) -> None:
         self._lock = threading.Lock()
@@ -158,8 +158,8 @@ class CallMetrics:
                 if op in ("synchronize", "fence"):
                     out.append(Sample(
                         "kvactors_sync_wait_seconds_total", "counter",
-                        "Seconds callers waited for stream syncs and fences (measured outside "
-                        "the runtime)", lab, self.seconds[op]))
+                        "Seconds stream syncs and fences waited, from mailbox admission to "
+                        "the reply", lab, self.seconds[op]))
         return out
 
 

@@ -26,6 +26,7 @@ import threading
 from typing import TYPE_CHECKING, Any, TypeVar
 
 from kvactors._bridge import ReplyLock, settle_concurrent, settle_slot
+from kvactors._observer import Call, Observers
 from kvactors.actors.gather import TransferOperands
 from kvactors.actors.group import DeviceActors, DeviceStatistics
 from kvactors.devices.base import Backend
@@ -39,6 +40,7 @@ if TYPE_CHECKING:
 
     import torch
 
+    from kvactors._observer import RuntimeObserver
     from kvactors.actors.actor import Actor
     from kvactors.devices.base import IPCHandle
     from kvactors.plans import TransferRequest
@@ -75,6 +77,7 @@ class Runtime:
         capacity: int = 1024,
         default_timeout: float = 60.0,
         stop_timeout: float = 10.0,
+        observer: RuntimeObserver | None = None,
     ) -> None:
         self.backend = resolve_backend(backend)
         self.device_index = device_index
@@ -88,6 +91,9 @@ class Runtime:
         self._closed = False
         self._ids = itertools.count(1)
         self._outstanding: set[ReplyLock] = set()
+        self._observers = Observers()
+        if observer is not None:
+            self._observers.add(observer)
 
     # ---- lifecycle -----------------------------------------------------------------
 
@@ -213,26 +219,38 @@ class Runtime:
         msg: Any,
         operands: Any = None,
         timeout: float | None = None,
+        stream_handle: int = 0,
     ) -> Any:
         loop, actors = self._running()
         t = self.default_timeout if timeout is None else timeout
         reply = ReplyLock()
         with self._lock:
             self._outstanding.add(reply)
+        observers = self._observers
+        call = Call(msg, operands, stream_handle) if observers.active else None
 
         def submit() -> None:
             # The deadline is kept by the calling thread's wait below; the loop needs no timer.
             try:
+                if call is not None:
+                    observers.started(call)  # admission: in mailbox order
                 pick(actors).ask_into(reply, msg, operands)
             except BaseException as exc:
                 reply.set_exception(exc)
 
         loop.call_soon_threadsafe(submit)
         try:
-            return reply.wait(t, type(msg).__name__)
+            result = reply.wait(t, type(msg).__name__)
+        except BaseException as exc:
+            if call is not None:
+                observers.finished(call, None, exc)
+            raise
         finally:
             with self._lock:
                 self._outstanding.discard(reply)
+        if call is not None:
+            observers.finished(call, result, None)
+        return result
 
     def _tell(self, pick: Callable[[DeviceActors], Actor[Any]], msg: Any) -> None:
         # Returns once the message is queued (mailbox order = call order per thread); waits
@@ -274,14 +292,22 @@ class Runtime:
         loop, actors = self._running()
         t = self.default_timeout if timeout is None else timeout
         cf: concurrent.futures.Future[Any] = concurrent.futures.Future()
+        observers = self._observers
+        call = Call(msg, operands, getattr(msg, "stream_handle", 0)) if observers.active else None
 
         def submit() -> None:
             try:
+                if call is not None:
+                    observers.started(call)  # admission: in mailbox order
                 fut = pick(actors).ask_nowait(msg, operands, timeout=t)
             except BaseException as exc:
+                if call is not None:
+                    observers.finished(call, None, exc)
                 if not cf.done():
                     cf.set_exception(exc)
                 return
+            if call is not None:
+                fut.add_done_callback(lambda f: _finished(observers, call, f))
             fut.add_done_callback(lambda f: settle_concurrent(f, cf))
 
         loop.call_soon_threadsafe(submit)
@@ -304,7 +330,9 @@ class Runtime:
         ``TypeError``) before any memory is touched, ``TransferFailedError`` if the copy failed.
         """
         msg = Transfer(transfer_id=next(self._ids), request=request, stream_handle=stream_handle)
-        result: TransferDone = self._ask(_gather, msg, TransferOperands(paged, objects), timeout)
+        result: TransferDone = self._ask(
+            _gather, msg, TransferOperands(paged, objects), timeout, stream_handle
+        )
         return result
 
     def atransfer(
@@ -349,7 +377,7 @@ class Runtime:
 
     def synchronize(self, stream_handle: int = 0, *, timeout: float | None = None) -> Synced:
         """Barrier on a stream: returns once all work submitted to it earlier ran."""
-        result: Synced = self._ask(_stream(stream_handle), Sync(), None, timeout)
+        result: Synced = self._ask(_stream(stream_handle), Sync(), None, timeout, stream_handle)
         return result
 
     def record_completion(self, stream_handle: int, kind: str, payload: bytes) -> None:
@@ -414,6 +442,14 @@ class Runtime:
 
     # ---- observability -------------------------------------------------------------
 
+    def add_observer(self, observer: RuntimeObserver) -> Callable[[], None]:
+        """Report every call to ``observer`` from mailbox admission on; returns the detach.
+
+        ``Runtime(observer=...)`` attaches one at construction. See :mod:`kvactors.observe`.
+        """
+        self._observers.add(observer)
+        return lambda: self._observers.remove(observer)
+
     def statistics(self, *, timeout: float | None = None) -> DeviceStatistics:
         """A frozen snapshot of every actor of this runtime's device."""
         loop, actors = self._running()
@@ -423,6 +459,15 @@ class Runtime:
 
 async def _snapshot(actors: DeviceActors) -> DeviceStatistics:
     return actors.statistics()
+
+
+def _finished(observers: Observers, call: Call, fut: asyncio.Future[Any]) -> None:
+    if fut.cancelled():
+        observers.finished(call, None, asyncio.CancelledError())
+    elif (exc := fut.exception()) is not None:
+        observers.finished(call, None, exc)
+    else:
+        observers.finished(call, fut.result(), None)
 
 
 def _gather(actors: DeviceActors) -> Actor[Any]:

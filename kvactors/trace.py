@@ -1,7 +1,8 @@
 """Record a runtime's messages to a file, and replay them to reproduce a run.
 
 Theory of operation. :class:`TraceRecorder` is an observer (:func:`kvactors.observe.observe`):
-for every facade call it appends a ``call`` entry (sequence number, seconds since the
+for every transfer, fence, ping and synchronize the runtime admits into a mailbox it appends
+a ``call`` entry (the runtime's admission sequence number, seconds since the
 recording began, the wire message encoded with :func:`kvactors.protocols.codec.encode`, the
 stream handle, and for transfers the *shapes* and dtype of the operands, never their data),
 and when the call returns a ``done`` entry (duration, error). The file is a header followed by
@@ -59,6 +60,7 @@ class DeviceMemory(Protocol):
 
 
 _FORMAT = "kvactors-trace/1"
+_RECORDED = frozenset({"transfer", "fence", "ping", "synchronize"})
 _LEN = struct.Struct("<I")
 
 
@@ -141,7 +143,9 @@ class TraceRecorder:
         return self
 
     def call_started(self, call: Call) -> None:
-        """Observer hook: record the submitted message."""
+        """Observer hook: record the admitted message (transfers, fences, pings, syncs)."""
+        if call.op not in _RECORDED:
+            return
         ops = _shapes(call.paged, call.objects) if call.op == "transfer" else None
         self._write(TraceEntry(
             kind="call", seq=call.seq, t=call.started - self._t0, op=call.op,
@@ -152,6 +156,8 @@ class TraceRecorder:
         self, call: Call, seconds: float, result: Any, error: BaseException | None
     ) -> None:
         """Observer hook: record the outcome."""
+        if call.op not in _RECORDED:
+            return
         self._write(TraceEntry(
             kind="done", seq=call.seq, t=call.started + seconds - self._t0, op=call.op,
             seconds=seconds, error="" if error is None else type(error).__name__,

@@ -47,7 +47,6 @@ __all__ = (
     "KvactorsMusaOps",
     "RuntimeFactory",
     "ops_class_for",
-    "reset_transfer_counts",
     "transfer_counts",
 )
 
@@ -106,12 +105,6 @@ def transfer_counts() -> dict[str, int]:
     """Transfers served by the kvactors ops in this process, keyed ``"<backend>:<H2D|D2H>"``."""
     with _counts_lock:
         return dict(_counts)
-
-
-def reset_transfer_counts() -> None:
-    """Zero :func:`transfer_counts` (tests)."""
-    with _counts_lock:
-        _counts.clear()
 
 
 def _default_runtime_factory(backend: str, device_index: int) -> Runtime:
