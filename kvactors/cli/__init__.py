@@ -56,7 +56,7 @@ def build_parser() -> argparse.ArgumentParser:
                       help="negative control: reuse blocks without a fence (should FAIL)")
 
     bench = add_parser("bench", help="transfer and messaging benchmarks, JSON and PNG")
-    from kvactors.cli.bench import add_arguments as bench_args
+    from kvactors.cli.bench.suite import add_arguments as bench_args
 
     bench_args(bench)
 
@@ -87,7 +87,7 @@ def main(argv: Sequence[str] | None = None) -> int:
 
         return run_demo(args)
     if args.command == "bench":
-        from kvactors.cli.bench import run as run_bench
+        from kvactors.cli.bench.suite import run as run_bench
 
         return run_bench(args)
     if args.command == "validate":

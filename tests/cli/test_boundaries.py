@@ -11,7 +11,7 @@ import pytest
 
 ROOT = pathlib.Path(__file__).resolve().parents[2]
 SURFACE = [
-    "kvactors.cli", "kvactors.cli.doctor", "kvactors.cli.demo", "kvactors.cli.bench",
+    "kvactors.cli", "kvactors.cli.doctor", "kvactors.cli.demo", "kvactors.cli.bench.suite",
     "kvactors.cli.replay", "kvactors.metrics", "kvactors.logs", "kvactors.trace",
     "kvactors.cli.validate", "kvactors.validate", "kvactors.observe", "kvactors.plugins",
 ]
