@@ -15,7 +15,7 @@ After each run every committed chunk is compared with the KV it was stored from.
 must show corrupted chunks, the kvactors run none. The device runs a few milliseconds behind
 the host, as an accelerator does, so the race is reliable rather than lucky:
 
-* ``--device cpu``: a CPU device whose stream lags (:class:`kvactors.testing.manual.ManualBackend`
+* ``--device cpu``: a CPU device whose stream lags (:class:`kvactors.devices.manual.ManualBackend`
   stepped by a device-clock thread ``--lag-ms`` behind the launch); the real CPU backend copies
   synchronously on its lane thread and would race only by chance.
 * ``--device mlu`` / ``--device musa``: the fake vendor modules of :mod:`kvactors.testing`
@@ -45,11 +45,11 @@ from typing import TYPE_CHECKING, Any
 import torch
 
 from kvactors.devices import get_backend
+from kvactors.devices.manual import ManualBackend
 from kvactors.layouts import Direction, KVFormat, ShapeDesc
 from kvactors.plans import TransferRequest
 from kvactors.runtime import Runtime
 from kvactors.testing import fake_vendor
-from kvactors.testing.manual import ManualBackend
 
 if TYPE_CHECKING:
     from collections.abc import Iterator

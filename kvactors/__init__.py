@@ -15,13 +15,19 @@ from kvactors.errors import ActorClosedError as ActorClosedError
 from kvactors.errors import BackendUnavailableError as BackendUnavailableError
 from kvactors.errors import DeadlineExceededError as DeadlineExceededError
 from kvactors.errors import DeviceOpError as DeviceOpError
+from kvactors.errors import InvalidFileError as InvalidFileError
 from kvactors.errors import InvalidPointerError as InvalidPointerError
+from kvactors.errors import InvalidSettingError as InvalidSettingError
 from kvactors.errors import IPCError as IPCError
 from kvactors.errors import KvactorsError as KvactorsError
 from kvactors.errors import MailboxFullError as MailboxFullError
+from kvactors.errors import MissingDependencyError as MissingDependencyError
 from kvactors.errors import OperandTypeError as OperandTypeError
+from kvactors.errors import ProtocolError as ProtocolError
+from kvactors.errors import SettingTypeError as SettingTypeError
 from kvactors.errors import TransferFailedError as TransferFailedError
 from kvactors.errors import TransferValidationError as TransferValidationError
+from kvactors.errors import UnknownMessageError as UnknownMessageError
 from kvactors.errors import UnsupportedOperationError as UnsupportedOperationError
 from kvactors.layouts import Direction as Direction
 from kvactors.layouts import KVFormat as KVFormat
@@ -40,16 +46,22 @@ __all__ = (
     "DeviceOpError",
     "Direction",
     "IPCError",
+    "InvalidFileError",
     "InvalidPointerError",
+    "InvalidSettingError",
     "KVFormat",
     "KvactorsError",
     "MailboxFullError",
+    "MissingDependencyError",
     "OperandTypeError",
+    "ProtocolError",
     "Runtime",
+    "SettingTypeError",
     "ShapeDesc",
     "TransferFailedError",
     "TransferRequest",
     "TransferValidationError",
+    "UnknownMessageError",
     "UnsupportedOperationError",
     "__version__",
     "get_backend",

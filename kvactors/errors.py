@@ -4,9 +4,21 @@ Every exception raised on purpose by kvactors derives from :class:`KvactorsError
 that LMCache callers catch by builtin type also derive from ``ValueError``, ``TypeError``,
 ``NotImplementedError`` or ``RuntimeError``, so the adapter can surface them unchanged.
 Context (which actor, which device, which field) rides as attributes, never only in text.
+
+Foreign errors (vendor runtimes, torch, the OS) cross into kvactors at one place each edge,
+through one helper: :func:`translate` (or its context-manager form :func:`translating`) turns
+them into the kvactors leaf that says what failed, keeps the original as ``__cause__``, and
+lets kvactors errors pass unchanged. ``tests/test_errors.py`` scans the source so that every
+``raise`` in ``kvactors/`` names a kvactors error (``AssertionError`` marks an invariant).
 """
 
 from __future__ import annotations
+
+import contextlib
+from typing import TYPE_CHECKING
+
+if TYPE_CHECKING:
+    from collections.abc import Callable, Iterator
 
 __all__ = (
     "ActorBrokenError",
@@ -15,15 +27,21 @@ __all__ = (
     "DeadlineExceededError",
     "DeviceOpError",
     "IPCError",
+    "InvalidFileError",
     "InvalidPointerError",
+    "InvalidSettingError",
     "KvactorsError",
     "MailboxFullError",
+    "MissingDependencyError",
     "OperandTypeError",
     "ProtocolError",
+    "SettingTypeError",
     "TransferFailedError",
     "TransferValidationError",
     "UnknownMessageError",
     "UnsupportedOperationError",
+    "translate",
+    "translating",
 )
 
 
@@ -151,3 +169,63 @@ class TransferFailedError(KvactorsError, RuntimeError):
         super().__init__(f"transfer {transfer_id} on {device} failed: {message}")
         self.transfer_id = transfer_id
         self.device = device
+
+
+class InvalidSettingError(KvactorsError, ValueError):
+    """A setting of the runtime, a backend or a tool has a bad value (nothing was started)."""
+
+    def __init__(self, message: str, *, setting: str) -> None:
+        super().__init__(message)
+        self.setting = setting
+
+
+class SettingTypeError(KvactorsError, TypeError):
+    """A setting of the runtime, a backend or a tool has the wrong type."""
+
+    def __init__(self, message: str, *, setting: str) -> None:
+        super().__init__(message)
+        self.setting = setting
+
+
+class InvalidFileError(KvactorsError, ValueError):
+    """A file is not what kvactors wrote (a trace, a KV dump) or has an unknown format."""
+
+    def __init__(self, message: str, *, path: str) -> None:
+        super().__init__(message)
+        self.path = path
+
+
+class MissingDependencyError(KvactorsError, ImportError):
+    """An optional dependency of a feature is not installed; the message says how to add it."""
+
+    def __init__(self, message: str, *, package: str) -> None:
+        super().__init__(message)
+        self.package = package
+
+
+def translate(err: BaseException, make: Callable[[str], KvactorsError]) -> BaseException:
+    """The kvactors error for ``err``: itself if it is one, else ``make(message)`` caused by it.
+
+    ``make`` builds the leaf that says what failed (``DeviceOpError`` for a device call,
+    ``TransferFailedError`` for a transfer); the message is the foreign error's text (or its
+    type name when it has none).
+    """
+    if isinstance(err, KvactorsError):
+        return err
+    exc = make(str(err) or type(err).__name__)
+    exc.__cause__ = err
+    return exc
+
+
+@contextlib.contextmanager
+def translating(
+    make: Callable[[str], KvactorsError],
+    foreign: tuple[type[BaseException], ...] = (RuntimeError, OSError),
+) -> Iterator[None]:
+    """Raise :func:`translate`'s error for ``foreign`` errors raised in the block."""
+    try:
+        yield
+    except KvactorsError:
+        raise
+    except foreign as err:
+        raise translate(err, make) from err

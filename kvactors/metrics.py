@@ -6,11 +6,11 @@ Three layers, each usable alone:
   :meth:`Runtime.statistics() <kvactors.runtime.Runtime.statistics>`) into flat
   :class:`Sample` rows: bytes moved, transfers by result, transfers in flight, IPC owners,
   pending records, and per actor its state, mailbox depth, peak, capacity, processed, failed.
-* :class:`CallMetrics` is an observer (:func:`kvactors.observe.observe`) that counts calls,
-  errors and seconds per facade operation. The time lanes spend blocked in stream syncs comes
-  from the runtime (``kvactors_stream_sync_seconds_total``); the time callers spend waiting in
-  ``synchronize`` and ``fence`` is measured here, from outside
-  (``kvactors_sync_wait_seconds_total``): it includes the hop to the loop and back.
+* :class:`CallMetrics` is an observer (:func:`kvactors.observe.observe`, the runtime's hook)
+  that counts calls, errors and seconds per operation, from mailbox admission to the settled
+  reply. The time lanes spend blocked in stream syncs comes from the runtime
+  (``kvactors_stream_sync_seconds_total``); the time ``synchronize`` and ``fence`` calls wait
+  is measured per call (``kvactors_sync_wait_seconds_total``).
 * :func:`register_prometheus` exposes both through ``prometheus_client`` when it is
   installed (``pip install kvactors[metrics]``); values are read at scrape time, nothing is
   copied in the background. :func:`render_text` writes the Prometheus text format without it.
@@ -19,10 +19,11 @@ Three layers, each usable alone:
 from __future__ import annotations
 
 import threading
-from typing import TYPE_CHECKING, Any
+from typing import TYPE_CHECKING, Any, Literal
 
 import msgspec
 
+from kvactors.errors import MissingDependencyError
 from kvactors.observe import observe
 
 if TYPE_CHECKING:
@@ -47,7 +48,7 @@ class Sample(msgspec.Struct, frozen=True):
     """One metric value: name, kind (``counter``/``gauge``), help, labels, value."""
 
     name: str
-    kind: str
+    kind: Literal["counter", "gauge"]
     help: str
     labels: dict[str, str]
     value: float
@@ -76,6 +77,12 @@ def samples(stats: DeviceStatistics) -> list[Sample]:
                dev, float(stats.inflight)),
         Sample("kvactors_ipc_owners_open", "gauge", "Opened IPC owners not yet closed",
                dev, float(stats.ipc_owners_open)),
+        Sample("kvactors_ipc_owners_opened_total", "counter", "IPC owners opened",
+               dev, float(stats.ipc_owners_opened)),
+        Sample("kvactors_ipc_owners_closed_total", "counter", "IPC owners closed",
+               dev, float(stats.ipc_owners_closed)),
+        Sample("kvactors_lanes_abandoned_total", "counter", "Stream lanes whose threads did "
+               "not end within the stop timeout", dev, float(stats.lanes_abandoned)),
         Sample("kvactors_completions_pending", "gauge", "Published completion records not "
                "drained", dev, float(stats.completions_pending)),
         Sample("kvactors_events_pending", "gauge", "Published event records not drained",
@@ -107,7 +114,7 @@ def samples(stats: DeviceStatistics) -> list[Sample]:
 
 
 class CallMetrics:
-    """Counts, errors and seconds per facade operation, measured around each call."""
+    """Counts, errors and seconds per operation, from mailbox admission to the settled reply."""
 
     def __init__(self) -> None:
         self._lock = threading.Lock()
@@ -151,8 +158,8 @@ class CallMetrics:
                 if op in ("synchronize", "fence"):
                     out.append(Sample(
                         "kvactors_sync_wait_seconds_total", "counter",
-                        "Seconds callers waited for stream syncs and fences (measured outside "
-                        "the runtime)", lab, self.seconds[op]))
+                        "Seconds stream syncs and fences waited, from mailbox admission to "
+                        "the reply", lab, self.seconds[op]))
         return out
 
 
@@ -222,13 +229,15 @@ def register_prometheus(
         port: Also start ``prometheus_client``'s HTTP server on this port.
 
     Raises:
-        ImportError: prometheus_client is not installed (``pip install kvactors[metrics]``).
+        MissingDependencyError: prometheus_client is not installed (an ImportError;
+            ``pip install kvactors[metrics]``).
     """
     try:
         import prometheus_client
     except ImportError as exc:
-        raise ImportError(
-            "Prometheus export needs prometheus_client: pip install 'kvactors[metrics]'"
+        raise MissingDependencyError(
+            "Prometheus export needs prometheus_client: pip install 'kvactors[metrics]'",
+            package="prometheus_client",
         ) from exc
     reg = registry if registry is not None else prometheus_client.REGISTRY
     collector = _Collector(rt, calls)

@@ -20,15 +20,17 @@ from __future__ import annotations
 import asyncio
 import atexit
 import concurrent.futures
+import contextlib
 import itertools
 import threading
 from typing import TYPE_CHECKING, Any, TypeVar
 
 from kvactors._bridge import ReplyLock, settle_concurrent, settle_slot
+from kvactors._observer import Call, Observers
 from kvactors.actors.gather import TransferOperands
 from kvactors.actors.group import DeviceActors, DeviceStatistics
 from kvactors.devices.base import Backend
-from kvactors.errors import ActorClosedError, MailboxFullError
+from kvactors.errors import ActorClosedError, DeviceOpError, MailboxFullError
 from kvactors.protocols.gather import Fence, Fenced, Ping, Pong, Transfer, TransferDone
 from kvactors.protocols.ipc import CloseContext, ContextClosed, Opened, OpenHandle
 from kvactors.protocols.stream import EventRecord, RecordCompletion, RecordEvent, Sync, Synced
@@ -38,7 +40,8 @@ if TYPE_CHECKING:
 
     import torch
 
-    from kvactors.actors.mailbox import Actor
+    from kvactors._observer import RuntimeObserver
+    from kvactors.actors.actor import Actor
     from kvactors.devices.base import IPCHandle
     from kvactors.plans import TransferRequest
 
@@ -74,6 +77,7 @@ class Runtime:
         capacity: int = 1024,
         default_timeout: float = 60.0,
         stop_timeout: float = 10.0,
+        observer: RuntimeObserver | None = None,
     ) -> None:
         self.backend = resolve_backend(backend)
         self.device_index = device_index
@@ -87,6 +91,9 @@ class Runtime:
         self._closed = False
         self._ids = itertools.count(1)
         self._outstanding: set[ReplyLock] = set()
+        self._observers = Observers()
+        if observer is not None:
+            self._observers.add(observer)
 
     # ---- lifecycle -----------------------------------------------------------------
 
@@ -103,18 +110,30 @@ class Runtime:
             ready = threading.Event()
             failure: list[BaseException] = []
 
+            async def start_actors(actors: DeviceActors) -> None:
+                # On the loop (actors start on the running loop), and awaited here so that a
+                # failed start fails start() instead of leaving actors that never started.
+                try:
+                    actors.start()
+                except BaseException:
+                    with contextlib.suppress(Exception):
+                        await actors.stop(timeout=self._stop_timeout)
+                    raise
+
             def run() -> None:
                 asyncio.set_event_loop(loop)
                 try:
-                    self._actors = DeviceActors(
+                    actors = DeviceActors(
                         self.backend,
                         self.device_index,
                         capacity=self._capacity,
                         stop_timeout=self._stop_timeout,
                     )
-                    loop.call_soon(self._actors.start)
+                    loop.run_until_complete(start_actors(actors))
+                    self._actors = actors
                 except BaseException as exc:
                     failure.append(exc)
+                    loop.close()
                     ready.set()
                     return
                 loop.call_soon(ready.set)
@@ -137,7 +156,12 @@ class Runtime:
         return self._closed
 
     def close(self, timeout: float | None = None) -> None:
-        """Stop the actors (bounded), then the loop; idempotent. Pending calls fail."""
+        """Stop the actors (bounded), then the loop; idempotent. Pending calls fail.
+
+        Raises:
+            DeviceOpError: a stream lane's threads did not end in time (they were abandoned
+                and may still touch device memory); everything else was shut down.
+        """
         with self._lock:
             if self._closed:
                 return
@@ -146,11 +170,13 @@ class Runtime:
         if loop is None or thread is None or actors is None:
             return
         t = self._stop_timeout if timeout is None else timeout
-        stopped = asyncio.run_coroutine_threadsafe(actors.stop(timeout=t), loop)
+        stopping = actors.stop(timeout=t)
+        stopped = asyncio.run_coroutine_threadsafe(stopping, loop)
         try:
             stopped.result(timeout=3 * t + _GRACE)
         except Exception:  # the loop is stopped regardless; pending calls are failed below
-            stopped.cancel()
+            if stopped.cancel():  # never started (a stuck loop): it never will
+                stopping.close()
         loop.call_soon_threadsafe(loop.stop)
         thread.join(timeout=t + _GRACE)
         closed = ActorClosedError("runtime closed before replying", actor="runtime")
@@ -158,6 +184,12 @@ class Runtime:
             leftovers, self._outstanding = self._outstanding, set()
         for reply in leftovers:
             reply.set_exception(closed)
+        if actors.lanes_abandoned:
+            raise DeviceOpError(
+                f"{actors.lanes_abandoned} stream lane(s) did not end within {t}s; their "
+                "threads may still touch device memory (see DeviceStatistics.lanes_abandoned)",
+                device=actors.device, op="close",
+            )
 
     def __enter__(self) -> Runtime:
         return self.start()
@@ -187,26 +219,38 @@ class Runtime:
         msg: Any,
         operands: Any = None,
         timeout: float | None = None,
+        stream_handle: int = 0,
     ) -> Any:
         loop, actors = self._running()
         t = self.default_timeout if timeout is None else timeout
         reply = ReplyLock()
         with self._lock:
             self._outstanding.add(reply)
+        observers = self._observers
+        call = Call(msg, operands, stream_handle) if observers.active else None
 
         def submit() -> None:
             # The deadline is kept by the calling thread's wait below; the loop needs no timer.
             try:
+                if call is not None:
+                    observers.started(call)  # admission: in mailbox order
                 pick(actors).ask_into(reply, msg, operands)
             except BaseException as exc:
                 reply.set_exception(exc)
 
         loop.call_soon_threadsafe(submit)
         try:
-            return reply.wait(t, type(msg).__name__)
+            result = reply.wait(t, type(msg).__name__)
+        except BaseException as exc:
+            if call is not None:
+                observers.finished(call, None, exc)
+            raise
         finally:
             with self._lock:
                 self._outstanding.discard(reply)
+        if call is not None:
+            observers.finished(call, result, None)
+        return result
 
     def _tell(self, pick: Callable[[DeviceActors], Actor[Any]], msg: Any) -> None:
         # Returns once the message is queued (mailbox order = call order per thread); waits
@@ -248,14 +292,22 @@ class Runtime:
         loop, actors = self._running()
         t = self.default_timeout if timeout is None else timeout
         cf: concurrent.futures.Future[Any] = concurrent.futures.Future()
+        observers = self._observers
+        call = Call(msg, operands, getattr(msg, "stream_handle", 0)) if observers.active else None
 
         def submit() -> None:
             try:
+                if call is not None:
+                    observers.started(call)  # admission: in mailbox order
                 fut = pick(actors).ask_nowait(msg, operands, timeout=t)
             except BaseException as exc:
+                if call is not None:
+                    observers.finished(call, None, exc)
                 if not cf.done():
                     cf.set_exception(exc)
                 return
+            if call is not None:
+                fut.add_done_callback(lambda f: _finished(observers, call, f))
             fut.add_done_callback(lambda f: settle_concurrent(f, cf))
 
         loop.call_soon_threadsafe(submit)
@@ -278,7 +330,9 @@ class Runtime:
         ``TypeError``) before any memory is touched, ``TransferFailedError`` if the copy failed.
         """
         msg = Transfer(transfer_id=next(self._ids), request=request, stream_handle=stream_handle)
-        result: TransferDone = self._ask(_gather, msg, TransferOperands(paged, objects), timeout)
+        result: TransferDone = self._ask(
+            _gather, msg, TransferOperands(paged, objects), timeout, stream_handle
+        )
         return result
 
     def atransfer(
@@ -323,7 +377,7 @@ class Runtime:
 
     def synchronize(self, stream_handle: int = 0, *, timeout: float | None = None) -> Synced:
         """Barrier on a stream: returns once all work submitted to it earlier ran."""
-        result: Synced = self._ask(_stream(stream_handle), Sync(), None, timeout)
+        result: Synced = self._ask(_stream(stream_handle), Sync(), None, timeout, stream_handle)
         return result
 
     def record_completion(self, stream_handle: int, kind: str, payload: bytes) -> None:
@@ -388,6 +442,14 @@ class Runtime:
 
     # ---- observability -------------------------------------------------------------
 
+    def add_observer(self, observer: RuntimeObserver) -> Callable[[], None]:
+        """Report every call to ``observer`` from mailbox admission on; returns the detach.
+
+        ``Runtime(observer=...)`` attaches one at construction. See :mod:`kvactors.observe`.
+        """
+        self._observers.add(observer)
+        return lambda: self._observers.remove(observer)
+
     def statistics(self, *, timeout: float | None = None) -> DeviceStatistics:
         """A frozen snapshot of every actor of this runtime's device."""
         loop, actors = self._running()
@@ -397,6 +459,15 @@ class Runtime:
 
 async def _snapshot(actors: DeviceActors) -> DeviceStatistics:
     return actors.statistics()
+
+
+def _finished(observers: Observers, call: Call, fut: asyncio.Future[Any]) -> None:
+    if fut.cancelled():
+        observers.finished(call, None, asyncio.CancelledError())
+    elif (exc := fut.exception()) is not None:
+        observers.finished(call, None, exc)
+    else:
+        observers.finished(call, fut.result(), None)
 
 
 def _gather(actors: DeviceActors) -> Actor[Any]:
@@ -436,4 +507,5 @@ def _close_all() -> None:
         rts = list(_runtimes.values())
         _runtimes.clear()
     for rt in rts:
-        rt.close(timeout=2.0)
+        with contextlib.suppress(DeviceOpError):  # abandoned lanes were logged; exit anyway
+            rt.close(timeout=2.0)

@@ -1,7 +1,8 @@
 """Record a runtime's messages to a file, and replay them to reproduce a run.
 
 Theory of operation. :class:`TraceRecorder` is an observer (:func:`kvactors.observe.observe`):
-for every facade call it appends a ``call`` entry (sequence number, seconds since the
+for every transfer, fence, ping and synchronize the runtime admits into a mailbox it appends
+a ``call`` entry (the runtime's admission sequence number, seconds since the
 recording began, the wire message encoded with :func:`kvactors.protocols.codec.encode`, the
 stream handle, and for transfers the *shapes* and dtype of the operands, never their data),
 and when the call returns a ``done`` entry (duration, error). The file is a header followed by
@@ -20,27 +21,26 @@ from __future__ import annotations
 
 import asyncio
 import struct
-import sys
 import threading
 import time
-from typing import TYPE_CHECKING, Any, BinaryIO
+from typing import TYPE_CHECKING, Any, BinaryIO, Literal, Protocol
 
 import msgspec
 import torch
 
+from kvactors.errors import InvalidFileError
 from kvactors.observe import observe
 from kvactors.protocols.codec import GATHER_REQUESTS, encode
 from kvactors.protocols.gather import Fence, Ping, Transfer
 
 if TYPE_CHECKING:
-    import argparse
     from collections.abc import Callable, Iterator
 
-    from kvactors._devenv import DeviceEnv
     from kvactors.observe import Call
     from kvactors.runtime import Runtime
 
 __all__ = (
+    "DeviceMemory",
     "OperandShapes",
     "ReplayReport",
     "TraceEntry",
@@ -49,10 +49,18 @@ __all__ = (
     "iter_messages",
     "read_trace",
     "replay",
-    "run",
 )
 
+class DeviceMemory(Protocol):
+    """Where :func:`replay` allocates synthetic paged memory (``kvactors.cli``'s device env)."""
+
+    def zeros(self, shape: tuple[int, ...], dtype: torch.dtype) -> torch.Tensor:
+        """A zero-filled tensor of ``shape`` in device memory."""
+        ...
+
+
 _FORMAT = "kvactors-trace/1"
+_RECORDED = frozenset({"transfer", "fence", "ping", "synchronize"})
 _LEN = struct.Struct("<I")
 
 
@@ -67,7 +75,7 @@ class TraceHeader(msgspec.Struct, frozen=True, kw_only=True):
 class OperandShapes(msgspec.Struct, frozen=True, kw_only=True):
     """The operands of a transfer without their data: structure, shapes, dtype."""
 
-    paged_kind: str
+    paged_kind: Literal["tensor", "list", "kv_list"]
     """``tensor`` (one cross-layer tensor), ``list`` (per layer) or ``kv_list``."""
     paged: list[list[int]]
     objects: list[list[int]]
@@ -77,7 +85,7 @@ class OperandShapes(msgspec.Struct, frozen=True, kw_only=True):
 class TraceEntry(msgspec.Struct, frozen=True, kw_only=True):
     """One ``call`` (submitted) or ``done`` (returned) record."""
 
-    kind: str
+    kind: Literal["call", "done"]
     seq: int
     t: float
     op: str
@@ -89,6 +97,7 @@ class TraceEntry(msgspec.Struct, frozen=True, kw_only=True):
 
 
 def _shapes(paged: Any, objects: Any) -> OperandShapes | None:
+    kind: Literal["tensor", "list", "kv_list"]
     try:
         if isinstance(paged, torch.Tensor):
             kind, tensors = "tensor", [paged]
@@ -134,7 +143,9 @@ class TraceRecorder:
         return self
 
     def call_started(self, call: Call) -> None:
-        """Observer hook: record the submitted message."""
+        """Observer hook: record the admitted message (transfers, fences, pings, syncs)."""
+        if call.op not in _RECORDED:
+            return
         ops = _shapes(call.paged, call.objects) if call.op == "transfer" else None
         self._write(TraceEntry(
             kind="call", seq=call.seq, t=call.started - self._t0, op=call.op,
@@ -145,6 +156,8 @@ class TraceRecorder:
         self, call: Call, seconds: float, result: Any, error: BaseException | None
     ) -> None:
         """Observer hook: record the outcome."""
+        if call.op not in _RECORDED:
+            return
         self._write(TraceEntry(
             kind="done", seq=call.seq, t=call.started + seconds - self._t0, op=call.op,
             seconds=seconds, error="" if error is None else type(error).__name__,
@@ -169,7 +182,7 @@ def read_trace(path: str) -> tuple[TraceHeader, list[TraceEntry]]:
     """Read a trace file (a truncated last record is ignored).
 
     Raises:
-        ValueError: not a kvactors trace.
+        InvalidFileError: not a kvactors trace (a ValueError).
     """
     with open(path, "rb") as f:
         data = f.read()
@@ -184,9 +197,11 @@ def read_trace(path: str) -> tuple[TraceHeader, list[TraceEntry]]:
     try:
         header = msgspec.msgpack.decode(recs[0], type=TraceHeader)
     except (IndexError, msgspec.DecodeError) as exc:
-        raise ValueError(f"{path}: not a kvactors trace") from exc
+        raise InvalidFileError(f"{path}: not a kvactors trace", path=path) from exc
     if header.format != _FORMAT:
-        raise ValueError(f"{path}: trace format {header.format!r}, expected {_FORMAT!r}")
+        raise InvalidFileError(
+            f"{path}: trace format {header.format!r}, expected {_FORMAT!r}", path=path
+        )
     dec = msgspec.msgpack.Decoder(TraceEntry)
     return header, [dec.decode(r) for r in recs[1:]]
 
@@ -210,7 +225,7 @@ class ReplayReport(msgspec.Struct, kw_only=True):
 class _Operands:
     """Synthetic operands, one set per distinct shape signature."""
 
-    def __init__(self, env: DeviceEnv | None) -> None:
+    def __init__(self, env: DeviceMemory | None) -> None:
         self.env = env
         self.cache: dict[Any, Any] = {}
 
@@ -238,36 +253,42 @@ class _Operands:
         return result
 
 
-async def _replay(rt: Runtime, entries: list[TraceEntry], env: DeviceEnv | None,
+async def _replay(rt: Runtime, entries: list[TraceEntry], env: DeviceMemory | None,
                   report: ReplayReport) -> None:
     calls = [e for e in entries if e.kind == "call"]
     done = {e.seq: e for e in entries if e.kind == "done"}
     operands = _Operands(env)
     tasks: dict[int, asyncio.Task[None]] = {}
 
-    async def one(e: TraceEntry) -> None:
+    def submit(e: TraceEntry) -> asyncio.Future[Any]:
+        # Called in trace order: the a* methods queue their message when called, so the
+        # mailbox order of the replay is the trace order (a recorded fence after a store is
+        # queued after it). Only the waiting happens in a task.
+        if e.op == "transfer":
+            msg = GATHER_REQUESTS.decode(e.message)
+            assert isinstance(msg, Transfer)
+            assert e.operands is not None
+            paged, objects = operands.get(e.operands)
+            return rt.atransfer(msg.request, paged, objects, stream_handle=e.stream_handle)
+        if e.op == "fence":
+            msg_f = GATHER_REQUESTS.decode(e.message)
+            assert isinstance(msg_f, Fence)
+            return rt.afence(msg_f.block_ids)
+        if e.op == "ping":
+            msg_p = GATHER_REQUESTS.decode(e.message)
+            assert isinstance(msg_p, Ping)
+            return rt.aping(msg_p.seq)
+        return asyncio.get_running_loop().run_in_executor(None, rt.synchronize, e.stream_handle)
+
+    async def one(e: TraceEntry, submitted: asyncio.Future[Any] | Exception) -> None:
         error = ""
         try:
+            if isinstance(submitted, Exception):
+                raise submitted
+            r = await submitted
             if e.op == "transfer":
-                msg = GATHER_REQUESTS.decode(e.message)
-                assert isinstance(msg, Transfer)
-                assert e.operands is not None
-                paged, objects = operands.get(e.operands)
-                r = await rt.atransfer(msg.request, paged, objects, stream_handle=e.stream_handle)
                 report.transfers += 1
                 report.bytes_moved += r.nbytes
-            elif e.op == "fence":
-                msg_f = GATHER_REQUESTS.decode(e.message)
-                assert isinstance(msg_f, Fence)
-                await rt.afence(msg_f.block_ids)
-            elif e.op == "ping":
-                msg_p = GATHER_REQUESTS.decode(e.message)
-                assert isinstance(msg_p, Ping)
-                await rt.aping(msg_p.seq)
-            else:
-                await asyncio.get_running_loop().run_in_executor(
-                    None, rt.synchronize, e.stream_handle
-                )
         except Exception as exc:
             error = type(exc).__name__
         want = done[e.seq].error if e.seq in done else ""
@@ -282,14 +303,18 @@ async def _replay(rt: Runtime, entries: list[TraceEntry], env: DeviceEnv | None,
             if d is not None and d.t <= e.t:
                 await task
                 del tasks[seq]
-        tasks[e.seq] = asyncio.ensure_future(one(e))
-        await asyncio.sleep(0)  # the task's first step submits its message, in trace order
+        submitted: asyncio.Future[Any] | Exception
+        try:
+            submitted = submit(e)
+        except Exception as exc:  # refused before it was queued: replayed as that outcome
+            submitted = exc
+        tasks[e.seq] = asyncio.ensure_future(one(e, submitted))
         report.calls += 1
     if tasks:
         await asyncio.gather(*tasks.values())
 
 
-def replay(path: str, rt: Runtime, *, env: DeviceEnv | None = None) -> ReplayReport:
+def replay(path: str, rt: Runtime, *, env: DeviceMemory | None = None) -> ReplayReport:
     """Replay the trace at ``path`` on ``rt`` (started if needed); see the module docstring.
 
     Args:
@@ -313,33 +338,3 @@ def iter_messages(path: str) -> Iterator[tuple[float, msgspec.Struct]]:
     for e in entries:
         if e.kind == "call" and e.op != "synchronize":
             yield e.t, GATHER_REQUESTS.decode(e.message)
-
-
-def run(args: argparse.Namespace) -> int:
-    """``kvactors replay TRACE``: 0 when every call had its recorded outcome."""
-    import json
-
-    from kvactors._devenv import device_env
-    from kvactors.runtime import Runtime
-
-    try:
-        with device_env(args.device) as env, Runtime(env.kind) as rt:
-            report = replay(args.trace, rt, env=env)
-    except (OSError, ValueError) as exc:
-        print(f"kvactors replay: {exc}", file=sys.stderr)
-        return 2
-    if args.json:
-        out = msgspec.to_builtins(report)
-        out["ok"] = report.ok
-        print(json.dumps(out, indent=2))
-    else:
-        print(
-            f"replayed {report.calls} calls ({report.transfers} transfers, "
-            f"{report.bytes_moved / 2**20:.1f} MiB) in {report.seconds:.2f}s "
-            f"(recorded run: {report.recorded_seconds:.2f}s): "
-            + ("every outcome as recorded" if report.ok else
-               f"{len(report.outcome_mismatches)} outcomes differ")
-        )
-        for m in report.outcome_mismatches[:20]:
-            print(f"  {m}")
-    return 0 if report.ok else 1

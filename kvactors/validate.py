@@ -1,32 +1,24 @@
-"""KV bit-equality: compare stored and restored KV blocks exactly, per layer and per block.
+"""Bit-for-bit KV validation (documented name); the implementation is :mod:`kvactors.cli.validate`.
 
-The first step of the serving validation method (``docs/validation.md``): before looking at
-generated tokens or log-probabilities, prove that the KV an engine restored from the cache is
-bit-identical to the KV it stored. Take a :class:`KVDump` of the blocks right after the
-prefill that stored them (:func:`dump_paged`, :func:`save_dump`), another of the blocks the
-cache restored into (possibly other block ids, in the same chunk order), and compare::
-
-    python -m kvactors.validate stored.kvdump restored.kvdump        # or: kvactors validate
-
-Elements are compared as raw bits (a NaN equals the same NaN; ``-0.0`` differs from ``0.0``):
-any difference is a transfer bug, never "numerical noise".
+``from kvactors.validate import dump_paged, save_dump`` and ``python -m kvactors.validate``
+keep working: this module re-exports the tool's public names.
 """
 
 from __future__ import annotations
 
-import argparse
-import dataclasses
-import json
-import sys
-from typing import TYPE_CHECKING, Any
-
-import msgspec
-import torch
-
-from kvactors.layouts import FORMAT_SPECS, KVFormat, PagedKind
-
-if TYPE_CHECKING:
-    from collections.abc import Sequence
+from kvactors.cli.validate import (
+    BlockMismatch,
+    KVDump,
+    ValidationReport,
+    add_arguments,
+    compare_kv,
+    dump_paged,
+    format_report,
+    load_dump,
+    main,
+    run,
+    save_dump,
+)
 
 __all__ = (
     "BlockMismatch",
@@ -41,229 +33,6 @@ __all__ = (
     "run",
     "save_dump",
 )
-
-_MAGIC = "kvactors_kv_dump"
-_BITS = {1: torch.uint8, 2: torch.int16, 4: torch.int32, 8: torch.int64}
-
-
-@dataclasses.dataclass(frozen=True)
-class KVDump:
-    """KV blocks of every layer, on the host.
-
-    Attributes:
-        block_ids: The engine block ids, in chunk order (position ``i`` along ``block_dim``).
-        layers: One tensor per layer holding those blocks along ``block_dim``.
-        block_dim: The block axis of every layer tensor.
-    """
-
-    block_ids: tuple[int, ...]
-    layers: list[torch.Tensor]
-    block_dim: int
-
-
-class BlockMismatch(msgspec.Struct, frozen=True, kw_only=True):
-    """One (layer, block position) whose bits differ."""
-
-    layer: int
-    position: int
-    stored_block: int
-    restored_block: int
-    elements: int
-    total: int
-    first_index: int
-
-
-class ValidationReport(msgspec.Struct, frozen=True, kw_only=True):
-    """The result of :func:`compare_kv`; ``ok`` only when every bit matched."""
-
-    ok: bool
-    layers: int
-    blocks: int
-    elements: int
-    mismatched_blocks: int
-    mismatched_elements: int
-    problems: list[str]
-    mismatches: list[BlockMismatch]
-
-
-def dump_paged(paged: Any, fmt: int, block_ids: Sequence[int]) -> KVDump:
-    """Copy ``block_ids`` of engine paged memory in layout ``fmt`` to the host.
-
-    Args:
-        paged: The engine's paged KV structure, as passed to a transfer (a tensor per layer,
-            one cross-layer tensor, or ``[K list, V list]``), on any device.
-        fmt: A :class:`~kvactors.layouts.KVFormat` number.
-        block_ids: The blocks to take, in chunk order.
-
-    Returns:
-        The dump; each block is read with a host read of a plain view (works on every device).
-    """
-    spec = FORMAT_SPECS[KVFormat(fmt)]
-    ids = [int(b) for b in block_ids]
-
-    def take(t: torch.Tensor, dim: int) -> torch.Tensor:
-        return torch.stack([t.select(dim, b).cpu() for b in ids], dim=dim)
-
-    if spec.kind is PagedKind.CROSS_LAYER:
-        bdim, ldim = spec.axes.index("B"), spec.axes.index("L")
-        whole = take(paged, bdim)
-        layers = list(whole.unbind(ldim))
-        return KVDump(tuple(ids), layers, bdim if bdim < ldim else bdim - 1)
-    if spec.kind is PagedKind.KV_LIST:
-        ks, vs = (paged[0], paged[1]) if len(paged) == 2 else _halves(paged)
-        bdim = spec.axes.index("B")
-        layers = [torch.stack([take(k, bdim), take(v, bdim)]) for k, v in zip(ks, vs, strict=True)]
-        return KVDump(tuple(ids), layers, bdim + 1)
-    bdim = spec.axes.index("B")
-    return KVDump(tuple(ids), [take(t, bdim) for t in paged], bdim)
-
-
-def _halves(flat: Sequence[torch.Tensor]) -> tuple[Sequence[torch.Tensor], Sequence[torch.Tensor]]:
-    n = len(flat) // 2
-    return flat[:n], flat[n:]
-
-
-def save_dump(dump: KVDump, path: str) -> None:
-    """Write ``dump`` to ``path`` (a ``torch.save`` file loadable with ``weights_only``)."""
-    torch.save(
-        {
-            _MAGIC: 1,
-            "block_ids": list(dump.block_ids),
-            "block_dim": dump.block_dim,
-            "layers": [t.contiguous() for t in dump.layers],
-        },
-        path,
-    )
-
-
-def load_dump(path: str) -> KVDump:
-    """Read a dump written by :func:`save_dump`.
-
-    Raises:
-        ValueError: the file is not a kvactors KV dump.
-    """
-    data = torch.load(path, map_location="cpu", weights_only=True)
-    if not isinstance(data, dict) or data.get(_MAGIC) != 1:
-        raise ValueError(f"{path}: not a kvactors KV dump (written by kvactors.validate.save_dump)")
-    return KVDump(tuple(data["block_ids"]), list(data["layers"]), int(data["block_dim"]))
-
-
-def compare_kv(stored: KVDump, restored: KVDump, *, max_report: int = 50) -> ValidationReport:
-    """Compare two dumps bit for bit, layer by layer and block position by block position.
-
-    Args:
-        stored: The KV as the engine computed and stored it.
-        restored: The KV the cache restored (same chunk order; block ids may differ).
-        max_report: At most this many :class:`BlockMismatch` entries are listed (all counted).
-
-    Returns:
-        The report; ``ok`` is True only when shapes, dtypes and every bit match.
-    """
-    problems: list[str] = []
-    if len(stored.layers) != len(restored.layers):
-        problems.append(f"layer count differs: {len(stored.layers)} vs {len(restored.layers)}")
-    if len(stored.block_ids) != len(restored.block_ids):
-        problems.append(
-            f"block count differs: {len(stored.block_ids)} vs {len(restored.block_ids)}"
-        )
-    mismatches: list[BlockMismatch] = []
-    bad_blocks = bad_elems = elements = 0
-    for li, (a, b) in enumerate(zip(stored.layers, restored.layers, strict=False)):
-        if a.dtype != b.dtype or a.shape != b.shape:
-            problems.append(
-                f"layer {li}: stored {a.dtype}{list(a.shape)} vs restored {b.dtype}{list(b.shape)}"
-            )
-            continue
-        elements += a.numel()
-        ne = _bits(a) != _bits(b)
-        per_block = ne.movedim(stored.block_dim, 0).reshape(a.shape[stored.block_dim], -1)
-        counts = per_block.sum(dim=1).tolist()
-        for pos, count in enumerate(counts):
-            if not count:
-                continue
-            bad_blocks += 1
-            bad_elems += int(count)
-            if len(mismatches) < max_report:
-                mismatches.append(
-                    BlockMismatch(
-                        layer=li,
-                        position=pos,
-                        stored_block=_at(stored.block_ids, pos),
-                        restored_block=_at(restored.block_ids, pos),
-                        elements=int(count),
-                        total=per_block.shape[1],
-                        first_index=int(per_block[pos].nonzero()[0, 0]),
-                    )
-                )
-    return ValidationReport(
-        ok=not problems and bad_blocks == 0,
-        layers=len(stored.layers),
-        blocks=len(stored.block_ids),
-        elements=elements,
-        mismatched_blocks=bad_blocks,
-        mismatched_elements=bad_elems,
-        problems=problems,
-        mismatches=mismatches,
-    )
-
-
-def _bits(t: torch.Tensor) -> torch.Tensor:
-    return t.contiguous().view(_BITS[t.element_size()])
-
-
-def _at(ids: tuple[int, ...], pos: int) -> int:
-    return ids[pos] if pos < len(ids) else -1
-
-
-def format_report(r: ValidationReport) -> str:
-    """A human-readable report: verdict, problems, then one line per mismatched block."""
-    verdict = "IDENTICAL" if r.ok else "MISMATCH"
-    lines = [
-        f"{verdict}: {r.layers} layers x {r.blocks} blocks ({r.elements} elements); "
-        f"{r.mismatched_blocks} (layer, block) pairs differ, {r.mismatched_elements} elements"
-    ]
-    lines += [f"  problem: {p}" for p in r.problems]
-    for m in r.mismatches:
-        lines.append(
-            f"  layer {m.layer} position {m.position} (stored block {m.stored_block}, restored "
-            f"block {m.restored_block}): {m.elements}/{m.total} elements differ, first at "
-            f"{m.first_index}"
-        )
-    if r.mismatched_blocks > len(r.mismatches):
-        lines.append(f"  ... {r.mismatched_blocks - len(r.mismatches)} more")
-    return "\n".join(lines)
-
-
-def add_arguments(ap: argparse.ArgumentParser) -> None:
-    """The command line of ``kvactors validate`` (shared with ``python -m``)."""
-    ap.add_argument("stored", help="dump of the KV as stored (kvactors.validate.save_dump)")
-    ap.add_argument("restored", help="dump of the KV as restored")
-    ap.add_argument("--json", action="store_true", help="print the report as JSON")
-    ap.add_argument("--max-report", type=int, default=50, help="mismatches listed (default 50)")
-
-
-def run(args: argparse.Namespace) -> int:
-    """Run a parsed ``validate`` command; 0 when identical, 1 on a mismatch, 2 on bad input."""
-    try:
-        report = compare_kv(
-            load_dump(args.stored), load_dump(args.restored), max_report=args.max_report
-        )
-    except (OSError, ValueError, RuntimeError) as exc:
-        print(f"kvactors validate: {exc}", file=sys.stderr)
-        return 2
-    if args.json:
-        print(json.dumps(msgspec.to_builtins(report), indent=2))
-    else:
-        print(format_report(report))
-    return 0 if report.ok else 1
-
-
-def main(argv: Sequence[str] | None = None) -> int:
-    """``python -m kvactors.validate STORED RESTORED``."""
-    ap = argparse.ArgumentParser(prog="python -m kvactors.validate", description=__doc__)
-    add_arguments(ap)
-    return run(ap.parse_args(argv))
-
 
 if __name__ == "__main__":
     raise SystemExit(main())

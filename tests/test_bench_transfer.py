@@ -4,8 +4,8 @@ from __future__ import annotations
 
 from typing import TYPE_CHECKING, Any
 
-from kvactors import bench_transfer
-from kvactors.bench_transfer import BenchWorkload, run_transfer_bench
+from kvactors.cli.bench import transfer as bench_transfer
+from kvactors.cli.bench.transfer import BenchWorkload, run_transfer_bench
 
 if TYPE_CHECKING:
     import pytest

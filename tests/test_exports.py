@@ -21,7 +21,7 @@ MODULES = [
     "kvactors.protocols.gather",
     "kvactors.protocols.ipc",
     "kvactors.protocols.codec",
-    "kvactors.actors.mailbox",
+    "kvactors.actors.actor",
     "kvactors.actors.stream",
     "kvactors.actors.gather",
     "kvactors.actors.ipc_owner",
@@ -29,7 +29,7 @@ MODULES = [
     "kvactors.devices.base",
     "kvactors.devices.cpu",
     "kvactors.testing",
-    "kvactors.testing.manual",
+    "kvactors.devices.manual",
 ]
 
 
@@ -48,7 +48,7 @@ def test_all_lists_every_public_definition(name: str) -> None:
 
 
 def test_manual_backend_is_public() -> None:
-    from kvactors.testing import ManualBackend
+    from kvactors.devices.manual import ManualBackend
 
-    assert ManualBackend.__module__ == "kvactors.testing.manual"
+    assert ManualBackend.__module__ == "kvactors.devices.manual"
     assert kvactors.Runtime.__module__ == "kvactors.runtime"

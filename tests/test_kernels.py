@@ -8,7 +8,6 @@ from typing import Any
 
 import pytest
 import torch
-from _transfer_cases import ALLOCS, Case, block_view, raw, same_bytes, snapshot
 from torch.profiler import ProfilerActivity, profile
 
 from kvactors.errors import TransferValidationError
@@ -18,6 +17,7 @@ from kvactors.kernels.fast import ScratchCache, run_fast
 from kvactors.kernels.reference import run_reference
 from kvactors.layouts import KVFormat
 from kvactors.plans import TransferPlan, plan_transfer
+from tests._transfer_cases import ALLOCS, Case, block_view, raw, same_bytes, snapshot
 
 NHD = KVFormat.NL_X_TWO_NB_BS_NH_HS
 HND = KVFormat.NL_X_TWO_NB_NH_BS_HS

@@ -8,7 +8,6 @@ from typing import Any
 import msgspec
 import pytest
 import torch
-from _transfer_cases import Case
 
 from kvactors.errors import OperandTypeError, TransferValidationError
 from kvactors.layouts import KVFormat, ShapeDesc
@@ -18,6 +17,7 @@ from kvactors.plans import (
     plan_transfer,
     segments_for,
 )
+from tests._transfer_cases import Case
 
 NHD = KVFormat.NL_X_TWO_NB_BS_NH_HS
 MLA = KVFormat.NL_X_NB_BS_HS
@@ -263,7 +263,7 @@ def test_layer_count_mismatch() -> None:
 def test_shape_desc_mismatches(fields: dict[str, Any], field: str) -> None:
     e = _err(case(), lambda r: with_shape(r, **fields))
     assert isinstance(e, (ValueError, TypeError))
-    assert e.field == field  # type: ignore[attr-defined]
+    assert e.field == field  # type: ignore[union-attr]
 
 
 def test_mla_needs_one_head_and_matching_block_stride() -> None:

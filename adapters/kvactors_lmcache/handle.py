@@ -17,6 +17,7 @@ context), then runs LMCache's close order: stream sync, drop KV views, close IPC
 
 from __future__ import annotations
 
+import functools
 import itertools
 import threading
 from typing import TYPE_CHECKING, Any
@@ -81,7 +82,10 @@ class PointerRegistry:
 REGISTRY = PointerRegistry()
 
 
+@functools.cache
 def _context_class() -> type[Any]:
+    # Built once (lmcache's MUSA module is imported lazily): every context is an instance of
+    # the same class.
     from lmcache.v1.platform.devices.musa.cache_context import MUSACacheContext
 
     class KvactorsMusaCacheContext(MUSACacheContext):  # type: ignore[misc, valid-type]

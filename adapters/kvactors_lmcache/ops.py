@@ -47,7 +47,6 @@ __all__ = (
     "KvactorsMusaOps",
     "RuntimeFactory",
     "ops_class_for",
-    "reset_transfer_counts",
     "transfer_counts",
 )
 
@@ -108,12 +107,6 @@ def transfer_counts() -> dict[str, int]:
         return dict(_counts)
 
 
-def reset_transfer_counts() -> None:
-    """Zero :func:`transfer_counts` (tests)."""
-    with _counts_lock:
-        _counts.clear()
-
-
 def _default_runtime_factory(backend: str, device_index: int) -> Runtime:
     from kvactors.runtime import get_runtime
 
@@ -166,7 +159,8 @@ class KvactorsDeviceOps(DeviceOps):
             if idx and index is None:
                 raise OperandTypeError(f"bad device {device!r}", field="device")
         else:
-            kind = getattr(device, "type", None)
+            raw_kind = getattr(device, "type", None)
+            kind = raw_kind if isinstance(raw_kind, str) else ""  # no type: refused below
             raw = getattr(device, "index", None)
             index = None if raw is None else int(raw)
         if kind != self.device_type:
@@ -222,10 +216,12 @@ class KvactorsDeviceOps(DeviceOps):
         )
         index = self._device_index(device)
         rt = self._runtime(index)
+        # check_tensor_operands refused anything but tensors; this keeps them, typed as such.
+        objects = [o for o in lmcache_objects_ptrs if isinstance(o, torch.Tensor)]
         rt.transfer(
             request,
             paged_buffer_ptrs_tensor,
-            list(lmcache_objects_ptrs),
+            objects,
             stream_handle=self._stream_handle(rt, index),
         )
         key = f"{self.kvactors_backend}:{'H2D' if request.direction == 0 else 'D2H'}"

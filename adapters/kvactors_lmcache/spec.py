@@ -31,6 +31,8 @@ from typing import TYPE_CHECKING, Any
 from lmcache.v1.multiprocess.transfer_mode import MPTransferMode
 from lmcache.v1.platform.base.device_spec import DeviceSpec
 
+from kvactors.plugins import PLUGIN_CPU, PLUGIN_MLU, PLUGIN_MUSA
+
 if TYPE_CHECKING:
     from lmcache.v1.platform.base.cache_context import BaseCacheContext
     from lmcache.v1.platform.base.device_ops import DeviceOps
@@ -119,7 +121,7 @@ class MluSpec(KvactorsSpecBase):
 
     @property
     def backend_name(self) -> str:
-        return "mlu"
+        return PLUGIN_MLU
 
     @property
     def torch_module_name(self) -> str:
@@ -142,7 +144,7 @@ class KvactorsMusaSpec(KvactorsSpecBase):
 
     @property
     def backend_name(self) -> str:
-        return "kvactors_musa"
+        return PLUGIN_MUSA
 
     @property
     def torch_module_name(self) -> str:
@@ -182,7 +184,8 @@ class KvactorsMusaSpec(KvactorsSpecBase):
             return None
         from lmcache.v1.platform.devices.musa.ipc_wrapper import MusaIPCWrapper
 
-        return MusaIPCWrapper
+        wrapper: type[Any] = MusaIPCWrapper
+        return wrapper
 
     @property
     def event_ipc_backend(self) -> EventIPCBackend | None:
@@ -220,7 +223,7 @@ class KvactorsCpuSpec(KvactorsSpecBase):
 
     @property
     def backend_name(self) -> str:
-        return "kvactors_cpu"
+        return PLUGIN_CPU
 
     @property
     def torch_module_name(self) -> str:

@@ -16,7 +16,7 @@ from __future__ import annotations
 import itertools
 from typing import TYPE_CHECKING, Any, final
 
-from kvactors.actors.mailbox import DEFERRED, Actor, Envelope, unreachable
+from kvactors.actors.actor import DEFERRED, Actor, Envelope, unreachable
 from kvactors.actors.stream import Work
 from kvactors.errors import OperandTypeError
 from kvactors.kernels.fast import ScratchCache, run_fast
@@ -38,7 +38,7 @@ if TYPE_CHECKING:
 
     import torch
 
-    from kvactors.actors.streams import StreamDirectory
+    from kvactors.actors.directory import StreamDirectory
     from kvactors.devices.base import Backend
 
 __all__ = ("GatherActor", "TransferOperands")

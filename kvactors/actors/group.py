@@ -12,11 +12,11 @@ from typing import TYPE_CHECKING
 
 import msgspec
 
+from kvactors.actors.actor import ActorStatistics
+from kvactors.actors.directory import StreamDirectory
 from kvactors.actors.gather import GatherActor
 from kvactors.actors.ipc_owner import IPCOwnerActor
-from kvactors.actors.mailbox import ActorStatistics
 from kvactors.actors.outbox import Outbox
-from kvactors.actors.streams import StreamDirectory
 
 if TYPE_CHECKING:
     from kvactors.devices.base import Backend
@@ -39,6 +39,10 @@ class DeviceStatistics(msgspec.Struct, frozen=True, kw_only=True):
     events_pending: int
     stream_syncs: int = 0
     sync_wait_seconds: float = 0.0
+    lanes_abandoned: int = 0
+    """Stream lanes whose threads did not end within the stop timeout (may still run)."""
+    ipc_owners_opened: int = 0
+    ipc_owners_closed: int = 0
 
 
 class DeviceActors:
@@ -94,6 +98,11 @@ class DeviceActors:
         await self.ipc.stop(graceful=True, timeout=t)
         await self.streams.stop(timeout=t)
 
+    @property
+    def lanes_abandoned(self) -> int:
+        """Stream lanes whose threads did not end within the stop timeout."""
+        return sum(s.lanes_abandoned for s in self.streams.all())
+
     async def __aenter__(self) -> DeviceActors:
         self.start()
         return self
@@ -117,4 +126,7 @@ class DeviceActors:
             events_pending=self.events.pending,
             stream_syncs=sum(s.syncs for s in self.streams.all()),
             sync_wait_seconds=sum(s.sync_seconds for s in self.streams.all()),
+            lanes_abandoned=self.lanes_abandoned,
+            ipc_owners_opened=self.ipc.owners_opened,
+            ipc_owners_closed=self.ipc.owners_closed,
         )

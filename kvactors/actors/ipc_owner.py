@@ -18,7 +18,7 @@ import asyncio
 import itertools
 from typing import TYPE_CHECKING, Any
 
-from kvactors.actors.mailbox import DEFERRED, Actor, Envelope, unreachable
+from kvactors.actors.actor import DEFERRED, Actor, Envelope, unreachable
 from kvactors.errors import IPCError, ProtocolError
 from kvactors.protocols.ipc import CloseContext, ContextClosed, IPCRequest, Opened, OpenHandle
 from kvactors.protocols.stream import Sync
@@ -26,8 +26,8 @@ from kvactors.protocols.stream import Sync
 if TYPE_CHECKING:
     import torch
 
+    from kvactors.actors.directory import StreamDirectory
     from kvactors.actors.stream import StreamActor
-    from kvactors.actors.streams import StreamDirectory
     from kvactors.devices.base import Backend, IPCOwner
 
 __all__ = ("IPCOwnerActor",)

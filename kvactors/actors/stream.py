@@ -17,12 +17,13 @@ from __future__ import annotations
 
 import asyncio
 import contextlib
+import logging
 import time
 from typing import TYPE_CHECKING, Any, final
 
+from kvactors.actors.actor import DEFERRED, Actor, Envelope, unreachable
 from kvactors.actors.lane import Lane
-from kvactors.actors.mailbox import DEFERRED, Actor, Envelope, unreachable
-from kvactors.errors import DeviceOpError, KvactorsError, TransferFailedError
+from kvactors.errors import DeviceOpError, OperandTypeError, TransferFailedError, translate
 from kvactors.protocols.stream import (
     EventRecord,
     Launch,
@@ -41,6 +42,8 @@ if TYPE_CHECKING:
     from kvactors.devices.base import Backend, StreamLike
 
 __all__ = ("StreamActor", "Work")
+
+_log = logging.getLogger("kvactors.actors.stream")
 
 
 @final
@@ -82,6 +85,7 @@ class StreamActor(Actor[StreamRequest]):
         self._device = f"{backend.kind}:{index}"
         self.sync_seconds = 0.0
         self.syncs = 0
+        self.lanes_abandoned = 0
 
     def _synchronize(self) -> None:
         # Runs on the lane thread (the only writer of these counters).
@@ -100,7 +104,12 @@ class StreamActor(Actor[StreamRequest]):
     async def on_stop(self, closed: Any) -> None:
         """Let the lane finish queued work (bounded), then end its threads."""
         loop = asyncio.get_running_loop()
-        await loop.run_in_executor(None, self.lane.stop, self._stop_timeout)
+        if not await loop.run_in_executor(None, self.lane.stop, self._stop_timeout):
+            # The threads stay alive as daemons and may still touch device memory: say so, count
+            # it (DeviceStatistics.lanes_abandoned) and let Runtime.close() raise it.
+            self.lanes_abandoned += 1
+            _log.error("%s: lane threads did not end within %ss; abandoned", self.name,
+                       self._stop_timeout, extra={"actor": self.name, "device": self._device})
 
     def _post(self) -> Callable[..., None]:
         loop = self._loop
@@ -132,7 +141,9 @@ class StreamActor(Actor[StreamRequest]):
     def _launch(self, env: Envelope[StreamRequest], msg: Launch) -> None:
         work = env.operands
         if not isinstance(work, Work):
-            raise TypeError(f"Launch needs a Work operand bundle, got {type(work).__name__}")
+            raise OperandTypeError(
+                f"Launch needs a Work operand bundle, got {type(work).__name__}", field="operands"
+            )
         env.operands = None
         post = self._post()
         backend, stream, lane = self.backend, self.stream, self.lane
@@ -207,18 +218,8 @@ class StreamActor(Actor[StreamRequest]):
 
 
 def _failed(err: BaseException, transfer_id: int, device: str) -> BaseException:
-    if isinstance(err, KvactorsError):
-        return err
-    exc = TransferFailedError(
-        str(err) or type(err).__name__, transfer_id=transfer_id, device=device
-    )
-    exc.__cause__ = err
-    return exc
+    return translate(err, lambda m: TransferFailedError(m, transfer_id=transfer_id, device=device))
 
 
 def _sync_failed(err: BaseException, device: str) -> BaseException:
-    if isinstance(err, KvactorsError):
-        return err
-    exc = DeviceOpError(str(err) or type(err).__name__, device=device, op="synchronize")
-    exc.__cause__ = err
-    return exc
+    return translate(err, lambda m: DeviceOpError(m, device=device, op="synchronize"))

@@ -10,6 +10,7 @@ import importlib
 from typing import TYPE_CHECKING
 
 from kvactors.devices.base import Backend, Probe
+from kvactors.errors import InvalidSettingError, SettingTypeError
 
 if TYPE_CHECKING:
     from collections.abc import Sequence
@@ -30,13 +31,14 @@ def _backend_class(kind: str) -> type[Backend]:
     try:
         path = _REGISTRY[kind]
     except KeyError:
-        raise ValueError(
-            f"unknown backend kind {kind!r}; expected one of {', '.join(BACKEND_KINDS)}"
+        raise InvalidSettingError(
+            f"unknown backend kind {kind!r}; expected one of {', '.join(BACKEND_KINDS)}",
+            setting="backend",
         ) from None
     module_name, _, cls_name = path.partition(":")
     cls = getattr(importlib.import_module(module_name), cls_name)
     if not (isinstance(cls, type) and issubclass(cls, Backend)):
-        raise TypeError(f"{path} is not a Backend subclass")
+        raise SettingTypeError(f"{path} is not a Backend subclass", setting="backend")
     return cls
 
 

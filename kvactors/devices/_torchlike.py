@@ -22,11 +22,11 @@ Vendor ``RuntimeError``s become :class:`~kvactors.errors.DeviceOpError`.
 from __future__ import annotations
 
 import threading
-from typing import TYPE_CHECKING, cast, final
+from typing import TYPE_CHECKING, Literal, cast, final
 
 from kvactors.devices._vendor import as_vendor_module, device_errors, int_attr
 from kvactors.devices.base import Backend
-from kvactors.errors import InvalidPointerError, UnsupportedOperationError
+from kvactors.errors import InvalidPointerError, InvalidSettingError, UnsupportedOperationError
 
 if TYPE_CHECKING:
     from collections.abc import Callable
@@ -38,8 +38,8 @@ if TYPE_CHECKING:
 
 __all__ = ("EventMarker", "TorchLikeBackend", "TransferMode")
 
-TransferMode = str
-"""``"engine_driven"`` or ``"lmcache_driven"``."""
+TransferMode = Literal["engine_driven", "lmcache_driven"]
+"""The transfer modes a backend can serve."""
 
 
 @final
@@ -211,7 +211,7 @@ class TorchLikeBackend(Backend):
             if reason:
                 raise self._unsupported(f"LMCache-driven transfer mode is not available: {reason}")
             return "lmcache_driven"
-        raise ValueError(f"unknown transfer mode {requested!r}")
+        raise InvalidSettingError(f"unknown transfer mode {requested!r}", setting="transfer_mode")
 
     def lmcache_driven_unavailable(self) -> str:
         """Why LMCache-driven (IPC handle) mode is unavailable; empty when it is available."""

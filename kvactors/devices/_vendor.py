@@ -12,7 +12,7 @@ from __future__ import annotations
 import contextlib
 from typing import TYPE_CHECKING, Any, Protocol, cast
 
-from kvactors.errors import DeviceOpError, KvactorsError
+from kvactors.errors import DeviceOpError, OperandTypeError, translating
 
 if TYPE_CHECKING:
     from collections.abc import Iterator
@@ -92,19 +92,17 @@ def as_vendor_module(module: object) -> VendorModule:
 
 
 def int_attr(obj: object, name: str) -> int:
-    """``obj.<name>`` as an int (native handles); TypeError if it is not one."""
+    """``obj.<name>`` as an int (native handles); OperandTypeError (a TypeError) if not."""
     value = getattr(obj, name)
     if isinstance(value, bool) or not isinstance(value, int):
-        raise TypeError(f"{type(obj).__name__}.{name} is {type(value).__name__}, not an int")
+        raise OperandTypeError(
+            f"{type(obj).__name__}.{name} is {type(value).__name__}, not an int", field=name
+        )
     return value
 
 
 @contextlib.contextmanager
 def device_errors(device: str, op: str) -> Iterator[None]:
     """Translate vendor ``RuntimeError``s into :class:`DeviceOpError` (kvactors errors pass)."""
-    try:
+    with translating(lambda m: DeviceOpError(m, device=device, op=op), (RuntimeError,)):
         yield
-    except KvactorsError:
-        raise
-    except RuntimeError as exc:
-        raise DeviceOpError(str(exc), device=device, op=op) from exc

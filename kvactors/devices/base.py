@@ -12,7 +12,8 @@ through (MLU turns strided device-to-host copies into blocking ones). ``probe`` 
 Streams and markers are opaque to the runtime: it only hands them back to the backend that
 made them. Raw pointers never leave the process: ``ipc_export`` returns a wire-safe
 :class:`IPCHandle` and ``ipc_open`` returns an :class:`IPCOwner` that IPCOwnerActor keeps
-until the stream that used its views has been synchronized.
+until the stream that used its views has been synchronized. IPCHandle is a wire type, defined
+in :mod:`kvactors.protocols.ipc` and re-exported here.
 """
 
 from __future__ import annotations
@@ -23,6 +24,7 @@ from typing import TYPE_CHECKING, Protocol, final
 import msgspec
 
 from kvactors.errors import BackendUnavailableError
+from kvactors.protocols.ipc import IPCHandle
 
 if TYPE_CHECKING:
     from collections.abc import Callable, Sequence
@@ -39,20 +41,6 @@ class Probe(msgspec.Struct, frozen=True, kw_only=True):
     available: bool
     reason: str = ""
     details: dict[str, str] = msgspec.field(default_factory=dict)
-
-
-class IPCHandle(msgspec.Struct, frozen=True, kw_only=True, tag=True):
-    """A wire-safe description of exported device or shared memory; never a raw pointer."""
-
-    backend: str
-    name: str
-    dtype: str
-    shape: tuple[int, ...]
-    stride: tuple[int, ...]
-    storage_offset: int = 0
-    nbytes: int = 0
-    device_index: int = 0
-    extra: dict[str, str] = msgspec.field(default_factory=dict)
 
 
 class StreamLike(Protocol):

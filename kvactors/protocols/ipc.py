@@ -4,10 +4,33 @@ from __future__ import annotations
 
 from typing import TypeAlias
 
-from kvactors.devices.base import IPCHandle
+import msgspec
+
 from kvactors.protocols._base import Message
 
-__all__ = ("CloseContext", "ContextClosed", "IPCReply", "IPCRequest", "OpenHandle", "Opened")
+__all__ = (
+    "CloseContext",
+    "ContextClosed",
+    "IPCHandle",
+    "IPCReply",
+    "IPCRequest",
+    "OpenHandle",
+    "Opened",
+)
+
+
+class IPCHandle(msgspec.Struct, frozen=True, kw_only=True, tag=True):
+    """A wire-safe description of exported device or shared memory; never a raw pointer."""
+
+    backend: str
+    name: str
+    dtype: str
+    shape: tuple[int, ...]
+    stride: tuple[int, ...]
+    storage_offset: int = 0
+    nbytes: int = 0
+    device_index: int = 0
+    extra: dict[str, str] = msgspec.field(default_factory=dict)
 
 
 class OpenHandle(Message, frozen=True):

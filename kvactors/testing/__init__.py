@@ -21,9 +21,8 @@ Example::
 The pytest plugin :mod:`kvactors.testing.pytest_plugin` provides fixtures ``fake_mlu`` and
 ``fake_musa``. The vendor fakes depend on nothing else in kvactors.
 
-:class:`ManualBackend` (loaded on first access, since it builds on the CPU backend) is a
-kvactors backend whose device runs launched work only when the test calls ``release()``:
-the deterministic tool behind the ordering-rule tests.
+The step-by-step CPU backend behind the ordering-rule tests is a backend, so it lives with
+the backends: :class:`kvactors.devices.manual.ManualBackend`.
 
 :func:`check_backend` (loaded on first access: it runs the Runtime) is the conformance suite
 behind ``kvactors selftest``, for vendors' CI: ``check_backend("musa").ok``.
@@ -57,13 +56,11 @@ __all__ = (
     "FakeStream",
     "FakeVendor",
     "MUSAIPCTensorHandle",
-    "ManualBackend",
     "check_backend",
     "fake_vendor",
 )
 
 _LAZY = {
-    "ManualBackend": "kvactors.testing.manual",
     "BackendReport": "kvactors.testing.check",
     "CheckResult": "kvactors.testing.check",
     "check_backend": "kvactors.testing.check",

@@ -8,7 +8,7 @@ from typing import Any
 import msgspec
 import pytest
 
-from kvactors.actors.mailbox import DEFERRED, Actor, ActorState, Envelope
+from kvactors.actors.actor import DEFERRED, Actor, ActorState, Envelope
 from kvactors.errors import (
     ActorBrokenError,
     ActorClosedError,

@@ -16,10 +16,11 @@ import weakref
 import pytest
 import torch
 
+from kvactors.actors.directory import StreamDirectory
 from kvactors.actors.ipc_owner import IPCOwnerActor
 from kvactors.actors.outbox import Outbox
 from kvactors.actors.stream import Work
-from kvactors.actors.streams import StreamDirectory
+from kvactors.devices.manual import ManualBackend
 from kvactors.errors import IPCError
 from kvactors.protocols.ipc import CloseContext, OpenHandle
 from kvactors.protocols.stream import (
@@ -31,7 +32,6 @@ from kvactors.protocols.stream import (
     Sync,
     Synced,
 )
-from kvactors.testing.manual import ManualBackend
 
 
 def _directory(backend: ManualBackend) -> StreamDirectory:
@@ -55,7 +55,7 @@ async def test_rule1_record_published_only_after_stream_ran() -> None:
     streams = _directory(backend)
     stream = streams.get(0)
     out = torch.zeros(4)
-    launched = stream.ask_nowait(Launch(transfer_id=1, nbytes=16), Work(lambda: out.fill_(7)))
+    launched = stream.ask_nowait(Launch(transfer_id=1, nbytes=16), Work(lambda: out.fill_(7)))  # type: ignore[arg-type]
     recorded = stream.ask_nowait(RecordCompletion(kind="finish", payload=b"p1"))
     # The lane launched the work and now blocks in the stream sync behind it.
     await _until(backend, lambda b: b.queued(0) == 1 and b.sync_waiters >= 1)

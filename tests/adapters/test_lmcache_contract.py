@@ -105,9 +105,9 @@ def test_lmcache_sees_tensor_calling_convention(ops_cls: type) -> None:
 
 
 def test_signature_matches_lmcache(device_ops_cls: type) -> None:
-    base = list(inspect.signature(device_ops_cls.multi_layer_block_kv_transfer).parameters)
+    base = list(inspect.signature(device_ops_cls.multi_layer_block_kv_transfer).parameters)  # type: ignore[attr-defined]
     for cls in _ops_classes():
-        assert list(inspect.signature(cls.multi_layer_block_kv_transfer).parameters) == base
+        assert list(inspect.signature(cls.multi_layer_block_kv_transfer).parameters) == base  # type: ignore[attr-defined]
 
 
 def test_page_buffer_shape_desc_is_lmcache_native(device_ops_cls: type) -> None:
@@ -115,4 +115,4 @@ def test_page_buffer_shape_desc_is_lmcache_native(device_ops_cls: type) -> None:
         ops = cls()
         desc = ops.PageBufferShapeDesc()
         desc.dtype = None  # make_page_buffer_shape_desc sets this dynamic attribute
-        assert type(desc) is device_ops_cls.PageBufferShapeDesc
+        assert type(desc) is device_ops_cls.PageBufferShapeDesc  # type: ignore[attr-defined]

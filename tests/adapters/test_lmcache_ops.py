@@ -150,7 +150,7 @@ def test_completions_drain_in_submission_order_as_bytes() -> None:
     ops = KvactorsCpuOps()
     assert ops.drain_recorded_completions() == []  # no runtime started just to drain
     for i in range(5):
-        ops.record_completion_on_stream(0, f"finish_{i}", bytearray(b"p%d" % i))
+        ops.record_completion_on_stream(0, f"finish_{i}", bytearray(b"p%d" % i))  # type: ignore[arg-type]
     get_runtime("cpu").synchronize(0)  # a barrier behind the records: they are published
     got = ops.drain_recorded_completions()
     assert got == [(f"finish_{i}", b"p%d" % i) for i in range(5)]
@@ -207,7 +207,7 @@ def test_mlu_raw_pointer_entry_points_raise_clearly() -> None:
 
     ops = KvactorsMluOps()
     with pytest.raises(NotImplementedError, match="tensor_from_ptr is not supported"):
-        ops.tensor_from_ptr(1234, (4,), torch.float32, "mlu:0")
+        ops.tensor_from_ptr(1234, (4,), torch.float32, "mlu:0")  # type: ignore[arg-type]
     with pytest.raises(NotImplementedError, match="LMCache-driven"):
         ops.lmcache_memcpy_async(1, 2, 4, 0, 0, 16)
 
@@ -259,7 +259,7 @@ def test_handle_path_pointers_resolve_only_when_registered() -> None:
     from kvactors_lmcache.ops import KvactorsMusaOps
 
     rts: dict[tuple[str, int], _RecordingRuntime] = {}
-    ops = KvactorsMusaOps(runtime_factory=lambda b, i: rts.setdefault((b, i), _RecordingRuntime(0)))
+    ops = KvactorsMusaOps(runtime_factory=lambda b, i: rts.setdefault((b, i), _RecordingRuntime(0)))  # type: ignore[arg-type, return-value]
     n = _native()
     k_layers, v_layers = _layers(5), _layers(6)
     k = [t[0] for t in k_layers]  # [NB, BS, NH, HS] views

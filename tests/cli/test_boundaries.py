@@ -11,8 +11,9 @@ import pytest
 
 ROOT = pathlib.Path(__file__).resolve().parents[2]
 SURFACE = [
-    "kvactors.cli", "kvactors.doctor", "kvactors.demo", "kvactors.bench", "kvactors.metrics",
-    "kvactors.logs", "kvactors.trace", "kvactors.validate", "kvactors.observe",
+    "kvactors.cli", "kvactors.cli.doctor", "kvactors.cli.demo", "kvactors.cli.bench.suite",
+    "kvactors.cli.replay", "kvactors.metrics", "kvactors.logs", "kvactors.trace",
+    "kvactors.cli.validate", "kvactors.validate", "kvactors.observe", "kvactors.plugins",
 ]
 
 
@@ -30,7 +31,7 @@ def _lmcache_imports(path: pathlib.Path) -> list[int]:
               and node.args and isinstance(node.args[0], ast.Constant)):
             names = [str(node.args[0].value)]
         if any(n.split(".")[0] == "lmcache" for n in names):
-            lines.append(node.lineno)
+            lines.append(getattr(node, "lineno", 0))
     return lines
 
 

@@ -8,7 +8,7 @@ import json
 import pytest
 
 from kvactors.cli import main
-from kvactors.demo import DemoConfig, run_demo
+from kvactors.cli.demo import DemoConfig, run_demo
 
 
 def test_demo_passes_and_prints_summary(capsys: pytest.CaptureFixture[str]) -> None:

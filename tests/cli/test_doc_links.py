@@ -86,3 +86,80 @@ def test_readme_keeps_the_two_commands() -> None:
     assert "bash scripts/test.sh" in text
     assert "docs/img/bench.png" in text
     assert (ROOT / "docs/img/bench.png").read_bytes().startswith(b"\x89PNG")
+
+
+# ---- names: every `python -m X`, import line and dotted kvactors name in README/docs resolves
+
+_FIRST_PARTY = ("kvactors", "kvactors_lmcache")
+_PY_M = re.compile(r"python3? -m ([A-Za-z_][\w.]*)")
+_FROM = re.compile(r"^\s*from ([A-Za-z_][\w.]*) import ([\w, ]+?)\s*(?:#.*)?$", re.M)
+_IMPORT = re.compile(r"^\s*import ([A-Za-z_][\w.]*)\s*(?:#.*)?$", re.M)
+_DOTTED = re.compile(r"(?<![\w./-])(kvactors(?:_lmcache)?(?:\.[A-Za-z_]\w*)+)")
+# Dotted names that are not Python objects: entry-point groups, logger names.
+_NOT_OBJECTS = {"kvactors.baselines", "kvactors.demo"}
+
+
+def _first_party(name: str) -> bool:
+    return name.split(".")[0] in _FIRST_PARTY
+
+
+def _resolve(dotted: str) -> bool:
+    """Whether ``dotted`` is an importable module or an attribute path inside one."""
+    import importlib
+
+    parts = dotted.split(".")
+    for cut in range(len(parts), 0, -1):
+        try:
+            obj: object = importlib.import_module(".".join(parts[:cut]))
+        except ModuleNotFoundError:
+            continue
+        for attr in parts[cut:]:
+            if not hasattr(obj, attr):
+                return False
+            obj = getattr(obj, attr)
+        return True
+    return False
+
+
+def _runnable(module: str) -> bool:
+    import importlib.util
+
+    spec = importlib.util.find_spec(module)
+    if spec is None:
+        return False
+    if spec.submodule_search_locations is not None:  # a package runs its __main__
+        return importlib.util.find_spec(f"{module}.__main__") is not None
+    return True
+
+
+def _name_problems(text: str) -> list[str]:
+    bad = []
+    for mod in _PY_M.findall(text):
+        if _first_party(mod) and not _runnable(mod):
+            bad.append(f"python -m {mod}")
+    for mod, names in _FROM.findall(text):
+        if _first_party(mod):
+            bad += [f"from {mod} import {n}" for n in (x.strip() for x in names.split(","))
+                    if n and not _resolve(f"{mod}.{n}")]
+    for mod in _IMPORT.findall(text):
+        if _first_party(mod) and not _resolve(mod):
+            bad.append(f"import {mod}")
+    for dotted in set(_DOTTED.findall(text)) - _NOT_OBJECTS:
+        if not _resolve(dotted.rstrip(".")):
+            bad.append(dotted)
+    return sorted(bad)
+
+
+@pytest.mark.parametrize("doc", DOCS, ids=lambda p: str(p.relative_to(ROOT)))
+def test_documented_modules_and_names_resolve(doc: pathlib.Path) -> None:
+    assert not _name_problems(doc.read_text()), f"{doc.relative_to(ROOT)}: broken names"
+
+
+def test_the_name_checker_sees_broken_names() -> None:
+    text = ("python -m kvactors.validate\npython -m kvactors.no_such\n"
+            "    from kvactors.validate import dump_paged, nope\nimport kvactors.gone\n"
+            "see `kvactors.metrics.snapshot` and `kvactors.metrics.missing`\n")
+    assert _name_problems(text) == [
+        "from kvactors.validate import nope", "import kvactors.gone", "kvactors.gone",
+        "kvactors.metrics.missing", "kvactors.no_such", "python -m kvactors.no_such",
+    ]

@@ -3,12 +3,13 @@
 from __future__ import annotations
 
 import json
+from typing import Literal
 
 import pytest
 
-from kvactors._selection import SpecFact, predict_selection
 from kvactors.cli import main
-from kvactors.doctor import ENV_VARS, collect
+from kvactors.cli._selection import SpecFact, predict_selection
+from kvactors.cli.doctor import ENV_VARS, collect
 
 _ENV = (*ENV_VARS, "KVACTORS_LMCACHE_CPU")
 
@@ -59,7 +60,7 @@ def test_doctor_sees_fake_mlu(fake_mlu: object) -> None:
 
 
 def _specs(**avail: bool) -> list[SpecFact]:
-    base = [
+    base: list[tuple[str, str, Literal["builtin", "plugin"]]] = [
         ("cpu", "cpu", "builtin"), ("cuda", "cuda", "builtin"), ("musa", "musa", "builtin"),
         ("kvactors_cpu", "cpu", "plugin"), ("kvactors_musa", "musa", "plugin"),
         ("mlu", "mlu", "plugin"),

@@ -8,8 +8,8 @@ import pytest
 import torch
 
 from kvactors.cli import main
+from kvactors.cli.validate import KVDump, compare_kv, dump_paged, load_dump, save_dump
 from kvactors.layouts import KVFormat
-from kvactors.validate import KVDump, compare_kv, dump_paged, load_dump, save_dump
 
 if TYPE_CHECKING:
     import pathlib

@@ -218,7 +218,7 @@ def _marker_trial(kind: str, seed: int, *, wait: bool) -> bool:
         host = torch.zeros(4096, pin_memory=True)
 
         def work() -> bool:
-            backend.launch(s, lambda: (dev.fill_(9.0), backend.copy_(host, dev)))
+            backend.launch(s, lambda: (dev.fill_(9.0), backend.copy_(host, dev)))  # type: ignore[arg-type]
             marker = backend.record_marker(s)
             if wait:
                 marker.synchronize()
@@ -243,7 +243,7 @@ def _cross_stream_trial(kind: str, seed: int, *, wait: bool) -> bool:
         prod, cons = backend.new_stream(0), backend.new_stream(0)
         dev = fake.to_device(torch.zeros(4096))
         host = torch.zeros(4096, pin_memory=True)
-        backend.launch(prod, lambda: dev.fill_(4.0))
+        backend.launch(prod, lambda: dev.fill_(4.0))  # type: ignore[arg-type]
         marker = backend.record_marker(prod)
 
         def consume() -> None:
@@ -300,7 +300,7 @@ def test_strided_bug_breaks_round_trip_without_policy(kind: str) -> None:
             req = case.request(1, [0, 1, 2, 3], 1)
             plan = plan_transfer(req, src, objs, device_type=kind, device_index=0)
             s = backend.new_stream(0)
-            on_lane(backend, s, lambda p=plan, b=backend, st=s, src=src, objs=objs: (
+            on_lane(backend, s, lambda p=plan, b=backend, st=s, src=src, objs=objs: (  # type: ignore[misc]
                 b.launch(st, lambda: run_fast(p, src, objs, copy=b.copy_)), b.synchronize(st)))
             run_reference(plan_transfer(req, ref_paged, ref_objs, device_type="cpu"),
                           ref_paged, ref_objs)

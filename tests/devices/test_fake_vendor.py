@@ -102,7 +102,7 @@ def test_kernels_are_enqueued_and_views_alias() -> None:
         assert isinstance(out, FakeDeviceTensor)
         assert out.device.type == "mlu"
         assert torch.equal(out.cpu(), torch.tensor([[2.0, 4], [10, 12], [18, 20]]))
-        empty = torch.empty(4, device=dev.device)
+        empty = torch.empty(4, device=dev.device)  # type: ignore[call-overload]
         assert isinstance(empty, FakeDeviceTensor)
 
 
@@ -181,10 +181,10 @@ def test_pinning_shims() -> None:
 def test_pointer_storage_only_inside_device_memory() -> None:
     with fake_vendor("mlu") as fake:
         dev = fake.to_device(torch.arange(4.0))
-        s = torch._C._construct_storage_from_data_pointer(dev.data_ptr(), dev.device, 16)
+        s = torch._C._construct_storage_from_data_pointer(dev.data_ptr(), dev.device, 16)  # type: ignore[arg-type]
         assert s.nbytes() == 16
         with pytest.raises(FakeDeviceError, match="host pointer"):
-            torch._C._construct_storage_from_data_pointer(torch.zeros(4).data_ptr(), dev.device, 16)
+            torch._C._construct_storage_from_data_pointer(torch.zeros(4).data_ptr(), dev.device, 16)  # type: ignore[arg-type]
         shared = torch.UntypedStorage._share_mlu_(dev.untyped_storage())  # type: ignore[attr-defined]
         assert len(shared) == 8
 

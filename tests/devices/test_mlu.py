@@ -71,7 +71,7 @@ def test_probe_details_and_device_errors(fake_mlu: FakeVendor) -> None:
     assert p.details["device_count"] == "1"
     b = MluBackend()
     s = b.new_stream(0)
-    fake_mlu.inject_error(s, "cnrt failure")
+    fake_mlu.inject_error(s, "cnrt failure")  # type: ignore[arg-type]
     from kvactors.errors import DeviceOpError
 
     with pytest.raises(DeviceOpError, match="cnrt failure"):

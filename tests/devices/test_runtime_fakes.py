@@ -45,13 +45,13 @@ def test_runtime_round_trip(kind: str, seed: int) -> None:
             rt.record_completion(0, "finish", b"x")
             assert rt.drain_completions() in ([("finish", b"x")], [])
             rt.synchronize(0)
-        for b in ids:
+        for bid in ids:
             for layer in range(case.nl):
                 for p in range(2):
                     from tests._transfer_cases import block_view
 
-                    got = fake.peek(block_view(case.fmt, dst, case.nl, layer, p, b))
-                    want = fake.peek(block_view(case.fmt, src, case.nl, layer, p, b))
+                    got = fake.peek(block_view(case.fmt, dst, case.nl, layer, p, bid))
+                    want = fake.peek(block_view(case.fmt, src, case.nl, layer, p, bid))
                     assert torch.equal(got.view(torch.int16), want.view(torch.int16))
         del src_backing
 
@@ -120,7 +120,7 @@ def test_every_supported_layout_round_trips_through_the_actors(kind: str, fmt: K
                     return fake.adopt(p)
                 return [dev(x) for x in p]  # type: ignore[attr-defined]
 
-            src, dst = dev(src_cpu), dev(dst_cpu)
+            src, dst = dev(src_cpu), dev(dst_cpu)  # type: ignore[assignment]
             objs = [torch.zeros(o.shape, dtype=o.dtype, pin_memory=True) for o in objs_cpu]
             with Runtime(kind, default_timeout=30) as rt:
                 rt.transfer(case.request(1, ids), src, objs)

@@ -20,6 +20,7 @@ import torch
 
 from kvactors.actors.gather import TransferOperands
 from kvactors.actors.group import DeviceActors
+from kvactors.devices.manual import ManualBackend
 from kvactors.errors import (
     ActorClosedError,
     DeadlineExceededError,
@@ -33,7 +34,6 @@ from kvactors.layouts import Direction
 from kvactors.protocols.gather import Transfer
 from kvactors.protocols.stream import Sync
 from kvactors.runtime import Runtime
-from kvactors.testing.manual import ManualBackend
 from tests.scenarios._kv import CHUNK, NH, NL, Snapshot, objects, paged, request, shape
 
 if TYPE_CHECKING:
@@ -145,7 +145,7 @@ ROWS: tuple[Row, ...] = (
         lambda e: e.rt.tensor_from_ptr(e.objs[0].data_ptr(), (2, 4), torch.float32,
                                        stride=(4,))),
     Row("pointer-wrong-device", InvalidPointerError, "cpu backend cannot view device",
-        lambda e: e.rt.backend.tensor_from_ptr(e.objs[0].data_ptr(), (4,), torch.float32,
+        lambda e: e.rt.backend.tensor_from_ptr(e.objs[0].data_ptr(), (4,), torch.float32,  # type: ignore[call-arg]
                                                device="meta")),
     # ---- runtime and actors -------------------------------------------------------------
     Row("closed-runtime", ActorClosedError, "runtime is closed", _closed_runtime),

@@ -34,11 +34,11 @@ from hypothesis import strategies as st
 
 from kvactors.actors.gather import TransferOperands
 from kvactors.actors.group import DeviceActors
+from kvactors.devices.manual import ManualBackend
 from kvactors.errors import ActorClosedError, KvactorsError
 from kvactors.layouts import Direction
 from kvactors.protocols.gather import Fence, Transfer
 from kvactors.protocols.ipc import CloseContext, OpenHandle
-from kvactors.testing.manual import ManualBackend
 from tests.scenarios._doubles import DeviceFault
 from tests.scenarios._kv import (
     BS,
@@ -196,7 +196,7 @@ class Interpreter:
         # launches fail is fixed by stream position, not by timing.
         want = self.launched
         ok = await asyncio.to_thread(
-            self.backend.wait_for, lambda b: b.queried >= want or b.in_sync > 0, 10.0
+            self.backend.wait_for, lambda b: b.queried >= want or b.in_sync > 0, 10.0  # type: ignore[attr-defined]
         )
         assert ok, "a launch never reached the device"
 
@@ -260,7 +260,7 @@ class Interpreter:
         fut = self._submit(request(H2D, ids), [chunk], stream)
         sc = _Scatter(fut, ids, chunk)
         self.scatters.append(sc)
-        fut.add_done_callback(lambda _f, sc=sc: self._on_scatter_done(sc))
+        fut.add_done_callback(lambda _f, sc=sc: self._on_scatter_done(sc))  # type: ignore[misc]
         await self._launched()
 
     async def preempt(self, r: int) -> None:

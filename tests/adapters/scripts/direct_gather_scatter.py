@@ -155,7 +155,7 @@ def main() -> int:
         ("sglang", torch.bfloat16),
     ]
     for case, dtype in cases:
-        results["cases"].append(run_case(case, dtype, builtin))
+        results["cases"].append(run_case(case, dtype, builtin))  # type: ignore[attr-defined]
     print(json.dumps(results))
     return 0
 

@@ -22,7 +22,7 @@ __all__ = ("build_parser", "main")
 
 def build_parser() -> argparse.ArgumentParser:
     """The argument parser of ``kvactors``."""
-    from kvactors._devenv import DEVICE_KINDS
+    from kvactors.cli._devenv import DEVICE_KINDS
 
     # The logging flags are accepted before and after the subcommand; SUPPRESS keeps a
     # subcommand's parser from resetting a value given before it.
@@ -57,17 +57,17 @@ def build_parser() -> argparse.ArgumentParser:
                       help="negative control: reuse blocks without a fence (should FAIL)")
 
     bench = add_parser("bench", help="transfer and messaging benchmarks, JSON and PNG")
-    from kvactors.bench import add_arguments as bench_args
+    from kvactors.cli.bench.suite import add_arguments as bench_args
 
     bench_args(bench)
 
     val = add_parser("validate", help="compare stored and restored KV dumps bit for bit")
-    from kvactors.validate import add_arguments as validate_args
+    from kvactors.cli.validate import add_arguments as validate_args
 
     validate_args(val)
 
     st = add_parser("selftest", help="conformance suite on one device (real, or --fake)")
-    from kvactors.selftest import add_arguments as selftest_args
+    from kvactors.cli.selftest import add_arguments as selftest_args
 
     selftest_args(st)
 
@@ -89,28 +89,28 @@ def main(argv: Sequence[str] | None = None) -> int:
     if args.command == "doctor":
         return _doctor(args)
     if args.command == "demo":
-        from kvactors._demo_cli import run as run_demo
+        from kvactors.cli._demo_cli import run as run_demo
 
         return run_demo(args)
     if args.command == "bench":
-        from kvactors.bench import run as run_bench
+        from kvactors.cli.bench.suite import run as run_bench
 
         return run_bench(args)
     if args.command == "validate":
-        from kvactors.validate import run as run_validate
+        from kvactors.cli.validate import run as run_validate
 
         return run_validate(args)
     if args.command == "selftest":
-        from kvactors.selftest import run as run_selftest
+        from kvactors.cli.selftest import run as run_selftest
 
         return run_selftest(args)
-    from kvactors.trace import run as run_replay
+    from kvactors.cli.replay import run as run_replay
 
     return run_replay(args)
 
 
 def _doctor(args: argparse.Namespace) -> int:
-    from kvactors.doctor import collect, format_doctor
+    from kvactors.cli.doctor import collect, format_doctor
 
     report = collect()
     if args.json:

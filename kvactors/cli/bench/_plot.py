@@ -8,8 +8,10 @@ from __future__ import annotations
 
 from typing import TYPE_CHECKING
 
+from kvactors.errors import MissingDependencyError
+
 if TYPE_CHECKING:
-    from kvactors.bench import BenchReport
+    from kvactors.cli.bench._report import BenchReport
 
 __all__ = ("plot",)
 
@@ -21,12 +23,14 @@ def plot(report: BenchReport, path: str) -> None:
     """Write the figure for ``report`` to ``path`` (PNG).
 
     Raises:
-        ImportError: matplotlib is not installed.
+        MissingDependencyError: matplotlib is not installed (an ImportError).
     """
     try:
         import matplotlib
     except ImportError as exc:
-        raise ImportError("the bench plot needs matplotlib: pip install 'kvactors[bench]'") from exc
+        raise MissingDependencyError(
+            "the bench plot needs matplotlib: pip install 'kvactors[bench]'", package="matplotlib"
+        ) from exc
     matplotlib.use("Agg")
     import matplotlib.pyplot as plt
 

@@ -17,7 +17,7 @@ from typing import TYPE_CHECKING
 import torch
 
 from kvactors.devices import get_backend
-from kvactors.errors import BackendUnavailableError
+from kvactors.errors import BackendUnavailableError, InvalidSettingError
 
 if TYPE_CHECKING:
     from collections.abc import Iterator
@@ -79,11 +79,13 @@ def device_env(kind: str, *, seed: int = 0, allow_fake: bool = True) -> Iterator
         The environment; on exit the fake (if any) is drained and uninstalled.
 
     Raises:
-        ValueError: an unknown kind.
+        InvalidSettingError: an unknown kind (a ValueError).
         BackendUnavailableError: the device is unavailable and no fake can stand in.
     """
     if kind not in DEVICE_KINDS:
-        raise ValueError(f"unknown device {kind!r}; expected one of {', '.join(DEVICE_KINDS)}")
+        raise InvalidSettingError(
+            f"unknown device {kind!r}; expected one of {', '.join(DEVICE_KINDS)}", setting="device"
+        )
     probe = get_backend(kind).probe()
     if probe.available:
         yield DeviceEnv(kind, None, f"{kind}: real device ({_describe(probe.details)})")

@@ -10,7 +10,7 @@ timing (an untouched page reads as the shared zero page, which would flatter eve
 kvactors never imports lmcache: the LMCache baseline is a plugin found through the
 ``kvactors.baselines`` entry-point group (registered by the adapter package).
 
-Run ``python -m kvactors.bench_transfer --help``.
+Run ``python -m kvactors.cli.bench.transfer --help``.
 """
 
 from __future__ import annotations
@@ -25,6 +25,7 @@ from typing import TYPE_CHECKING, Any
 import msgspec
 import torch
 
+from kvactors.errors import InvalidSettingError
 from kvactors.kernels.fast import ScratchCache, run_fast
 from kvactors.layouts import FORMAT_SPECS, KVFormat, ShapeDesc
 from kvactors.plans import TransferRequest, plan_transfer
@@ -207,7 +208,8 @@ def run_transfer_bench(
     thread_list = [threads] if isinstance(threads, int) else list(threads)
     bad = [x for x in layouts if x not in _FORMATS]
     if bad or any(d not in ("gather", "scatter") for d in directions):
-        raise ValueError(f"unknown layouts {bad} or directions {list(directions)}")
+        raise InvalidSettingError(f"unknown layouts {bad} or directions {list(directions)}",
+                                  setting="layouts")
     old_threads = torch.get_num_threads()
     rows: list[BenchRow] = []
     try:
@@ -281,7 +283,7 @@ def format_table(rows: Sequence[BenchRow], *, header: bool = True) -> str:
 
 def main(argv: Sequence[str] | None = None) -> int:
     """Command line entry point; prints a table of GB/s and ratios."""
-    ap = argparse.ArgumentParser(prog="python -m kvactors.bench_transfer", description=__doc__)
+    ap = argparse.ArgumentParser(prog="python -m kvactors.cli.bench.transfer", description=__doc__)
     ap.add_argument("--layouts", nargs="+", default=list(LAYOUTS), choices=LAYOUTS)
     ap.add_argument("--directions", nargs="+", default=["gather", "scatter"])
     ap.add_argument("--threads", nargs="+", type=int, default=[1, 2])

@@ -15,13 +15,14 @@ still reading blocks that were reused, field-lessons 1.6-1.8): if the fence did 
 the stores in flight, stored chunks would contain poison, and so would later restores.
 
 Every restored block is read back from device memory and compared bit for bit with the KV
-the chunk must hold (a pure function of its key, :mod:`kvactors._workload`), with
+the chunk must hold (a pure function of its key, :mod:`kvactors.cli._workload`), with
 :func:`kvactors.validate.compare_kv`; every stored chunk is checked the same way before it is
 published. The demo succeeds only when all of it matched and no transfer failed.
 
-Store tasks submit their transfer in their first step (``atransfer`` queues its message before
-its first ``await``); the engine yields once after creating them (``asyncio.sleep(0)``), so a
-later fence is queued after those stores and the mailbox order makes it wait for them.
+The engine submits each store itself (``Runtime.atransfer`` queues its message when it is
+called) and only then hands the reply future to a task that waits for it and verifies the
+chunks, so a later fence is queued after those stores and the mailbox order makes it wait for
+them, whatever the task scheduler does.
 """
 
 from __future__ import annotations
@@ -35,18 +36,20 @@ from typing import TYPE_CHECKING, Any
 import msgspec
 import torch
 
-from kvactors._devenv import device_env
-from kvactors._workload import Geometry, Request, chunk_content, chunk_object, make_requests
 from kvactors.actors.group import DeviceStatistics
+from kvactors.cli._devenv import device_env
+from kvactors.cli._workload import Geometry, Request, chunk_content, chunk_object, make_requests
+from kvactors.cli.validate import KVDump, compare_kv
+from kvactors.errors import InvalidSettingError
 from kvactors.layouts import Direction, KVFormat, ShapeDesc
 from kvactors.plans import TransferRequest
 from kvactors.runtime import Runtime
-from kvactors.validate import KVDump, compare_kv
 
 if TYPE_CHECKING:
     from collections.abc import Callable
 
-    from kvactors._devenv import DeviceEnv
+    from kvactors.cli._devenv import DeviceEnv
+    from kvactors.protocols.gather import TransferDone
 
 __all__ = ("DemoConfig", "DemoReport", "run_demo")
 
@@ -155,19 +158,29 @@ class _Engine:
             shape=self.shape,
         )
 
-    async def _transfer(self, direction: Direction, blocks: list[int],
-                        objects: list[torch.Tensor]) -> int:
-        # Accounts the time during which any transfer is in flight (the runtime's busy time).
+    def _submit(self, direction: Direction, blocks: list[int],
+                objects: list[torch.Tensor]) -> asyncio.Future[TransferDone]:
+        # Queues the transfer now (mailbox order = call order) and accounts the time during
+        # which any transfer is in flight (the runtime's busy time).
         if self.inflight == 0:
             self.busy_since = time.perf_counter()
         self.inflight += 1
         try:
-            done = await self.rt.atransfer(self._request(direction, blocks), self.paged, objects)
-        finally:
-            self.inflight -= 1
-            if self.inflight == 0:
-                self.report.busy_seconds += time.perf_counter() - self.busy_since
-        return done.nbytes
+            fut = self.rt.atransfer(self._request(direction, blocks), self.paged, objects)
+        except BaseException:
+            self._settled()
+            raise
+        fut.add_done_callback(lambda _f: self._settled())
+        return fut
+
+    def _settled(self) -> None:
+        self.inflight -= 1
+        if self.inflight == 0:
+            self.report.busy_seconds += time.perf_counter() - self.busy_since
+
+    async def _transfer(self, direction: Direction, blocks: list[int],
+                        objects: list[torch.Tensor]) -> int:
+        return (await self._submit(direction, blocks, objects)).nbytes
 
     def _blocks_of(self, req: Request, i: int) -> list[int]:
         cb = self.geo.chunk_blocks
@@ -214,10 +227,7 @@ class _Engine:
         for i in range(hits, len(req.keys)):
             self._write(self._blocks_of(req, i), chunk_content(req.keys[i], g))
         if hits < len(req.keys):
-            task = asyncio.ensure_future(self._store(req, hits))
-            self.storing.add(task)
-            task.add_done_callback(self.storing.discard)
-            await asyncio.sleep(0)  # let the store task submit its transfer (see module doc)
+            self._begin_store(req, hits)
 
     async def _retrieve(self, req: Request, hits: int) -> None:
         g, report = self.geo, self.report
@@ -241,14 +251,27 @@ class _Engine:
         report.block_mismatches += len(bad)
         report.blocks_verified += len(blocks) - len(bad)
 
-    async def _store(self, req: Request, start: int) -> None:
-        g, report = self.geo, self.report
+    def _begin_store(self, req: Request, start: int) -> None:
+        # Submitted here, before any later fence (see the module doc); verified by a task.
+        g = self.geo
         keys = req.keys[start:]
         blocks = req.blocks[start * g.chunk_blocks :]
         objects = [self.rt.backend.pin(torch.empty(g.object_shape, dtype=g.torch_dtype))
                    for _ in keys]
         try:
-            nbytes = await self._transfer(Direction.D2H, blocks, objects)
+            submitted = self._submit(Direction.D2H, blocks, objects)
+        except Exception as exc:
+            self.report.transfer_errors.append(f"store: {type(exc).__name__}: {exc}")
+            return
+        task = asyncio.ensure_future(self._store(keys, objects, submitted))
+        self.storing.add(task)
+        task.add_done_callback(self.storing.discard)
+
+    async def _store(self, keys: list[int], objects: list[torch.Tensor],
+                     submitted: asyncio.Future[TransferDone]) -> None:
+        g, report = self.geo, self.report
+        try:
+            nbytes = (await submitted).nbytes
         except Exception as exc:
             report.transfer_errors.append(f"store: {type(exc).__name__}: {exc}")
             return
@@ -298,7 +321,8 @@ def run_demo(
     """
     geo = cfg.geometry
     if geo.num_blocks < cfg.max_running * 6 * geo.chunk_blocks:
-        raise ValueError("geometry.num_blocks too small for max_running requests")
+        raise InvalidSettingError("geometry.num_blocks too small for max_running requests",
+                                  setting="geometry.num_blocks")
     with device_env(cfg.device, seed=cfg.seed) as env:
         report = DemoReport(device=cfg.device, note=env.note)
         requests = list(make_requests(cfg.requests, seed=cfg.seed))

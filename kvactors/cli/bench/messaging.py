@@ -9,7 +9,7 @@ Two ratios, each measured in one run with interleaved repetitions:
   ``call_soon_threadsafe`` round trip onto the same loop thread (the runtime's), so both pay
   the same thread wake-ups.
 
-Run: ``python -m kvactors.bench_messaging`` (prints medians in microseconds and the ratios).
+Run: ``python -m kvactors.cli.bench.messaging`` (prints medians in microseconds and the ratios).
 """
 
 from __future__ import annotations

@@ -3,14 +3,14 @@
 Three parts, each a ratio measured inside one run (absolute GB/s on shared hosts swing by
 +-20 %, see ``docs/benchmarks.md``):
 
-* **kernels** (:func:`kvactors.bench_transfer.run_transfer_bench`): per layout and direction,
+* **kernels** (:func:`kvactors.cli.bench.transfer.run_transfer_bench`): per layout and direction,
   kvactors' plan + fast kernel, a raw ``copy_`` of the same bytes, and LMCache's torch path on
   identical operands when the ``kvactors.baselines`` plugin (shipped by the adapter) loads,
   with repetitions interleaved;
 * **runtime**: the same NHD transfer through :class:`~kvactors.runtime.Runtime` on
   ``--device`` (message hop, actors, lane thread, completion) against a raw contiguous copy of
   the same bytes between that device and the host, interleaved;
-* **messaging** (:func:`kvactors.bench_messaging.run_messaging_bench`): the runtime's hops
+* **messaging** (:func:`kvactors.cli.bench.messaging.run_messaging_bench`): the runtime's hops
   against bare asyncio/threading floors.
 
 Kernel figures are host-side (the paged pools are CPU memory), so they are measured once
@@ -30,13 +30,15 @@ from typing import TYPE_CHECKING, Any
 import msgspec
 import torch
 
-from kvactors.bench_transfer import LAYOUTS, BenchRow, BenchWorkload, run_transfer_bench
+from kvactors.cli.bench._report import BenchReport, RuntimeRow
+from kvactors.cli.bench.transfer import LAYOUTS, BenchWorkload, run_transfer_bench
 
 if TYPE_CHECKING:
     import argparse
     from collections.abc import Callable
 
-    from kvactors._devenv import DeviceEnv
+    from kvactors.cli._devenv import DeviceEnv
+    from kvactors.cli.bench.transfer import BenchRow
 
 __all__ = ("BenchConfig", "BenchReport", "RuntimeRow", "add_arguments", "run", "run_bench")
 
@@ -54,29 +56,6 @@ class BenchConfig(msgspec.Struct, frozen=True, kw_only=True):
     messaging: bool = True
     runtime: bool = True
     seed: int = 0
-
-
-class RuntimeRow(msgspec.Struct, frozen=True, kw_only=True):
-    """One direction through the runtime on a device, against a raw copy."""
-
-    device: str
-    simulated: bool
-    direction: str
-    nbytes: int
-    reps: int
-    runtime_gbps: float
-    raw_gbps: float
-    vs_raw: float
-
-
-class BenchReport(msgspec.Struct, kw_only=True):
-    """Everything one ``kvactors bench`` run measured."""
-
-    meta: dict[str, Any]
-    transfer: list[BenchRow]
-    runtime: list[RuntimeRow]
-    messaging: dict[str, float] | None
-    seconds: float = 0.0
 
 
 class _Progress:
@@ -160,7 +139,7 @@ def run_bench(cfg: BenchConfig, *, progress: Callable[[str], None] | None = None
         cfg: What to measure.
         progress: Called with a label after each finished step.
     """
-    from kvactors._devenv import device_env
+    from kvactors.cli._devenv import device_env
 
     t0 = time.perf_counter()
     step = progress or (lambda _label: None)
@@ -189,7 +168,7 @@ def run_bench(cfg: BenchConfig, *, progress: Callable[[str], None] | None = None
         step(f"runtime {cfg.device}")
     messaging = None
     if cfg.messaging:
-        from kvactors.bench_messaging import run_messaging_bench
+        from kvactors.cli.bench.messaging import run_messaging_bench
 
         m = run_messaging_bench(n=300, reps=5) if cfg.quick else run_messaging_bench()
         messaging = msgspec.to_builtins(m)
@@ -200,7 +179,7 @@ def run_bench(cfg: BenchConfig, *, progress: Callable[[str], None] | None = None
 
 def add_arguments(ap: argparse.ArgumentParser) -> None:
     """The command line of ``kvactors bench``."""
-    from kvactors._devenv import DEVICE_KINDS
+    from kvactors.cli._devenv import DEVICE_KINDS
 
     ap.add_argument("--device", choices=DEVICE_KINDS, default="cpu",
                     help="device of the runtime figures (kernel figures are host-side)")
@@ -223,7 +202,7 @@ def add_arguments(ap: argparse.ArgumentParser) -> None:
 
 def run(args: argparse.Namespace) -> int:
     """Run a parsed ``bench`` command; writes ``bench.json`` and ``bench.png`` under ``--out``."""
-    from kvactors.bench_transfer import format_table
+    from kvactors.cli.bench.transfer import format_table
     from kvactors.errors import BackendUnavailableError
 
     threads = tuple(args.threads) if args.threads else ((1,) if args.quick else (1, 2))
@@ -258,7 +237,7 @@ def run(args: argparse.Namespace) -> int:
               f"{m['bare_thread_us']:.2f}, ratio {m['blocking_ratio']:.2f})")
     print(f"wrote {json_path}", end="")
     if not args.no_plot:
-        from kvactors._bench_plot import plot
+        from kvactors.cli.bench._plot import plot
 
         png = os.path.join(args.out, "bench.png")
         plot(report, png)

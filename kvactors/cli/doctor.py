@@ -3,7 +3,7 @@
 Everything is read without side effects: packages through ``importlib.metadata`` and
 ``importlib.util.find_spec`` (lmcache and the adapter are never imported: importing lmcache
 runs its device detection), backends through kvactors' probes (which never raise), and the
-LMCache selection is predicted by :mod:`kvactors._selection`.
+LMCache selection is predicted by :mod:`kvactors.cli._selection`.
 """
 
 from __future__ import annotations
@@ -13,10 +13,11 @@ import importlib.util
 import os
 import platform
 import sys
+from typing import Literal
 
 import msgspec
 
-from kvactors._selection import (
+from kvactors.cli._selection import (
     BUILTIN_BACKENDS,
     KVACTORS_PLUGINS,
     Selection,
@@ -24,6 +25,7 @@ from kvactors._selection import (
     predict_selection,
 )
 from kvactors.devices import BACKEND_KINDS, Probe, probe_all
+from kvactors.plugins import PLUGIN_CPU, PLUGIN_MLU, PLUGIN_MUSA
 
 __all__ = ("ENV_VARS", "DoctorReport", "Finding", "collect", "format_doctor")
 
@@ -53,7 +55,7 @@ _LMCACHE_TESTED = "0.5.6"
 class Finding(msgspec.Struct, frozen=True, kw_only=True):
     """One observation: ``level`` is ``ok``, ``info``, ``warn`` or ``error``."""
 
-    level: str
+    level: Literal["ok", "info", "warn", "error"]
     topic: str
     message: str
     fix: str = ""
@@ -128,7 +130,7 @@ def _spec_facts(
     for name in plugins:
         if name in KVACTORS_PLUGINS:
             dtype = KVACTORS_PLUGINS[name]
-            if name == "kvactors_cpu":
+            if name == PLUGIN_CPU:
                 flag = env.get("KVACTORS_LMCACHE_CPU", "").strip().lower()
                 on = flag in ("1", "true", "yes", "on")
                 avail, why = on, "" if on else "set KVACTORS_LMCACHE_CPU=1 to enable"
@@ -226,7 +228,7 @@ def _findings(r: DoctorReport, env: dict[str, str]) -> list[Finding]:
                            fix=_selection_fix(s, env)))
     elif lm is not None:
         who = f"{s.backend} (kvactors)" if s.kvactors else (s.backend or "StubCPUDevice")
-        level = "ok" if s.kvactors else "info"
+        level: Literal["ok", "info"] = "ok" if s.kvactors else "info"
         out.append(Finding(level=level, topic="LMCache selection",
                            message=f"LMCache would select {who}: {s.reason}; MP transfer mode "
                            f"{s.transfer_mode} ({s.transfer_mode_reason})",
@@ -249,7 +251,7 @@ def _findings(r: DoctorReport, env: dict[str, str]) -> list[Finding]:
 
 def _selection_fix(s: Selection, env: dict[str, str]) -> str:
     if "Multiple LMCache backends" in s.error and "musa" in s.error:
-        return "export LMCACHE_DEVICE_BACKEND=kvactors_musa in every process (server and workers)"
+        return f"export LMCACHE_DEVICE_BACKEND={PLUGIN_MUSA} in every process (server and workers)"
     if "LMCACHE_DEVICE_BACKEND" in s.error:
         return ("fix or unset LMCACHE_DEVICE_BACKEND; run `kvactors doctor` in the same "
                 "environment as the LMCache process")
@@ -261,9 +263,9 @@ def _selection_fix(s: Selection, env: dict[str, str]) -> str:
 def _not_kvactors_fix(r: DoctorReport) -> str:
     avail = {p.backend for p in r.backends if p.available}
     if "mlu" in avail:
-        return "export LMCACHE_DEVICE_BACKEND=mlu"
+        return f"export LMCACHE_DEVICE_BACKEND={PLUGIN_MLU}"
     if "musa" in avail:
-        return "export LMCACHE_DEVICE_BACKEND=kvactors_musa"
+        return f"export LMCACHE_DEVICE_BACKEND={PLUGIN_MUSA}"
     return ("no accelerator for kvactors here; for a CPU-only test of the plugin export "
             "KVACTORS_LMCACHE_CPU=1 (tests only)")
 

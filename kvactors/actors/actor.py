@@ -35,7 +35,7 @@ import asyncio
 import collections
 import contextlib
 import enum
-from typing import TYPE_CHECKING, Any, Final, Generic, NoReturn, Protocol, TypeVar, final
+from typing import TYPE_CHECKING, Any, Final, Generic, Literal, NoReturn, Protocol, TypeVar, final
 
 import msgspec
 
@@ -43,6 +43,7 @@ from kvactors.errors import (
     ActorBrokenError,
     ActorClosedError,
     DeadlineExceededError,
+    InvalidSettingError,
     MailboxFullError,
     UnknownMessageError,
 )
@@ -114,7 +115,8 @@ class ActorStatistics(msgspec.Struct, frozen=True, kw_only=True):
     """
 
     name: str
-    state: str
+    state: Literal["created", "running", "stopping", "stopped", "broken"]
+    """The :class:`ActorState` value."""
     mailbox_depth: int
     mailbox_peak: int
     capacity: int
@@ -161,7 +163,9 @@ class Actor(Generic[M]):
 
     def __init__(self, name: str, *, capacity: int = 1024) -> None:
         if capacity <= 0:
-            raise ValueError(f"mailbox capacity must be positive, got {capacity}")
+            raise InvalidSettingError(
+                f"mailbox capacity must be positive, got {capacity}", setting="capacity"
+            )
         self.name = name
         self._capacity = capacity
         self._fifo: collections.deque[Envelope[M]] = collections.deque()

@@ -8,7 +8,7 @@ from typing import TYPE_CHECKING, Any
 
 import msgspec
 
-from kvactors.demo import DemoConfig, DemoReport, run_demo
+from kvactors.cli.demo import DemoConfig, DemoReport, run_demo
 from kvactors.errors import BackendUnavailableError
 from kvactors.logs import get_logger
 

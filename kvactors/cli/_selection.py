@@ -22,7 +22,11 @@ specs answer ``engine_driven`` for ``auto``.
 
 from __future__ import annotations
 
+from typing import Literal
+
 import msgspec
+
+from kvactors.plugins import PLUGIN_MUSA, PLUGINS
 
 __all__ = ("BUILTIN_BACKENDS", "Selection", "SpecFact", "predict_selection")
 
@@ -39,7 +43,7 @@ BUILTIN_BACKENDS: tuple[tuple[str, str], ...] = (
 )
 """LMCache 0.5.6's built-in ``(backend_name, device_type)`` pairs, in registry order."""
 
-KVACTORS_PLUGINS = {"mlu": "mlu", "kvactors_musa": "musa", "kvactors_cpu": "cpu"}
+KVACTORS_PLUGINS = PLUGINS
 """kvactors' plugin backend names and their device types."""
 
 _MODES = ("auto", "engine_driven", "lmcache_driven")
@@ -50,7 +54,7 @@ class SpecFact(msgspec.Struct, frozen=True, kw_only=True):
 
     backend: str
     device_type: str
-    origin: str
+    origin: Literal["builtin", "plugin"]
     """``builtin`` or ``plugin``."""
     available: bool
     reason: str = ""
@@ -59,7 +63,7 @@ class SpecFact(msgspec.Struct, frozen=True, kw_only=True):
 class Selection(msgspec.Struct, frozen=True, kw_only=True):
     """The predicted outcome of LMCache's device detection and transfer-mode choice."""
 
-    outcome: str
+    outcome: Literal["selected", "error", "stub"]
     """``selected``, ``error`` (``import lmcache`` would raise) or ``stub``."""
     backend: str | None
     device_type: str
@@ -164,11 +168,11 @@ def _transfer_mode(chosen: SpecFact | None, env: dict[str, str]) -> tuple[str, s
     if raw and raw != "auto":
         if raw == "lmcache_driven" and chosen is not None and chosen.backend in KVACTORS_PLUGINS:
             handle = env.get("LMCACHE_MUSA_HANDLE_TRANSFER", "").strip().lower()
-            if chosen.backend != "kvactors_musa" or handle not in ("1", "true", "yes", "on"):
+            if chosen.backend != PLUGIN_MUSA or handle not in ("1", "true", "yes", "on"):
                 return raw, "LMCACHE_MP_TRANSFER_MODE", (
                     f"{chosen.backend} does not offer the lmcache_driven (handle) path"
                     + (" without LMCACHE_MUSA_HANDLE_TRANSFER=1" if chosen.backend ==
-                       "kvactors_musa" else "")
+                       PLUGIN_MUSA else "")
                     + "; use LMCACHE_MP_TRANSFER_MODE=engine_driven"
                 )
         return raw, "LMCACHE_MP_TRANSFER_MODE", ""

@@ -1,0 +1,32 @@
+"""The LMCache plugin names kvactors ships: the one place they are spelled.
+
+Theory of operation. LMCache finds device plugins through the entry-point group
+:data:`ENTRY_POINT_GROUP`; each entry point's name must equal its spec's ``backend_name``
+(LMCache selects by that name, ``LMCACHE_DEVICE_BACKEND=<name>``). The adapter's specs
+(``kvactors_lmcache.spec``) return these constants, the CLI's selection prediction and
+``kvactors doctor`` read them, and ``tests/test_plugins.py`` checks that ``pyproject.toml``'s
+entry points (the one place Python cannot import from) list exactly these names.
+
+This module is data only: it imports nothing, so every floor may read it, and knowing the
+names does not import the adapter or lmcache.
+"""
+
+from __future__ import annotations
+
+from types import MappingProxyType
+from typing import Final
+
+__all__ = ("ENTRY_POINT_GROUP", "PLUGINS", "PLUGIN_CPU", "PLUGIN_MLU", "PLUGIN_MUSA")
+
+ENTRY_POINT_GROUP: Final = "lmcache.device_plugins"
+"""The entry-point group LMCache scans for device plugins."""
+
+PLUGIN_MLU: Final = "mlu"
+"""Cambricon MLU (LMCache 0.5.6 has no built-in MLU backend)."""
+PLUGIN_MUSA: Final = "kvactors_musa"
+"""Moore Threads MUSA; selected by name only (LMCache's built-in ``musa`` exists)."""
+PLUGIN_CPU: Final = "kvactors_cpu"
+"""CPU; available only with ``KVACTORS_LMCACHE_CPU=1`` (tests, demos)."""
+
+PLUGINS: Final = MappingProxyType({PLUGIN_MLU: "mlu", PLUGIN_MUSA: "musa", PLUGIN_CPU: "cpu"})
+"""``backend_name -> device_type`` of every plugin kvactors ships."""
