@@ -22,7 +22,7 @@ __all__ = ("add_arguments", "format_report", "run")
 
 def add_arguments(ap: argparse.ArgumentParser) -> None:
     """Add the ``selftest`` options to ``ap``."""
-    from kvactors._devenv import DEVICE_KINDS
+    from kvactors.cli._devenv import DEVICE_KINDS
     from kvactors.testing.check import CHECK_GROUPS
 
     ap.add_argument("--device", choices=DEVICE_KINDS, default="cpu",
