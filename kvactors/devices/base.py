@@ -18,7 +18,7 @@ until the stream that used its views has been synchronized.
 from __future__ import annotations
 
 import abc
-from typing import TYPE_CHECKING, Protocol, final
+from typing import TYPE_CHECKING, Any, Protocol, final
 
 import msgspec
 
@@ -28,6 +28,8 @@ if TYPE_CHECKING:
     from collections.abc import Callable, Sequence
 
     import torch
+
+    from kvactors.plans import TransferPlan, TransferRequest
 
 __all__ = ("Backend", "IPCHandle", "IPCOwner", "Marker", "Probe", "StreamLike")
 
@@ -151,6 +153,33 @@ class Backend(abc.ABC):
     def copy_(self, dst: torch.Tensor, src: torch.Tensor) -> None:
         """Copy ``src`` into ``dst`` under this backend's copy policy (default: async)."""
         dst.copy_(src, non_blocking=True)
+
+    # Transfers: two hooks GatherActor consults for every transfer.
+
+    def prepare_transfer(
+        self, request: TransferRequest, paged: Any, objects: Sequence[torch.Tensor]
+    ) -> tuple[TransferRequest, Any, Sequence[torch.Tensor]]:
+        """Device-specific layout rules, applied before planning (on the event loop).
+
+        Reads metadata only and raises (``TransferValidationError``/``OperandTypeError``)
+        before any memory is touched; may return a normalised request and operand *views*
+        (MLU: vLLM-MLU layouts; MUSA: LMCache's MUSA format set). Default: unchanged.
+        """
+        return request, paged, objects
+
+    def transfer_kernel(
+        self,
+        plan: TransferPlan,
+        paged: Any,
+        objects: Sequence[torch.Tensor],
+        torch_kernel: Callable[[], None],
+    ) -> Callable[[], None]:
+        """The callable the stream lane runs for a planned transfer.
+
+        Default: kvactors' torch kernel. Accelerator backends return a kernel that tries an
+        opted-in, eligible native transfer first (:mod:`kvactors.devices.native`).
+        """
+        return torch_kernel
 
     # Memory.
 

@@ -5,6 +5,7 @@ from __future__ import annotations
 import pytest
 import torch
 
+from kvactors.devices.mlu import MluBackend
 from kvactors.layouts import KVFormat
 from kvactors.runtime import Runtime
 from kvactors.testing import fake_vendor
@@ -122,7 +123,9 @@ def test_every_supported_layout_round_trips_through_the_actors(kind: str, fmt: K
 
             src, dst = dev(src_cpu), dev(dst_cpu)
             objs = [torch.zeros(o.shape, dtype=o.dtype, pin_memory=True) for o in objs_cpu]
-            with Runtime(kind, default_timeout=30) as rt:
+            # Real NHD memory on MLU: declare the format resolved (it is ambiguous otherwise).
+            backend = MluBackend(layout_source="resolved") if kind == "mlu" else kind
+            with Runtime(backend, default_timeout=30) as rt:
                 rt.transfer(case.request(1, ids), src, objs)
                 got = [raw(o).clone() for o in objs]  # complete on return
                 rt.transfer(case.request(0, dst_ids), dst, objs)
