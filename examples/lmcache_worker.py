@@ -10,8 +10,10 @@ retrieves (H2D scatters), and a periodic dispatcher thread drains completion rec
   stream; the record becomes drainable only after everything earlier on the stream ran;
 * ``KVWorker.retrieve`` (the request thread): scatter committed chunks into fresh blocks;
 * a dispatcher thread drains completions and commits each store *when its record arrives*,
-  checking the chunk's bytes at that moment (sync-then-publish) and that every commit
-  thread's records arrive in the order that thread recorded them.
+  checking the chunk's bytes at that moment and that every commit thread's records arrive
+  in the order that thread recorded them. (``transfer`` returns only once the gather is
+  complete, so this shows the embedding, not the publish-after-sync rule; that rule is
+  tested against the actors in the test suite.)
 
 Usage::
 

@@ -7,8 +7,6 @@ import inspect
 
 import pytest
 
-import kvactors
-
 MODULES = [
     "kvactors",
     "kvactors.errors",
@@ -51,4 +49,3 @@ def test_manual_backend_is_public() -> None:
     from kvactors.testing import ManualBackend
 
     assert ManualBackend.__module__ == "kvactors.testing.manual"
-    assert kvactors.Runtime.__module__ == "kvactors.runtime"

@@ -44,8 +44,10 @@ def test_runtime_round_trip(kind: str, seed: int) -> None:
             rt.transfer(case.request(1, ids), src, objs)
             rt.transfer(case.request(0, ids), dst, objs)
             rt.record_completion(0, "finish", b"x")
-            assert rt.drain_completions() in ([("finish", b"x")], [])
+            early = rt.drain_completions()  # empty or the record, depending on the stream
             rt.synchronize(0)
+            # Published exactly once, never lost or duplicated, whichever drain saw it.
+            assert early + rt.drain_completions() == [("finish", b"x")]
         for b in ids:
             for layer in range(case.nl):
                 for p in range(2):
