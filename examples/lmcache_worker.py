@@ -35,6 +35,7 @@ import msgspec
 import torch
 
 from kvactors.devices import get_backend
+from kvactors.devices.mlu import MluBackend
 from kvactors.layouts import Direction, KVFormat, ShapeDesc
 from kvactors.plans import TransferRequest
 from kvactors.runtime import Runtime
@@ -61,7 +62,10 @@ class KVWorker:
     """Owns the runtime and the paged KV of one engine worker; thread-safe like DeviceOps."""
 
     def __init__(self, device: str, paged: list[torch.Tensor], *, pinned: bool) -> None:
-        self.rt = Runtime(device, default_timeout=30).start()
+        # This worker allocates real NHD memory: on MLU declare format 1 "resolved" (vLLM-MLU
+        # itself allocates HND; see docs/guides/mlu.md).
+        backend = MluBackend(layout_source="resolved") if device == "mlu" else device
+        self.rt = Runtime(backend, default_timeout=30).start()
         self.paged = paged
         self.pinned = pinned
         self._encode = msgspec.msgpack.Encoder().encode
