@@ -9,6 +9,11 @@ and ``record_marker`` for a completion marker. ``copy_`` is the copy-policy hook
 through (MLU turns strided device-to-host copies into blocking ones). ``probe`` never raises;
 ``require`` raises :class:`~kvactors.errors.BackendUnavailableError` with the probe's reason.
 
+Two transfer hooks let a device add its own rules without touching the actors: GatherActor
+calls ``prepare_transfer`` before planning (device layout rules; metadata only, may refuse)
+and ``transfer_kernel`` once the plan exists (the callable the lane runs: kvactors' torch
+kernel, or an opted-in native transfer that may decline first, :mod:`kvactors.devices.native`).
+
 Streams and markers are opaque to the runtime: it only hands them back to the backend that
 made them. Raw pointers never leave the process: ``ipc_export`` returns a wire-safe
 :class:`IPCHandle` and ``ipc_open`` returns an :class:`IPCOwner` that IPCOwnerActor keeps

@@ -155,6 +155,8 @@ class NativeSlot:
 
     def get(self) -> NativeKvTransfer | None:
         """The native to try, or None (not opted in, or none provided); resolved once."""
+        if self._resolved:  # set after _native: a reader that sees it sees the native too
+            return self._native
         with self._lock:
             if not self._resolved:
                 if self.opted_in:
