@@ -109,13 +109,15 @@ class IPCOwnerActor(Actor[IPCRequest]):
             return DEFERRED
         if ctx not in self._owners:
             return ContextClosed(context_id=ctx, owners_closed=0)
-        self._closing[ctx] = []
-        settle = self.defer(env)
-        handles = {id(s): s for s in self._streams.all()}
+        # Every stream this device knows, plus the named ones (borrowed now if new). A bad
+        # handle fails this close before anything changed: the context stays open.
+        streams = {id(s): s for s in self._streams.all()}
         for h in dict.fromkeys(msg.stream_handles):
             named = self._streams.get(h)
-            handles.setdefault(id(named), named)
-        syncs = self._barriers(list(handles.values()))
+            streams.setdefault(id(named), named)
+        self._closing[ctx] = []
+        settle = self.defer(env)
+        syncs = self._barriers(list(streams.values()))
         gathered = asyncio.gather(*syncs, return_exceptions=True)
 
         def after_sync(f: asyncio.Future[list[Any]]) -> None:
