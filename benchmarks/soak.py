@@ -36,6 +36,7 @@ from typing import TYPE_CHECKING, Any
 import psutil
 import torch
 
+from kvactors.devices.mlu import MluBackend
 from kvactors.errors import KvactorsError
 from kvactors.layouts import Direction, KVFormat, ShapeDesc
 from kvactors.plans import TransferRequest
@@ -44,6 +45,8 @@ from kvactors.testing import fake_vendor
 
 if TYPE_CHECKING:
     from collections.abc import Iterator
+
+    from kvactors.devices.base import Backend
 
 NL, NB, BS, NH, HS = 2, 64, 4, 2, 8
 BPC = 2
@@ -210,6 +213,12 @@ def fds() -> int:
     return len(os.listdir("/proc/self/fd"))
 
 
+def _backend(kind: str) -> Backend | str:
+    # The soak allocates real NHD memory: on MLU, format 1 is declared "resolved" (vLLM-MLU's
+    # own HND caches would need "legacy"; see docs/guides/mlu.md).
+    return MluBackend(layout_source="resolved") if kind == "mlu" else kind
+
+
 def main(argv: list[str] | None = None) -> int:
     """Run the soak and print the summary."""
     ap = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
@@ -222,7 +231,7 @@ def main(argv: list[str] | None = None) -> int:
     args = ap.parse_args(argv)
     torch.set_num_threads(1)
     with device(args.device, args.seed) as (paged, host, fake, pinned), \
-            Runtime(args.device, default_timeout=60) as rt:
+            Runtime(_backend(args.device), default_timeout=60) as rt:
         soak = Soak(rt, paged, host, fake, pinned, args.seed, args.inflight, args.fault_every)
         asyncio.run(soak.run(args.warmup))
         gc.collect()

@@ -10,8 +10,10 @@ retrieves (H2D scatters), and a periodic dispatcher thread drains completion rec
   stream; the record becomes drainable only after everything earlier on the stream ran;
 * ``KVWorker.retrieve`` (the request thread): scatter committed chunks into fresh blocks;
 * a dispatcher thread drains completions and commits each store *when its record arrives*,
-  checking the chunk's bytes at that moment (sync-then-publish) and that every commit
-  thread's records arrive in the order that thread recorded them.
+  checking the chunk's bytes at that moment and that every commit thread's records arrive
+  in the order that thread recorded them. (``transfer`` returns only once the gather is
+  complete, so this shows the embedding, not the publish-after-sync rule; that rule is
+  tested against the actors in the test suite.)
 
 Usage::
 
@@ -33,6 +35,7 @@ import msgspec
 import torch
 
 from kvactors.devices import get_backend
+from kvactors.devices.mlu import MluBackend
 from kvactors.layouts import Direction, KVFormat, ShapeDesc
 from kvactors.plans import TransferRequest
 from kvactors.runtime import Runtime
@@ -59,7 +62,10 @@ class KVWorker:
     """Owns the runtime and the paged KV of one engine worker; thread-safe like DeviceOps."""
 
     def __init__(self, device: str, paged: list[torch.Tensor], *, pinned: bool) -> None:
-        self.rt = Runtime(device, default_timeout=30).start()
+        # This worker allocates real NHD memory: on MLU declare format 1 "resolved" (vLLM-MLU
+        # itself allocates HND; see docs/guides/mlu.md).
+        backend = MluBackend(layout_source="resolved") if device == "mlu" else device
+        self.rt = Runtime(backend, default_timeout=30).start()
         self.paged = paged
         self.pinned = pinned
         self._encode = msgspec.msgpack.Encoder().encode

@@ -7,8 +7,6 @@ import inspect
 
 import pytest
 
-import kvactors
-
 MODULES = [
     "kvactors",
     "kvactors.errors",
@@ -45,10 +43,3 @@ def test_all_lists_every_public_definition(name: str) -> None:
             continue
         if getattr(value, "__module__", None) == name:
             assert attr in exported, f"{name}.{attr} is public but not in __all__"
-
-
-def test_manual_backend_is_public() -> None:
-    from kvactors.devices.manual import ManualBackend
-
-    assert ManualBackend.__module__ == "kvactors.devices.manual"
-    assert kvactors.Runtime.__module__ == "kvactors.runtime"

@@ -81,7 +81,8 @@ DELIBERATELY_INHERITED: dict[str, str] = {
     "batched_memcpy": "host-to-host pointer copies of the L1 allocator (torch baseline)",
     "get_gpu_pci_bus_id": "NUMA placement hint; the torch baseline answers without CUDA",
     # Non-MP (in-process connector) transfer and reshape ops: not on the MP path kvactors
-    # serves; the torch baseline keeps working for tensors on any device.
+    # serves; the torch baseline keeps working for CPU and MUSA tensors. KvactorsMluOps
+    # refuses them (LEGACY_CONNECTOR_OPS), as LMCache's own MLU ops do.
     "multi_layer_kv_transfer": "non-MP vLLM connector op, not on the MP path",
     "multi_layer_kv_transfer_unilateral": "non-MP vLLM connector op, not on the MP path",
     "single_layer_kv_transfer": "non-MP vLLM connector op, not on the MP path",
@@ -455,11 +456,49 @@ class KvactorsMusaOps(KvactorsDeviceOps):
         )
 
 
+MLU_LEGACY_MESSAGE = (
+    "{op} is a legacy in-process connector op: MLU requires the MP engine_driven block "
+    "transfer path (multi_layer_block_kv_transfer); kvactors does not run LMCache's torch "
+    "baseline on MLU memory"
+)
+
+
+def _mlu_legacy(op: str) -> Callable[..., None]:
+    def refuse(self: KvactorsMluOps, *args: object, **kwargs: object) -> None:
+        raise UnsupportedOperationError(MLU_LEGACY_MESSAGE.format(op=op), backend="mlu")
+
+    refuse.__name__ = refuse.__qualname__ = op
+    refuse.__doc__ = f"Unsupported on MLU (raises ``NotImplementedError``): {op}."
+    return refuse
+
+
 class KvactorsMluOps(KvactorsDeviceOps):
-    """MLU: tensor transfers only; raw-pointer entry points raise a clear error."""
+    """MLU: tensor transfers only; raw-pointer entry points and the legacy in-process
+    connector ops raise a clear ``NotImplementedError`` (``UnsupportedOperationError``)."""
 
     device_type: ClassVar[str] = "mlu"
     kvactors_backend: ClassVar[str] = "mlu"
+
+    # LMCache's own MLU ops refuse these (NotImplementedError "MLU requires the MP
+    # engine_driven block transfer path"); running the torch baseline on MLU instead would
+    # treat the MLU like a CUDA-less generic device, untested and outside the MP contract.
+    #: Inherited members this class refuses on purpose (see DELIBERATELY_INHERITED).
+    refused_ops: ClassVar[frozenset[str]] = frozenset(
+        {
+            "multi_layer_kv_transfer",
+            "multi_layer_kv_transfer_unilateral",
+            "single_layer_kv_transfer",
+            "single_layer_kv_transfer_sgl",
+            "load_and_reshape_flash",
+            "reshape_and_cache_back_flash",
+        }
+    )
+    multi_layer_kv_transfer = _mlu_legacy("multi_layer_kv_transfer")
+    multi_layer_kv_transfer_unilateral = _mlu_legacy("multi_layer_kv_transfer_unilateral")
+    single_layer_kv_transfer = _mlu_legacy("single_layer_kv_transfer")
+    single_layer_kv_transfer_sgl = _mlu_legacy("single_layer_kv_transfer_sgl")
+    load_and_reshape_flash = _mlu_legacy("load_and_reshape_flash")
+    reshape_and_cache_back_flash = _mlu_legacy("reshape_and_cache_back_flash")
 
     def tensor_from_ptr(
         self,

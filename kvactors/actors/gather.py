@@ -132,10 +132,12 @@ class GatherActor(Actor[GatherRequest]):
                 f"Transfer needs a TransferOperands bundle, got {type(ops).__name__}",
                 field="operands",
             )
+        # Device layout rules first (MLU vLLM layouts, MUSA format set): metadata only.
+        request, paged, objects = self.backend.prepare_transfer(msg.request, ops.paged, ops.objects)
         plan = plan_transfer(
-            msg.request,
-            ops.paged,
-            ops.objects,
+            request,
+            paged,
+            objects,
             device_type=self.backend.kind,
             device_index=self.index,
         )
@@ -143,10 +145,13 @@ class GatherActor(Actor[GatherRequest]):
         scratch = self._scratch.get(msg.stream_handle)
         if scratch is None:
             scratch = self._scratch[msg.stream_handle] = ScratchCache()
-        paged, objects, copy = ops.paged, ops.objects, self.backend.copy_
+        copy = self.backend.copy_
 
-        def kernel() -> None:
+        def torch_kernel() -> None:
             run_fast(plan, paged, objects, copy=copy, scratch=scratch)
+
+        # The backend may put an opted-in native transfer first (it may decline).
+        kernel = self.backend.transfer_kernel(plan, paged, objects, torch_kernel)
 
         launch = Launch(transfer_id=msg.transfer_id, nbytes=plan.nbytes)
         tid = msg.transfer_id

@@ -4,12 +4,20 @@ Theory of operation. Opening a handle yields an owner (a MUSA ``open_tensor`` ow
 shared-memory mapping) and a view onto it; the actor keeps both in the handle's context. A
 view is only valid while its owner is open, and a device stream may still be reading or
 writing through it after the host moved on. So closing a context is a fixed sequence (rule 2,
-close after sync): synchronize every stream that used the context (a ``Sync`` barrier on each
-StreamActor, answered only after all earlier work on that stream ran) -> drop every view the
-actor holds -> close each owner, each in its own ``finally`` so one failure cannot leak the
-rest -> forget the context. A second close of the same context is a no-op. Nothing is ever
-sent across processes but the handle, which carries a name and tensor metadata, never a
-pointer.
+close after sync): synchronize every stream that may have used the context's views (a
+``Sync`` barrier on each StreamActor, answered only after all earlier work on that stream ran)
+-> drop every view the actor holds -> close each owner, each in its own ``finally`` so one
+failure cannot leak the rest -> forget the context.
+
+Which streams? The actor cannot see which stream a view went to (views leave with the caller
+and come back inside transfers on any stream), so it synchronizes *every* stream this device's
+directory knows, plus the handles the caller names (a caller stream kvactors has not seen yet
+is borrowed and synchronized too). Closing is rare; a barrier on an idle stream is cheap.
+
+A second ``CloseContext`` for a context whose close is in flight waits for that close and gets
+the same answer (never a premature "closed 0" while the owners are still open); one for a
+context already closed, or never opened, answers "closed 0" at once. Nothing is ever sent
+across processes but the handle, which carries a name and tensor metadata, never a pointer.
 """
 
 from __future__ import annotations
@@ -24,6 +32,8 @@ from kvactors.protocols.ipc import CloseContext, ContextClosed, IPCRequest, Open
 from kvactors.protocols.stream import Sync
 
 if TYPE_CHECKING:
+    from collections.abc import Callable
+
     import torch
 
     from kvactors.actors.directory import StreamDirectory
@@ -52,7 +62,9 @@ class IPCOwnerActor(Actor[IPCRequest]):
         self._streams = streams
         self._owners: dict[int, dict[int, IPCOwner]] = {}
         self._views: dict[int, dict[int, torch.Tensor]] = {}
-        self._closing: set[int] = set()
+        # Contexts whose close is in flight -> the settle callbacks of the later closes that
+        # wait for it (each gets the first close's outcome).
+        self._closing: dict[int, list[Callable[[BaseException | None, Any], None]]] = {}
         self._closed: set[int] = set()
         self._owner_ids = itertools.count(1)
         self._sync_timeout = sync_timeout
@@ -91,23 +103,35 @@ class IPCOwnerActor(Actor[IPCRequest]):
 
     def _close(self, env: Envelope[IPCRequest], msg: CloseContext) -> Any:
         ctx = msg.context_id
-        if ctx in self._closing or ctx not in self._owners:
+        waiters = self._closing.get(ctx)
+        if waiters is not None:
+            waiters.append(self.defer(env))
+            return DEFERRED
+        if ctx not in self._owners:
             return ContextClosed(context_id=ctx, owners_closed=0)
-        self._closing.add(ctx)
+        # Every stream this device knows, plus the named ones (borrowed now if new). A bad
+        # handle fails this close before anything changed: the context stays open.
+        streams = {id(s): s for s in self._streams.all()}
+        for h in dict.fromkeys(msg.stream_handles):
+            named = self._streams.get(h)
+            streams.setdefault(id(named), named)
+        self._closing[ctx] = []
         settle = self.defer(env)
-        syncs = self._barriers([self._streams.get(h) for h in dict.fromkeys(msg.stream_handles)])
+        syncs = self._barriers(list(streams.values()))
         gathered = asyncio.gather(*syncs, return_exceptions=True)
 
         def after_sync(f: asyncio.Future[list[Any]]) -> None:
             sync_errors = [r for r in f.result() if isinstance(r, BaseException)]
             closed, close_errors = self._release(ctx)
             errors = sync_errors + close_errors
-            if errors:
-                exc = IPCError(f"context {ctx} closed with errors: {errors!r}")
-                exc.__cause__ = errors[0]
-                settle(exc, None)
-            else:
-                settle(None, ContextClosed(context_id=ctx, owners_closed=closed))
+            later = self._closing.pop(ctx, [])
+            for done in (settle, *later):
+                if errors:
+                    exc = IPCError(f"context {ctx} closed with errors: {errors!r}")
+                    exc.__cause__ = errors[0]
+                    done(exc, None)
+                else:
+                    done(None, ContextClosed(context_id=ctx, owners_closed=closed))
 
         gathered.add_done_callback(after_sync)
         return DEFERRED
@@ -140,7 +164,6 @@ class IPCOwnerActor(Actor[IPCRequest]):
                 errors.append(exc)
             finally:
                 self.owners_closed += 1
-        self._closing.discard(ctx)
         self._closed.add(ctx)
         return closed, errors
 

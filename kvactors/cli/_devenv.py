@@ -22,6 +22,7 @@ from kvactors.errors import BackendUnavailableError, InvalidSettingError
 if TYPE_CHECKING:
     from collections.abc import Iterator
 
+    from kvactors.devices.base import Backend
     from kvactors.testing import FakeVendor
 
 __all__ = ("DEVICE_KINDS", "DeviceEnv", "device_env")
@@ -42,6 +43,18 @@ class DeviceEnv:
     def simulated(self) -> bool:
         """Whether the device is kvactors' fake vendor module rather than real hardware."""
         return self.fake is not None
+
+    def backend(self) -> Backend:
+        """A backend for this device's runtime.
+
+        The commands allocate their paged KV themselves as real NHD ``[2, NB, BS, NH, HS]``,
+        so on MLU format 1 is declared ``resolved`` (it is not vLLM-MLU's legacy answer).
+        """
+        if self.kind == "mlu":
+            from kvactors.devices.mlu import MluBackend
+
+            return MluBackend(layout_source="resolved")
+        return get_backend(self.kind)
 
     def zeros(self, shape: tuple[int, ...], dtype: torch.dtype) -> torch.Tensor:
         """A zero-filled tensor in device memory (host memory for ``cpu``)."""

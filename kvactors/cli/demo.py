@@ -326,7 +326,7 @@ def run_demo(
     with device_env(cfg.device, seed=cfg.seed) as env:
         report = DemoReport(device=cfg.device, note=env.note)
         requests = list(make_requests(cfg.requests, seed=cfg.seed))
-        with Runtime(env.kind, default_timeout=60.0) as rt:
+        with Runtime(env.backend(), default_timeout=60.0) as rt:
             if attach is not None:
                 attach(rt)
             engine = _Engine(rt, env, cfg, report)

@@ -9,6 +9,11 @@ and ``record_marker`` for a completion marker. ``copy_`` is the copy-policy hook
 through (MLU turns strided device-to-host copies into blocking ones). ``probe`` never raises;
 ``require`` raises :class:`~kvactors.errors.BackendUnavailableError` with the probe's reason.
 
+Two transfer hooks let a device add its own rules without touching the actors: GatherActor
+calls ``prepare_transfer`` before planning (device layout rules; metadata only, may refuse)
+and ``transfer_kernel`` once the plan exists (the callable the lane runs: kvactors' torch
+kernel, or an opted-in native transfer that may decline first, :mod:`kvactors.devices.native`).
+
 Streams and markers are opaque to the runtime: it only hands them back to the backend that
 made them. Raw pointers never leave the process: ``ipc_export`` returns a wire-safe
 :class:`IPCHandle` and ``ipc_open`` returns an :class:`IPCOwner` that IPCOwnerActor keeps
@@ -19,7 +24,7 @@ in :mod:`kvactors.protocols.ipc` and re-exported here.
 from __future__ import annotations
 
 import abc
-from typing import TYPE_CHECKING, Protocol, final
+from typing import TYPE_CHECKING, Any, Protocol, final
 
 import msgspec
 
@@ -30,6 +35,8 @@ if TYPE_CHECKING:
     from collections.abc import Callable, Sequence
 
     import torch
+
+    from kvactors.plans import TransferPlan, TransferRequest
 
 __all__ = ("Backend", "IPCHandle", "IPCOwner", "Marker", "Probe", "StreamLike")
 
@@ -139,6 +146,33 @@ class Backend(abc.ABC):
     def copy_(self, dst: torch.Tensor, src: torch.Tensor) -> None:
         """Copy ``src`` into ``dst`` under this backend's copy policy (default: async)."""
         dst.copy_(src, non_blocking=True)
+
+    # Transfers: two hooks GatherActor consults for every transfer.
+
+    def prepare_transfer(
+        self, request: TransferRequest, paged: Any, objects: Sequence[torch.Tensor]
+    ) -> tuple[TransferRequest, Any, Sequence[torch.Tensor]]:
+        """Device-specific layout rules, applied before planning (on the event loop).
+
+        Reads metadata only and raises (``TransferValidationError``/``OperandTypeError``)
+        before any memory is touched; may return a normalised request and operand *views*
+        (MLU: vLLM-MLU layouts; MUSA: LMCache's MUSA format set). Default: unchanged.
+        """
+        return request, paged, objects
+
+    def transfer_kernel(
+        self,
+        plan: TransferPlan,
+        paged: Any,
+        objects: Sequence[torch.Tensor],
+        torch_kernel: Callable[[], None],
+    ) -> Callable[[], None]:
+        """The callable the stream lane runs for a planned transfer.
+
+        Default: kvactors' torch kernel. Accelerator backends return a kernel that tries an
+        opted-in, eligible native transfer first (:mod:`kvactors.devices.native`).
+        """
+        return torch_kernel
 
     # Memory.
 

@@ -9,26 +9,46 @@ stream). CNRT's pseudo-queues 1 (per-thread) and 2 (legacy) are refused.
 Copies follow the MLU policy: device-to-host copies into non-contiguous host memory, or
 with a dtype change, block (torch_mlu's asynchronous form reads a zeroed staging buffer
 before the device filled it, device-apis.md 6.1). MLU addresses are never treated as host
-pointers: raw-pointer views, pointer transfers, LMCache-driven IPC, arbitrary host-memory
-registration and native kernels raise :class:`~kvactors.errors.UnsupportedOperationError`.
-vLLM-MLU cache layouts are normalised by :mod:`kvactors.devices.mlu_layouts`.
+pointers: raw-pointer views, LMCache-driven IPC and arbitrary host-memory registration raise
+:class:`~kvactors.errors.UnsupportedOperationError`.
+
+Transfers. :meth:`MluBackend.prepare_transfer` applies :mod:`kvactors.devices.mlu_layouts`
+before planning: vLLM-MLU's ``[cache, scale, index]`` layer entries are unwrapped, ``(1, NB,
+1, BS, HS)`` MLA caches squeezed, and format 1 (NHD), which cannot be told apart from
+vLLM-MLU's HND memory under a legacy "NHD" answer, is refused unless the layout source was
+declared (``layout_source`` or ``KVACTORS_MLU_LAYOUT_SOURCE``). :meth:`MluBackend.transfer_kernel`
+tries an opted-in native transfer (``KVACTORS_MLU_NATIVE_KV_TRANSFER=1``, entry point
+``mlu`` in ``kvactors.native_kernels``) before kvactors' torch kernel.
 """
 
 from __future__ import annotations
 
 import importlib
 import os
-from typing import TYPE_CHECKING, NoReturn
+from typing import TYPE_CHECKING, Any, NoReturn
 
 import torch
 
 from kvactors.devices._torchlike import TorchLikeBackend
 from kvactors.devices.base import IPCHandle, IPCOwner, Probe
+from kvactors.devices.mlu_layouts import (
+    LayoutSource,
+    layout_source_from_env,
+    normalize_mlu_transfer,
+)
+from kvactors.devices.native import NativeSlot
+from kvactors.plans import TransferRequest
 
 if TYPE_CHECKING:
-    from collections.abc import Sequence
+    from collections.abc import Callable, Mapping, Sequence
 
-__all__ = ("MluBackend",)
+    from kvactors.devices.native import NativeKvTransfer
+    from kvactors.plans import TransferPlan
+
+__all__ = ("NATIVE_TRANSFER_ENV", "MluBackend")
+
+NATIVE_TRANSFER_ENV = "KVACTORS_MLU_NATIVE_KV_TRANSFER"
+"""Opt-in for a native MLU transfer (there is no LMCache equivalent)."""
 
 _VISIBILITY_ENV = ("CN_VISIBLE_DEVICES", "MLU_VISIBLE_DEVICES")
 _PSEUDO_QUEUES = {1: "cnrtQueuePerThread", 2: "cnrtQueueLegacy"}
@@ -40,10 +60,37 @@ class MluBackend(TorchLikeBackend):
     Args:
         blocking_strided_d2h: keep the blocking policy for strided/converting D2H copies
             (default True). False exists only to demonstrate torch_mlu's bug in tests.
+        layout_source: where format-1 (NHD) requests come from: ``"legacy"`` (vLLM's legacy
+            layout answer; the memory is HND, as vLLM-MLU allocates it) or ``"resolved"``
+            (the engine resolved NHD explicitly). Default: ``KVACTORS_MLU_LAYOUT_SOURCE``;
+            when neither is set, format 1 is refused as ambiguous.
+        native: a native transfer to try first (only with ``KVACTORS_MLU_NATIVE_KV_TRANSFER=1``);
+            default: the one registered under ``mlu`` in ``kvactors.native_kernels``.
+        env: environment to read the variables from (default ``os.environ``).
+
+    Raises:
+        ValueError: an unknown ``layout_source`` (argument or variable).
     """
 
     kind = "mlu"
     handle_attr = "mlu_stream"
+
+    def __init__(
+        self,
+        *,
+        blocking_strided_d2h: bool = True,
+        layout_source: LayoutSource | None = None,
+        native: NativeKvTransfer | None = None,
+        env: Mapping[str, str] | None = None,
+    ) -> None:
+        super().__init__(blocking_strided_d2h=blocking_strided_d2h)
+        environ: Mapping[str, str] = os.environ if env is None else env
+        if layout_source is None:
+            layout_source = layout_source_from_env(environ)
+        elif layout_source not in ("legacy", "resolved"):
+            raise ValueError(f"layout_source must be 'legacy' or 'resolved', got {layout_source!r}")
+        self.layout_source: LayoutSource | None = layout_source
+        self.native = NativeSlot("mlu", NATIVE_TRANSFER_ENV, native, environ)
 
     def _load_module(self) -> object:
         importlib.import_module("torch_mlu")
@@ -105,10 +152,6 @@ class MluBackend(TorchLikeBackend):
         """Unsupported on MLU: raises :class:`UnsupportedOperationError`."""
         self._no_pointers("tensor_from_ptr (raw pointer views)")
 
-    def pointer_transfer(self, *args: object, **kwargs: object) -> NoReturn:
-        """Unsupported on MLU: raw pointer (pointer-mode) transfers."""
-        self._no_pointers("raw pointer transfer")
-
     def ipc_export(self, t: torch.Tensor) -> IPCHandle:
         """Unsupported on MLU: LMCache-driven IPC has no MLU path."""
         raise self._unsupported("IPC export is not supported (no LMCache-driven mode on MLU)")
@@ -127,10 +170,6 @@ class MluBackend(TorchLikeBackend):
             "cnrtHostRegister binding); allocate pinned memory with pin()"
         )
 
-    def native_kernels(self) -> NoReturn:
-        """Unsupported on MLU: there are no native transfer kernels; the torch path runs."""
-        raise self._unsupported("native transfer kernels are not available on MLU")
-
     def lmcache_driven_unavailable(self) -> str:
         """LMCache-driven mode needs IPC wrappers MLU does not have."""
         return "MLU has no LMCache-driven (IPC handle) path; use engine-driven mode"
@@ -140,3 +179,46 @@ class MluBackend(TorchLikeBackend):
         if t.device.type != "cpu" or t.is_pinned():
             return t
         return t.pin_memory()
+
+    # ---- transfers ------------------------------------------------------------------
+
+    def prepare_transfer(
+        self, request: TransferRequest, paged: Any, objects: Sequence[torch.Tensor]
+    ) -> tuple[TransferRequest, Any, Sequence[torch.Tensor]]:
+        """vLLM-MLU layouts (see :mod:`kvactors.devices.mlu_layouts`); metadata and views only.
+
+        Raises:
+            TransferValidationError: a format MLU does not take, an undeclared format 1, or a
+                layer entry whose scale/indexer cache would be lost.
+            OperandTypeError: a malformed ``[cache, scale, index]`` entry.
+        """
+        fmt, shape, chunk, layers, objs = normalize_mlu_transfer(
+            request.fmt, request.shape, request.chunk_size, paged, objects, self.layout_source
+        )
+        if (fmt, shape, chunk) != (request.fmt, request.shape, request.chunk_size):
+            request = TransferRequest(
+                fmt=int(fmt), direction=request.direction, block_ids=request.block_ids,
+                chunk_size=chunk, skip_blocks=request.skip_blocks, shape=shape,
+            )
+        return request, layers, objs
+
+    def transfer_kernel(
+        self,
+        plan: TransferPlan,
+        paged: Any,
+        objects: Sequence[torch.Tensor],
+        torch_kernel: Callable[[], None],
+    ) -> Callable[[], None]:
+        """Native first when opted in (it may decline), else the torch kernel."""
+        return self.native.kernel(plan, paged, objects, torch_kernel, _contiguous_mlu(paged))
+
+
+def _contiguous_mlu(paged: object) -> Callable[[], bool]:
+    def eligible() -> bool:
+        layers = paged if isinstance(paged, (list, tuple)) else [paged]
+        return all(
+            isinstance(t, torch.Tensor) and t.device.type == "mlu" and t.is_contiguous()
+            for t in layers
+        )
+
+    return eligible

@@ -1,155 +1,202 @@
-"""vLLM-MLU KV-cache layout facts (pure: reads shapes and dtypes, never device state).
+"""vLLM-MLU KV-cache layouts: what an MLU transfer request means (pure: metadata only).
 
-Theory of operation. vLLM-MLU allocates MHA caches as ``(2, NB, NH, BS, HS)``: physically
-and logically HND, contiguous, with no stride order. vLLM's layout query is never told and
-answers "NHD", so a legacy or missing layout answer is normalised to HND for MLU; a layout
-the engine resolved explicitly (newer vLLM's resolved cache layout) is kept. Shape alone
-cannot tell ``[2,NB,NH,BS,HS]`` from ``[2,NB,BS,NH,HS]``, so the hint decides, and a wrong
-hint would silently swap block size and heads; that is why the normalisation lives here,
-in one tested place.
+Theory of operation. vLLM-MLU allocates MHA caches as ``(2, NB, NH, BS, HS)``: physically and
+logically HND, contiguous, with no stride order. vLLM's legacy layout query
+(``get_kv_cache_layout()``) is never told and answers "NHD". LMCache 0.5.7's vLLM integration
+maps such a legacy answer on MLU to HND (format 6) and lets an explicitly *resolved* layout
+win; LMCache 0.5.6 does not, so it hands the plugin format 1 (NHD) together with a shape
+descriptor read from the tensor under the NHD reading (``bs = shape[2]`` = the real head
+count, ``nh = shape[3]`` = the real block size). That request is self-consistent, so nothing
+in the shapes tells a legacy "NHD" (HND memory) from a resolved NHD: it is ambiguous, and
+kvactors never guesses. :func:`normalize_mlu_transfer` therefore refuses format 1 on MLU
+unless the caller declared where the format came from (:data:`LAYOUT_SOURCE_ENV` or
+``MluBackend(layout_source=...)``):
 
-Each layer's entry in vLLM-MLU's ``kv_caches`` is the list ``[cache, scale, index_cache]``;
-scale and index are empty unless int8 KV (scales ``(2, NB, NH, BS)`` float32) or the
-DeepSeek-v3.2 indexer is on. The cache is unwrapped; int8 KV with scales is refused unless
-the caller moves the scales too. MLA caches ``(1, NB, 1, BS, HS)`` are squeezed to
-``(NB, BS, HS)`` (a view; padded block strides survive).
+* ``"legacy"``: the format is vLLM's legacy answer, memory is HND. The request becomes format
+  6 with the tensor read as ``[2, NB, NH, BS, HS]``; a descriptor taken under the NHD reading
+  has its ``bs``/``nh`` swapped back, the chunk keeps its block count (``chunk_size`` becomes
+  ``blocks_per_chunk * BS``) and each host chunk is viewed as ``[2, NL, T, NH*HS]``
+  (same bytes), which is exactly the request LMCache 0.5.7 makes for the same cache.
+* ``"resolved"``: the engine resolved NHD explicitly; format 1 is kept as given.
+
+Formats 6 (HND) and 3 (MLA) are not ambiguous and need no declaration. Each layer's entry in
+vLLM-MLU's ``kv_caches`` is the list ``[cache, scale, index_cache]``: the cache is unwrapped;
+a non-empty scale (int8 KV) or indexer cache (DeepSeek-v3.2) is refused, since moving the
+cache alone would silently lose them. MLA caches ``(1, NB, 1, BS, HS)`` are squeezed to the
+``(NB, BS, HS)`` view (padded block strides survive). Other formats are refused, as LMCache's
+own MLU ops refuse them.
 """
 
 from __future__ import annotations
 
-from collections.abc import Sequence
-from typing import Literal
+from typing import TYPE_CHECKING, Any, Literal
 
-import msgspec
 import torch
 
 from kvactors.errors import OperandTypeError, TransferValidationError
-from kvactors.layouts import KVFormat
+from kvactors.layouts import KVFormat, ShapeDesc
+
+if TYPE_CHECKING:
+    from collections.abc import Mapping, Sequence
 
 __all__ = (
+    "LAYOUT_SOURCE_ENV",
+    "MLU_FORMATS",
     "LayoutSource",
-    "MluKvLayer",
-    "MluLayout",
-    "classify_layer",
-    "normalize_layout_hint",
+    "layout_source_from_env",
+    "normalize_mlu_transfer",
     "squeeze_mla",
     "unwrap_layer",
 )
 
 LayoutSource = Literal["legacy", "resolved"]
-"""Where a layout answer came from: vLLM's ``get_kv_cache_layout()`` (or nothing) is
-``"legacy"``; the engine's resolved cache layout is ``"resolved"``."""
+"""Where an MLU request's format came from: vLLM's legacy layout query (``"legacy"``: HND
+memory whatever it says) or a layout the engine resolved explicitly (``"resolved"``)."""
 
-_RESOLVED = {"NHD": "NHD", "HND": "HND", "LBNHC": "NHD", "LBHNC": "HND"}
-_INT8 = (torch.int8, torch.uint8)
+LAYOUT_SOURCE_ENV = "KVACTORS_MLU_LAYOUT_SOURCE"
+"""Environment variable declaring the :data:`LayoutSource` (``legacy`` or ``resolved``)."""
 
+MLU_FORMATS = frozenset(
+    {KVFormat.NL_X_TWO_NB_BS_NH_HS, KVFormat.NL_X_TWO_NB_NH_BS_HS, KVFormat.NL_X_NB_BS_HS}
+)
+"""Formats an MLU transfer accepts (LMCache's MLU ops' set)."""
 
-class MluLayout(msgspec.Struct, frozen=True, kw_only=True):
-    """A classified per-layer MLU cache."""
-
-    fmt: KVFormat
-    kv_layout: str
-    num_blocks: int
-    block_size: int
-    num_heads: int
-    head_size: int
+_SOURCES: tuple[LayoutSource, ...] = ("legacy", "resolved")
 
 
-class MluKvLayer(msgspec.Struct, frozen=True, kw_only=True, dict=True):
-    """One unwrapped layer: the cache tensor and, when moved too, its int8 scales."""
-
-    cache: torch.Tensor
-    scale: torch.Tensor | None = None
-
-
-def normalize_layout_hint(hint: str | None, source: LayoutSource = "legacy") -> str:
-    """The physical layout of an MLU MHA cache.
-
-    Args:
-        hint: The layout answer (``"NHD"``, ``"HND"``, ``"LBNHC"``, ``"LBHNC"``) or None.
-        source: ``"legacy"`` for vLLM's ``get_kv_cache_layout()`` or a missing answer (always
-            HND on MLU, whatever it says); ``"resolved"`` for an explicitly resolved layout.
+def layout_source_from_env(env: Mapping[str, str]) -> LayoutSource | None:
+    """The declared layout source in ``env`` (None when unset).
 
     Raises:
-        TransferValidationError: a resolved layout kvactors cannot name.
+        ValueError: a value other than ``legacy``/``resolved``.
     """
-    if source == "legacy":
-        return "HND"
-    if hint is None or hint.upper() not in _RESOLVED:
-        raise TransferValidationError(
-            f"unsupported resolved MLU KV layout {hint!r}; expected one of "
-            f"{', '.join(sorted(_RESOLVED))}", field="kv_layout",
-        )
-    return _RESOLVED[hint.upper()]
+    raw = env.get(LAYOUT_SOURCE_ENV, "").strip().lower()
+    if not raw:
+        return None
+    for s in _SOURCES:
+        if raw == s:
+            return s
+    raise ValueError(f"{LAYOUT_SOURCE_ENV}={raw!r}: expected 'legacy' or 'resolved'")
 
 
 def squeeze_mla(t: torch.Tensor) -> torch.Tensor:
-    """``(1, NB, 1, BS, HS)`` -> ``(NB, BS, HS)`` view; 3-D caches pass through."""
-    if t.dim() == 3:
-        return t
+    """``(1, NB, 1, BS, HS)`` -> the ``(NB, BS, HS)`` view; other shapes pass through."""
     if t.dim() == 5 and t.shape[0] == 1 and t.shape[2] == 1:
         return t[0, :, 0]
-    raise TransferValidationError(
-        f"not an MLU MLA cache: shape {tuple(t.shape)} (expected (1, NB, 1, BS, HS))",
-        field="paged",
-    )
+    return t
 
 
-def unwrap_layer(value: object, *, move_scales: bool = False) -> MluKvLayer:
-    """One layer's cache from vLLM-MLU's ``[cache, scale, index_cache]`` entry (or a tensor).
+def unwrap_layer(value: object, layer: int) -> object:
+    """One layer's cache from vLLM-MLU's ``[cache, scale, index_cache]`` entry.
+
+    A tensor (or anything else) passes through for the planner to check.
 
     Raises:
-        OperandTypeError: neither a tensor nor a list/tuple starting with one.
-        TransferValidationError: int8 KV with scales while ``move_scales`` is False.
+        OperandTypeError: a list whose entries are not tensors.
+        TransferValidationError: a non-empty scale or indexer cache (it would be lost).
     """
-    if isinstance(value, torch.Tensor):
-        return MluKvLayer(cache=value)
-    if not isinstance(value, Sequence) or isinstance(value, (str, bytes)) or not value:
+    if not isinstance(value, (list, tuple)):
+        return value
+    if not value or not all(isinstance(x, torch.Tensor) for x in value):
         raise OperandTypeError(
-            f"an MLU layer must be a tensor or [cache, scale, index], got {type(value).__name__}",
-            field="paged",
+            f"MLU layer {layer}: a vLLM-MLU layer entry must be [cache, scale, index_cache] "
+            "tensors", field="paged",
         )
     cache, *rest = value
-    if not isinstance(cache, torch.Tensor) or not all(isinstance(x, torch.Tensor) for x in rest):
-        raise OperandTypeError("an MLU layer list must hold tensors", field="paged")
-    scale = rest[0] if rest and rest[0].numel() > 0 else None
-    if scale is not None and cache.dtype in _INT8 and not move_scales:
-        raise TransferValidationError(
-            "int8 MLU KV cache with scales: moving the cache without its scales would lose "
-            "them; move the scales too (move_scales=True) or disable kv8", field="paged",
+    for name, extra in zip(("scale", "index_cache"), rest, strict=False):
+        if extra.numel() > 0:
+            raise TransferValidationError(
+                f"MLU layer {layer}: non-empty {name} {tuple(extra.shape)}; kvactors moves the "
+                f"KV cache only, so the {name} would be lost (int8 KV scales and the DeepSeek "
+                "indexer cache are not supported)", field="paged",
+            )
+    if len(rest) > 2:
+        raise OperandTypeError(
+            f"MLU layer {layer}: expected [cache, scale, index_cache], got {len(value)} entries",
+            field="paged",
         )
-    return MluKvLayer(cache=cache, scale=scale if move_scales else None)
+    return cache
 
 
-def classify_layer(
-    t: torch.Tensor, hint: str | None = None, source: LayoutSource = "legacy"
-) -> tuple[torch.Tensor, MluLayout]:
-    """Normalise one (unwrapped) layer and name its layout.
+def normalize_mlu_transfer(
+    fmt: int,
+    shape: ShapeDesc,
+    chunk_size: int,
+    paged: Any,
+    objects: Sequence[torch.Tensor],
+    source: LayoutSource | None,
+) -> tuple[KVFormat, ShapeDesc, int, Any, Sequence[torch.Tensor]]:
+    """The MLU request kvactors plans: format, descriptor, chunk size, layers, host chunks.
 
-    MHA ``[2, NB, X, Y, HS]`` is read as HND unless an explicitly resolved hint says NHD; MLA
-    ``(1, NB, 1, BS, HS)`` (or ``[NB, BS, HS]``) is squeezed.
-
-    Returns:
-        The (possibly squeezed) tensor and its layout.
+    Reads metadata only; views are made, nothing is copied.
 
     Raises:
-        TransferValidationError: a shape that is neither.
+        TransferValidationError: a format MLU does not take, format 1 without a declared
+            layout source, a legacy request whose descriptor matches neither reading, or a
+            layer entry that would lose data.
+        OperandTypeError: a malformed layer entry.
     """
-    shape = tuple(t.shape)
-    if (len(shape) == 5 and shape[0] == 1 and shape[2] == 1) or len(shape) == 3:
-        v = squeeze_mla(t)
-        nb, bs, hs = v.shape
-        return v, MluLayout(fmt=KVFormat.NL_X_NB_BS_HS, kv_layout="MLA", num_blocks=nb,
-                            block_size=bs, num_heads=1, head_size=hs)
-    if len(shape) == 5 and shape[0] == 2:
-        layout = normalize_layout_hint(hint, source)
-        _, nb, a, b, hs = shape
-        if layout == "HND":
-            return t, MluLayout(fmt=KVFormat.NL_X_TWO_NB_NH_BS_HS, kv_layout="HND",
-                                num_blocks=nb, block_size=b, num_heads=a, head_size=hs)
-        return t, MluLayout(fmt=KVFormat.NL_X_TWO_NB_BS_NH_HS, kv_layout="NHD", num_blocks=nb,
-                            block_size=a, num_heads=b, head_size=hs)
-    raise TransferValidationError(
-        f"unrecognised MLU KV cache shape {shape}: expected (2, NB, NH, BS, HS) or "
-        "(1, NB, 1, BS, HS)", field="paged",
+    if isinstance(fmt, bool) or fmt not in MLU_FORMATS:
+        names = ", ".join(f"{f.name} ({int(f)})" for f in sorted(MLU_FORMATS))
+        raise TransferValidationError(
+            f"MLU transfers take only {names}; got format {fmt!r}", field="fmt"
+        )
+    f = KVFormat(fmt)
+    if not isinstance(paged, (list, tuple)):
+        return f, shape, chunk_size, paged, objects  # the planner names the structure error
+    layers = [unwrap_layer(v, i) for i, v in enumerate(paged)]
+    if f is KVFormat.NL_X_NB_BS_HS:
+        layers = [squeeze_mla(t) if isinstance(t, torch.Tensor) else t for t in layers]
+        return f, shape, chunk_size, layers, objects
+    if f is KVFormat.NL_X_TWO_NB_NH_BS_HS:
+        return f, shape, chunk_size, layers, objects
+    if source is None:
+        raise TransferValidationError(
+            "format NL_X_TWO_NB_BS_NH_HS (NHD) on MLU is ambiguous: vLLM-MLU allocates HND "
+            "(2, NB, NH, BS, HS) caches and its legacy layout query still answers 'NHD', and "
+            "the shapes cannot tell the two apart. Declare where the format came from: "
+            f"{LAYOUT_SOURCE_ENV}=legacy (LMCache 0.5.6 with vLLM-MLU: the memory is HND) or "
+            f"{LAYOUT_SOURCE_ENV}=resolved (the engine resolved NHD explicitly), or "
+            "MluBackend(layout_source=...)", field="fmt",
+        )
+    if source == "resolved":
+        return f, shape, chunk_size, layers, objects
+    return _legacy_as_hnd(shape, chunk_size, layers, objects)
+
+
+def _legacy_as_hnd(
+    shape: ShapeDesc, chunk_size: int, layers: list[Any], objects: Sequence[torch.Tensor]
+) -> tuple[KVFormat, ShapeDesc, int, Any, Sequence[torch.Tensor]]:
+    hnd = KVFormat.NL_X_TWO_NB_NH_BS_HS
+    first = layers[0] if layers else None
+    if not isinstance(first, torch.Tensor) or first.dim() != 5:
+        return hnd, shape, chunk_size, layers, objects  # the planner names the shape error
+    nh, bs = int(first.shape[2]), int(first.shape[3])
+    if (shape.bs, shape.nh) == (bs, nh):
+        return hnd, shape, chunk_size, layers, objects  # descriptor already HND-true
+    if (shape.bs, shape.nh) != (nh, bs):
+        raise TransferValidationError(
+            f"legacy MLU request: descriptor bs={shape.bs}, nh={shape.nh} matches neither "
+            f"reading of the cache {tuple(first.shape)} (HND: bs={bs}, nh={nh})", field="shape",
+        )
+    if shape.bs <= 0 or chunk_size % shape.bs:
+        raise TransferValidationError(
+            f"chunk size {chunk_size} is not a whole number of {shape.bs}-slot blocks",
+            field="chunk_size",
+        )
+    per_chunk = chunk_size // shape.bs
+    new_chunk = per_chunk * bs
+    new_shape = ShapeDesc(
+        kv_size=shape.kv_size, nl=shape.nl, nb=shape.nb, bs=bs, nh=nh, hs=shape.hs,
+        element_size=shape.element_size, block_stride_elems=shape.block_stride_elems,
+        dtype=shape.dtype,
     )
+    old_obj = (2, shape.nl, chunk_size, shape.nh * shape.hs)
+    new_obj = (2, shape.nl, new_chunk, nh * shape.hs)
+    objs = [
+        o.view(new_obj)
+        if isinstance(o, torch.Tensor) and tuple(o.shape) == old_obj and o.is_contiguous()
+        else o
+        for o in objects
+    ]
+    return hnd, new_shape, new_chunk, layers, objs

@@ -14,9 +14,13 @@ request and builds a non-owning view (vendor constructor when present, else stor
 before ``open_tensor``; the receiver gets a :class:`MusaIPCOwner` to close after the stream
 that used its views has been synchronized.
 
-Transfers. Layout, dtype and pointer checks live in :mod:`kvactors.devices.musa_contract`.
-:meth:`MusaBackend.run_transfer` is a two-level fallback: an optional native transfer
-(opt-in ``LMCACHE_MUSA_NATIVE_KV_TRANSFER=1``) may decline, then the torch path runs.
+Transfers. :meth:`MusaBackend.prepare_transfer` refuses, before anything is touched, every
+format LMCache's MUSA MP path refuses (only NHD ``NL_X_TWO_NB_BS_NH_HS`` (1), MLA
+``NL_X_NB_BS_HS`` (3) and SGLang K/V lists ``TWO_X_NL_X_NB_BS_NH_HS`` (9) are validated;
+:mod:`kvactors.devices.musa_contract`). :meth:`MusaBackend.transfer_kernel` is the two-level
+fallback: an optional native transfer (:mod:`kvactors.devices.native`; opt-in
+``LMCACHE_MUSA_NATIVE_KV_TRANSFER=1``) for eligible plans may decline, then kvactors' torch
+kernel runs.
 """
 
 from __future__ import annotations
@@ -34,10 +38,12 @@ from kvactors.devices._vendor import device_errors
 from kvactors.devices.base import IPCHandle, Probe
 from kvactors.devices.musa_contract import (
     MUSA_NATIVE_FORMATS,
+    NATIVE_TRANSFER_ENV,
     MusaCapabilities,
     check_format,
     probe_capabilities,
 )
+from kvactors.devices.native import NativeSlot
 from kvactors.errors import (
     IPCError,
     KvactorsError,
@@ -48,18 +54,12 @@ from kvactors.errors import (
 if TYPE_CHECKING:
     from collections.abc import Callable, Mapping, Sequence
 
-    from kvactors.plans import TransferPlan
+    from kvactors.devices.native import NativeKvTransfer
+    from kvactors.plans import TransferPlan, TransferRequest
 
-__all__ = ("HostRegistration", "MusaBackend", "MusaIPCOwner", "NativeKvTransfer")
+__all__ = ("HostRegistration", "MusaBackend", "MusaIPCOwner")
 
 _HANDLE_KEY = "musa_ipc"
-
-
-class NativeKvTransfer(Protocol):
-    """An optional native MUSA transfer; returns False (or raises UnsupportedOperationError)
-    to decline, after which the torch path runs."""
-
-    def transfer(self, plan: TransferPlan, paged: object, objects: object) -> bool: ...
 
 
 class _VendorOwner(Protocol):
@@ -130,7 +130,8 @@ class MusaBackend(TorchLikeBackend):
     Args:
         blocking_strided_d2h: block strided/converting D2H copies (default True; MUSA's
             "backup" copy path has the same shape as torch_mlu's bug, unverified).
-        native: a native transfer to try first (only with the opt-in env flag).
+        native: a native transfer to try first (only with the opt-in env flag); default: the
+            one registered under ``musa`` in the ``kvactors.native_kernels`` entry points.
         env: environment to read opt-ins from (default ``os.environ``).
     """
 
@@ -145,8 +146,8 @@ class MusaBackend(TorchLikeBackend):
         env: Mapping[str, str] | None = None,
     ) -> None:
         super().__init__(blocking_strided_d2h=blocking_strided_d2h)
-        self._native = native
         self._env: Mapping[str, str] = os.environ if env is None else env
+        self.native = NativeSlot("musa", NATIVE_TRANSFER_ENV, native, self._env)
 
     def _load_module(self) -> object:
         if getattr(torch, "musa", None) is None:
@@ -284,38 +285,40 @@ class MusaBackend(TorchLikeBackend):
 
     # ---- transfers ------------------------------------------------------------------
 
-    def native_transfer(self) -> NativeKvTransfer | None:
-        """The native transfer to try first, or None (not opted in, or none installed).
+    def prepare_transfer(
+        self, request: TransferRequest, paged: Any, objects: Sequence[torch.Tensor]
+    ) -> tuple[TransferRequest, Any, Sequence[torch.Tensor]]:
+        """Refuse formats LMCache's MUSA MP path refuses (HND, flashinfer, cross-layer...).
 
-        XX: no public MUSA native KV kernel has a documented kvactors entry point yet, so
-        only an injected implementation is used.
+        Raises:
+            TransferValidationError: any format but 1, 3 and 9, before memory is touched.
         """
-        if self._native is None or not probe_capabilities(object(), self._env).native_opt_in:
-            return None
-        return self._native
+        check_format(request.fmt)
+        return request, paged, objects
 
-    def run_transfer(
-        self, plan: TransferPlan, paged: object, objects: object, torch_path: Callable[[], None]
-    ) -> str:
-        """Run one validated transfer: native if opted in and it accepts, else ``torch_path``.
-
-        Returns:
-            ``"native"`` or ``"torch"``, whichever path ran.
-        """
-        check_format(int(plan.request.fmt))
-        native = self.native_transfer()
-        if native is not None and _native_eligible(plan):
-            try:
-                if native.transfer(plan, paged, objects):
-                    return "native"
-            except UnsupportedOperationError:
-                pass
-        torch_path()
-        return "torch"
+    def transfer_kernel(
+        self,
+        plan: TransferPlan,
+        paged: Any,
+        objects: Sequence[torch.Tensor],
+        torch_kernel: Callable[[], None],
+    ) -> Callable[[], None]:
+        """Native first when opted in and eligible (it may decline), else the torch kernel."""
+        return self.native.kernel(
+            plan, paged, objects, torch_kernel, lambda: _native_eligible(plan, paged)
+        )
 
 
-def _native_eligible(plan: TransferPlan) -> bool:
+def _native_eligible(plan: TransferPlan, paged: object) -> bool:
+    # LMCache's native MUSA kernel: NHD and MLA only, contiguous MUSA tensors, whole blocks
+    # per chunk, and no prefix skip on D2H.
     req = plan.request
     if int(req.fmt) not in MUSA_NATIVE_FORMATS or req.chunk_size % req.shape.bs != 0:
         return False
-    return not (int(plan.direction) == 1 and req.skip_blocks != 0)
+    if int(plan.direction) == 1 and req.skip_blocks != 0:
+        return False
+    layers = paged if isinstance(paged, (list, tuple)) else [paged]
+    return all(
+        isinstance(t, torch.Tensor) and t.device.type == "musa" and t.is_contiguous()
+        for t in layers
+    )

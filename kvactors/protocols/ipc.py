@@ -43,8 +43,11 @@ class OpenHandle(Message, frozen=True):
 class CloseContext(Message, frozen=True):
     """Close a context: stream sync, drop views, close every owner (always), forget.
 
-    ``stream_handles`` names the streams that used the context's views; each is synchronized
-    before any owner is released. Closing an unknown or closed context is a no-op.
+    Before any owner is released, every stream the device's runtime knows is synchronized,
+    plus the streams named in ``stream_handles`` (name a caller stream that used the views
+    but never went through kvactors). Closing an unknown or already closed context is a
+    no-op; a close sent while another close of the same context is in flight waits for it
+    and gets the same answer.
     """
 
     context_id: int
@@ -59,7 +62,10 @@ class Opened(Message, frozen=True):
 
 
 class ContextClosed(Message, frozen=True):
-    """Reply to :class:`CloseContext`: how many owners were closed now."""
+    """Reply to :class:`CloseContext`: how many owners the close closed (0: nothing was open).
+
+    Sent only after those owners are closed; a close that waited for one in flight reports
+    that close's count."""
 
     context_id: int
     owners_closed: int

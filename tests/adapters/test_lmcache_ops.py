@@ -288,24 +288,41 @@ def test_handle_path_pointers_resolve_only_when_registered() -> None:
     REGISTRY.unregister(token)  # idempotent
 
 
-def test_mlu_completion_published_only_after_stream_work() -> None:
-    """Sync-then-publish through the runtime's StreamActor on a (fake, asynchronous) MLU."""
+def test_mlu_completion_published_only_after_stream_work(monkeypatch: pytest.MonkeyPatch) -> None:
+    """Sync-then-publish through the runtime's StreamActor on a (fake, asynchronous) MLU.
+
+    The host bytes are captured at the instant the record is published (a spy on the outbox,
+    on the lane thread), not after a later barrier that would hide the order.
+    """
     from kvactors.runtime import Runtime
     from kvactors.testing import fake_vendor
     from kvactors_lmcache.ops import KvactorsMluOps
 
     # Every enqueued op runs 50 ms late on its stream thread.
     with fake_vendor("mlu", delay=0.05) as fake_mlu:
-        _completion_after_stream_work(fake_mlu, Runtime, KvactorsMluOps)
+        _completion_after_stream_work(fake_mlu, Runtime, KvactorsMluOps, monkeypatch)
 
 
-def _completion_after_stream_work(fake_mlu: Any, runtime_cls: Any, ops_cls: Any) -> None:
+def _completion_after_stream_work(
+    fake_mlu: Any, runtime_cls: Any, ops_cls: Any, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    from kvactors.actors.outbox import Outbox
+
+    host = torch.zeros(256, dtype=torch.float32)  # pinned below, inside the fake
+    at_publish: list[torch.Tensor] = []
+    publish = Outbox.publish
+
+    def spy(self: Any, seq: int, record: Any) -> None:
+        at_publish.append(host.clone())
+        publish(self, seq, record)
+
+    monkeypatch.setattr(Outbox, "publish", spy)
     rt = runtime_cls("mlu", device_index=0).start()
     try:
         ops = ops_cls(runtime_factory=lambda b, i: rt)
         src = fake_mlu.to_device(torch.arange(256, dtype=torch.float32))
-        host = torch.zeros(256, dtype=torch.float32)
         stream = torch.mlu.current_stream()  # type: ignore[attr-defined]
+        host = host.pin_memory()  # a pinned D2H stays asynchronous on the stream
         host.copy_(src, non_blocking=True)  # enqueued on the current stream
         handle = rt.backend.current_stream_handle(0)
         ops.record_completion_on_stream(handle, "finish_write", b"x")
@@ -314,7 +331,10 @@ def _completion_after_stream_work(fake_mlu: Any, runtime_cls: Any, ops_cls: Any)
         rt.synchronize(handle)
         got = ops.drain_recorded_completions()
         assert got == [("finish_write", b"x")]
-        assert torch.equal(host, torch.arange(256, dtype=torch.float32))
+        assert len(at_publish) == 1
+        assert torch.equal(at_publish[0], torch.arange(256, dtype=torch.float32)), (
+            "the record was published before the stream's copy ran"
+        )
         stream.synchronize()
     finally:
         rt.close()

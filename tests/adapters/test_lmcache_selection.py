@@ -21,7 +21,9 @@ def _backend_missing(kind: str) -> bool:
 
 @pytest.mark.parametrize(("kind", "backend", "ops"), CASES)
 def test_fake_vendor_selects_plugin_and_transfers(kind: str, backend: str, ops: str) -> None:
-    res = run_script("fake_selection.py", kind, env=lmcache_env(LMCACHE_DEVICE_BACKEND=backend))
+    # fake_selection moves real NHD (format 1) memory: on MLU that must be declared resolved.
+    env = lmcache_env(LMCACHE_DEVICE_BACKEND=backend, KVACTORS_MLU_LAYOUT_SOURCE="resolved")
+    res = run_script("fake_selection.py", kind, env=env)
     assert res["torch_device_type"] == kind
     assert res["spec"] == backend
     assert res["ops"] == f"kvactors_lmcache.ops.{ops}"

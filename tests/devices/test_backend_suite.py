@@ -231,7 +231,10 @@ def _marker_trial(kind: str, seed: int, *, wait: bool) -> bool:
 
 
 @pytest.mark.parametrize("kind", FAKE_KINDS)
-def test_rule_sync_then_publish(kind: str) -> None:
+def test_marker_synchronize_waits_for_earlier_work(kind: str) -> None:
+    """The backend's marker (what StreamActor syncs before publishing); the publication
+    order itself is tested through the actors in tests/actors/test_ordering_rules.py and
+    tests/adapters/test_lmcache_ops.py."""
     assert all(_marker_trial(kind, s, wait=True) for s in range(SEEDS))
     assert any(not _marker_trial(kind, s, wait=False) for s in range(BROKEN_SEEDS))
 

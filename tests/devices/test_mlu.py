@@ -36,16 +36,12 @@ def test_refusals_name_the_reason(fake_mlu: FakeVendor) -> None:
     dev = fake_mlu.to_device(torch.zeros(4))
     with pytest.raises(UnsupportedOperationError, match="host pointers"):
         b.tensor_from_ptr(dev.data_ptr(), (4,), torch.float32)
-    with pytest.raises(UnsupportedOperationError, match="pointer"):
-        b.pointer_transfer()
     with pytest.raises(UnsupportedOperationError, match="IPC"):
         b.ipc_export(dev)
     with pytest.raises(UnsupportedOperationError, match="IPC"):
         b.ipc_open(IPCHandle(backend="mlu", name="x", dtype="float32", shape=(4,), stride=(1,)))
     with pytest.raises(UnsupportedOperationError, match="host memory"):
         b.register_host(torch.zeros(4))
-    with pytest.raises(UnsupportedOperationError, match="native"):
-        b.native_kernels()
     assert b.transfer_mode() == "engine_driven"
     with pytest.raises(UnsupportedOperationError, match="LMCache-driven"):
         b.transfer_mode("lmcache_driven")
@@ -76,3 +72,29 @@ def test_probe_details_and_device_errors(fake_mlu: FakeVendor) -> None:
 
     with pytest.raises(DeviceOpError, match="cnrt failure"):
         b.synchronize(s)
+
+
+@pytest.mark.parametrize("opted_in", [True, False])
+def test_native_extension_point_on_mlu(fake_mlu: FakeVendor, opted_in: bool) -> None:
+    """``KVACTORS_MLU_NATIVE_KV_TRANSFER=1`` + a native: it moves the bytes; off: never called."""
+    from kvactors.layouts import ShapeDesc
+    from kvactors.plans import TransferRequest
+    from kvactors.runtime import Runtime
+    from tests.devices.test_musa import CountingNative
+
+    native = CountingNative()
+    env = {"KVACTORS_MLU_NATIVE_KV_TRANSFER": "1"} if opted_in else {}
+    backend = MluBackend(native=native, env=env)
+    cpu = [torch.randn(2, 8, 2, 4, 8) for _ in range(2)]  # HND, as vLLM-MLU allocates
+    objs = [torch.zeros(2, 2, 8, 16)]
+    req = TransferRequest(fmt=6, direction=1, block_ids=(5, 1), chunk_size=8,
+                          shape=ShapeDesc(kv_size=2, nl=2, nb=8, bs=4, nh=2, hs=8,
+                                          element_size=4, dtype="float32"))
+    with Runtime(backend) as rt:
+        rt.transfer(req, [fake_mlu.to_device(t) for t in cpu], objs)
+    want = torch.stack(
+        [t[:, [5, 1]].permute(0, 1, 3, 2, 4).reshape(2, 8, 16) for t in cpu], dim=1
+    )
+    assert torch.equal(objs[0], want)
+    assert native.moved == (1 if opted_in else 0)
+    assert backend.native.counters.native_transfers == native.moved

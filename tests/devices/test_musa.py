@@ -2,6 +2,8 @@
 
 from __future__ import annotations
 
+from typing import Any
+
 import msgspec
 import pytest
 import torch
@@ -162,29 +164,126 @@ def test_cache_context_close_order(fake_musa: FakeVendor) -> None:
     assert log == ["sync", "first", "second"]
 
 
-def test_native_fallback(fake_musa: FakeVendor) -> None:
-    from kvactors.plans import plan_transfer
-    from tests._transfer_cases import Case
+NL, NB, BS, NH, HS = 2, 8, 4, 2, 8
+ON = {"LMCACHE_MUSA_NATIVE_KV_TRANSFER": "1"}
 
-    case = Case(fmt=1, nl=1, nb=4, bs=4, nh=1, hs=4, dtype=torch.float32,  # type: ignore[arg-type]
-                alloc="stacked", seed=0, n_objects=1)
-    paged, objs, _ = case.build()
-    plan = plan_transfer(case.request(1, [0, 1]), paged, objs, device_type="cpu")
-    calls: list[str] = []
 
-    class Native:
-        def __init__(self, accept: bool) -> None:
-            self.accept = accept
+class CountingNative:
+    """A native that moves the bytes itself (kvactors' reference loops) and counts, or declines."""
 
-        def transfer(self, plan: object, paged: object, objects: object) -> bool:
-            calls.append("native")
-            return self.accept
+    def __init__(self, accept: bool = True) -> None:
+        self.accept = accept
+        self.calls = 0
+        self.moved = 0
 
-    on = {"LMCACHE_MUSA_NATIVE_KV_TRANSFER": "1"}
-    assert MusaBackend(native=Native(True), env=on).run_transfer(
-        plan, paged, objs, lambda: calls.append("torch")) == "native"
-    assert MusaBackend(native=Native(False), env=on).run_transfer(
-        plan, paged, objs, lambda: calls.append("torch")) == "torch"
-    assert MusaBackend(native=Native(True), env={}).run_transfer(
-        plan, paged, objs, lambda: calls.append("torch")) == "torch"
-    assert calls == ["native", "native", "torch", "torch"]
+    def transfer(self, plan: Any, paged: object, objects: Any) -> bool:
+        from kvactors.kernels.reference import run_reference
+
+        self.calls += 1
+        if not self.accept:
+            return False
+        run_reference(plan, paged, list(objects))
+        self.moved += 1
+        return True
+
+
+def _nhd_transfer(backend: MusaBackend, fake: FakeVendor, *, fmt: int = 1,
+                  skip: int = 0) -> tuple[list[torch.Tensor], list[torch.Tensor]]:
+    """D2H of blocks (3, 5, 0, 6) through Runtime(backend); returns (got, want) chunks."""
+    from kvactors.plans import TransferRequest
+    from kvactors.runtime import Runtime
+
+    cpu = [torch.randn(2, NB, BS, NH, HS) for _ in range(NL)]
+    ids = [3, 5, 0, 6]
+    want = [torch.stack([t[:, ids[c:c + 2]].reshape(2, 2 * BS, NH * HS) for t in cpu], dim=1)
+            for c in (0, 2)]
+    objs = [torch.zeros(2, NL, 2 * BS, NH * HS) for _ in range(2)]
+    req = TransferRequest(
+        fmt=fmt, direction=1, block_ids=tuple(ids), chunk_size=2 * BS, skip_blocks=skip,
+        shape=ShapeDesc(kv_size=2, nl=NL, nb=NB, bs=BS, nh=NH, hs=HS, element_size=4,
+                        dtype="float32"),
+    )
+    with Runtime(backend) as rt:
+        rt.transfer(req, [fake.to_device(t) for t in cpu], objs)
+    return objs, want
+
+
+def test_native_moves_the_bytes_when_opted_in(fake_musa: FakeVendor) -> None:
+    native = CountingNative()
+    backend = MusaBackend(native=native, env=ON)
+    got, want = _nhd_transfer(backend, fake_musa)
+    assert all(torch.equal(g, w) for g, w in zip(got, want, strict=True))
+    assert (native.calls, native.moved) == (1, 1)
+    c = backend.native.counters
+    assert (c.native_transfers, c.native_declined) == (1, 0)
+
+
+def test_declining_native_falls_back_to_the_torch_kernel(fake_musa: FakeVendor) -> None:
+    native = CountingNative(accept=False)
+    backend = MusaBackend(native=native, env=ON)
+    got, want = _nhd_transfer(backend, fake_musa)
+    assert all(torch.equal(g, w) for g, w in zip(got, want, strict=True))  # the fallback moved it
+    assert (native.calls, native.moved) == (1, 0)
+    assert backend.native.counters.native_declined == 1
+
+
+def test_native_needs_the_opt_in(fake_musa: FakeVendor) -> None:
+    native = CountingNative()
+    got, want = _nhd_transfer(MusaBackend(native=native, env={}), fake_musa)
+    assert all(torch.equal(g, w) for g, w in zip(got, want, strict=True))
+    assert native.calls == 0
+
+
+def test_native_is_registered_through_the_entry_point(
+    fake_musa: FakeVendor, tmp_path: Any, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    """The documented extension point: ``musa`` in the ``kvactors.native_kernels`` group."""
+    (tmp_path / "counting_native_kernels.py").write_text(
+        "from tests.devices.test_musa import CountingNative\n"
+        "INSTANCES = []\n"
+        "def make():\n"
+        "    n = CountingNative()\n"
+        "    INSTANCES.append(n)\n"
+        "    return n\n"
+    )
+    dist = tmp_path / "counting_native_kernels-1.0.dist-info"
+    dist.mkdir()
+    (dist / "METADATA").write_text("Metadata-Version: 2.1\nName: counting-native-kernels\n"
+                                   "Version: 1.0\n")
+    (dist / "entry_points.txt").write_text(
+        "[kvactors.native_kernels]\nmusa = counting_native_kernels:make\n"
+    )
+    monkeypatch.syspath_prepend(str(tmp_path))
+    import counting_native_kernels as registered  # type: ignore[import-not-found]
+
+    got, want = _nhd_transfer(MusaBackend(env=ON), fake_musa)
+    assert all(torch.equal(g, w) for g, w in zip(got, want, strict=True))
+    assert [n.moved for n in registered.INSTANCES] == [1]
+
+
+@pytest.mark.parametrize("why", ["kv-list-format", "d2h-skip"])
+def test_ineligible_plans_never_reach_the_native(fake_musa: FakeVendor, why: str) -> None:
+    from kvactors.plans import TransferRequest
+    from kvactors.runtime import Runtime
+
+    native = CountingNative()
+    backend = MusaBackend(native=native, env=ON)
+    if why == "d2h-skip":
+        got, want = _nhd_transfer(backend, fake_musa, skip=1)
+        assert torch.equal(got[1], want[1])
+    else:
+        k = [fake_musa.to_device(torch.randn(NB, BS, NH, HS)) for _ in range(NL)]
+        v = [fake_musa.to_device(torch.randn(NB, BS, NH, HS)) for _ in range(NL)]
+        req = TransferRequest(fmt=9, direction=1, block_ids=(1, 2), chunk_size=2 * BS,
+                              shape=ShapeDesc(kv_size=2, nl=NL, nb=NB, bs=BS, nh=NH, hs=HS,
+                                              element_size=4, dtype="float32"))
+        with Runtime(backend) as rt:
+            rt.transfer(req, [k, v], [torch.zeros(2, NL, 2 * BS, NH * HS)])
+    assert native.calls == 0
+
+
+@pytest.mark.parametrize("fmt", [6, 2, 0, 7])
+def test_runtime_refuses_formats_lmcache_musa_refuses(fake_musa: FakeVendor, fmt: int) -> None:
+    """HND and the other formats LMCache's MUSA MP path refuses fail before memory is touched."""
+    with pytest.raises(TransferValidationError, match="MUSA MP block transfer supports only"):
+        _nhd_transfer(MusaBackend(), fake_musa, fmt=fmt)

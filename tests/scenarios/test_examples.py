@@ -41,7 +41,9 @@ def test_preemption_example_shows_the_race_and_the_fence_ends_it(device: str, se
     assert "RESULT: naive run committed" in out
 
 
-def test_lmcache_worker_example() -> None:
+def test_lmcache_worker_example_commits_every_store_bit_exact_in_order() -> None:
+    # Not a sync-then-publish test: each store's gather is complete when transfer() returns,
+    # so the record cannot overtake its bytes here (rule 1 is tested in tests/actors).
     assert "RESULT: OK" in _run("examples/lmcache_worker.py", "--stores", "32")
 
 

@@ -102,7 +102,7 @@ def _runtime_rows(env: DeviceEnv, w: BenchWorkload, reps: int, seed: int) -> lis
                       element_size=torch.empty(0, dtype=dtype).element_size(), dtype=w.dtype)
     nbytes = sum(o.nbytes for o in objects)
     rows: list[RuntimeRow] = []
-    with Runtime(env.kind, default_timeout=120.0) as rt:
+    with Runtime(env.backend(), default_timeout=120.0) as rt:
         for d, direction in (("gather", Direction.D2H), ("scatter", Direction.H2D)):
             req = TransferRequest(fmt=int(KVFormat.NL_X_TWO_NB_BS_NH_HS), direction=int(direction),
                                   block_ids=ids, chunk_size=w.chunk_tokens, shape=shape)
