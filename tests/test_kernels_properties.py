@@ -17,7 +17,7 @@ from kvactors.kernels.fast import ScratchCache, run_fast
 from kvactors.kernels.reference import run_reference
 from kvactors.layouts import KVFormat
 from kvactors.plans import TransferRequest, plan_transfer
-from tests._transfer_cases import ALLOCS, Case, block_view, dtypes, raw, same_bytes, snapshot
+from tests._transfer_cases import ALLOCS, Case, block_view, dtypes, same_bytes, snapshot
 
 SETTINGS = settings(max_examples=150, deadline=None, suppress_health_check=[HealthCheck.too_slow])
 

@@ -18,10 +18,10 @@ import torch
 from kvactors.actors.ipc_owner import IPCOwnerActor
 from kvactors.actors.outbox import Outbox
 from kvactors.actors.stream import Work
-from kvactors.actors.streams import StreamDirectory
+from kvactors.actors.directory import StreamDirectory
 from kvactors.protocols.ipc import CloseContext, ContextClosed, Opened, OpenHandle
 from kvactors.protocols.stream import Launch
-from kvactors.testing.manual import ManualBackend
+from kvactors.devices.manual import ManualBackend
 
 if TYPE_CHECKING:
     from collections.abc import AsyncIterator
@@ -40,6 +40,7 @@ class _Rig:
     async def open(self, ctx: int) -> torch.Tensor:
         seg = self.backend.alloc_shared((16,), torch.float32)
         self.shared.append(seg)
+        assert seg.tensor is not None
         opened, view = await self.ipc.ask(
             OpenHandle(context_id=ctx, handle=self.backend.ipc_export(seg.tensor))
         )
@@ -49,9 +50,11 @@ class _Rig:
     def use_on(self, handle: int, view: torch.Tensor) -> asyncio.Future[Any]:
         """Queue device work that writes through ``view`` on stream ``handle`` (not run yet)."""
         stream = self.streams.get(handle)
-        return stream.ask_nowait(
-            Launch(transfer_id=handle), Work(lambda v=view: v.fill_(3.0), keepalive=view)
-        )
+
+        def write() -> None:
+            view.fill_(3.0)
+
+        return stream.ask_nowait(Launch(transfer_id=handle), Work(write, keepalive=view))
 
     async def wait(self, predicate: Any) -> bool:
         return await asyncio.to_thread(self.backend.wait_for, predicate, 10.0)
