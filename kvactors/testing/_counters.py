@@ -6,7 +6,9 @@ one field of the vendor's :class:`OpTally` as it happens, on whatever thread doe
 * ``launches``: kernels enqueued on a stream (tensor ops producing or mutating device memory,
   ``index_select``, ``copy_`` within a device, ``fill_``...). Device-to-device ``copy_`` is a
   kernel here (``d2d`` counts it again as a copy).
-* ``h2d`` / ``d2h`` / ``d2d``: ``copy_`` calls by direction (one DMA each).
+* ``h2d`` / ``d2h`` / ``d2d``: ``copy_`` calls by direction (one DMA each); a host tensor
+  (not 0-dim) passed to a device kernel counts as an implicit H2D upload plus a sync, and
+  ``torch.tensor(data, device=dev)`` as one too.
 * ``syncs``: the host waited for the device: ``Stream.synchronize``, ``Event.synchronize``,
   ``synchronize()`` (once per call), a blocking copy (``non_blocking=False`` or pageable
   memory) and host reads of device tensors (``.cpu()``, ``.item()``...).

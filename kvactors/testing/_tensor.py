@@ -228,6 +228,17 @@ def _unwrap(tree: Any, *, snapshot_host: bool, keep: tuple[object, ...] = ()) ->
     return pytree.tree_map(u, tree)
 
 
+def _count_uploads(vendor: FakeVendor, tree: Any, keep: tuple[object, ...]) -> None:
+    """Count host tensors handed to a device kernel as implicit synchronous uploads."""
+    for x in pytree.tree_flatten(tree)[0]:
+        if (
+            isinstance(x, torch.Tensor) and not isinstance(x, FakeDeviceTensor)
+            and x.dim() > 0 and not any(x is k for k in keep)
+        ):
+            vendor.tally.add("h2d")
+            vendor.tally.add("syncs")
+
+
 def _targets_cpu(args: tuple[Any, ...], kwargs: dict[str, Any]) -> bool:
     for x in (*args[1:], kwargs.get("device")):
         if isinstance(x, torch.device) and x.type == "cpu":
@@ -291,6 +302,7 @@ def _enqueue_mutation(
     target = kwargs["out"] if kwargs.get("out") is not None else args[0]
     keep = tuple(pytree.tree_flatten(target)[0])
     pa, pk = _unwrap((args, kwargs), snapshot_host=True, keep=keep)
+    _count_uploads(vendor, (args, kwargs), keep)
     vendor.tally.add("launches")
     vendor.current_stream(index).enqueue(lambda: func(*pa, **pk))
     return target
@@ -348,6 +360,7 @@ def _compute(
         else:
             outs.append(m)
     pa, pk = _unwrap((args, kwargs), snapshot_host=True)
+    _count_uploads(vendor, (args, kwargs), ())
     if _name(func) not in _NO_KERNEL:
         vendor.tally.add("launches")
 
