@@ -219,7 +219,10 @@ def measure_vendor(
                         chunk_size=shape.chunk_blocks * shape.bs, shape=desc,
                     )
 
-                    def ours(req: TransferRequest = req) -> None:
+                    def ours(
+                        req: TransferRequest = req, paged: Any = paged,
+                        objects: list[torch.Tensor] = objects,
+                    ) -> None:
                         handle = rt.backend.current_stream_handle(0)
                         rt.transfer(req, paged, objects, stream_handle=handle)
 

@@ -78,8 +78,8 @@ class FakeDevice:
 def parse_fake_device(value: object, kind: str, current: int) -> int | None:
     """The device index ``value`` names on fake ``kind``, or None if it names something else.
 
-    Accepts a :class:`FakeDevice`, a ``torch.device``, ``"kind"``/``"kind:i"`` strings, an int (an ordinal) and
-    None (the current device ``current``).
+    Accepts a :class:`FakeDevice`, a ``torch.device``, ``"kind"``/``"kind:i"`` strings, an
+    int (an ordinal) and None (the current device ``current``).
     """
     if value is None:
         return current
@@ -124,5 +124,7 @@ def claim_device_name(kind: str) -> bool:
     if owner is not None and owner != kind:
         return False
     if torch._C._get_privateuse1_backend_name() == _UNNAMED:
-        torch.utils.rename_privateuse1_backend(kind)
+        from torch.utils.backend_registration import rename_privateuse1_backend
+
+        rename_privateuse1_backend(kind)
     return True

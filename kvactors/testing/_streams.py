@@ -20,11 +20,11 @@ from typing import TYPE_CHECKING, Any, ClassVar
 from kvactors.testing._worker import Marker
 
 if TYPE_CHECKING:
+    from types import TracebackType
+
     import torch
 
     from kvactors.testing._device import FakeDevice
-    from types import TracebackType
-
     from kvactors.testing._events import FakeEvent
     from kvactors.testing._worker import StreamWorker
     from kvactors.testing.vendor import FakeVendor

@@ -21,8 +21,8 @@ from typing import TYPE_CHECKING, Any
 
 import torch
 
-from kvactors.testing._device import FakeDevice, FakeDeviceError, parse_fake_device
 from kvactors.testing._counters import OpCounter, OpCounts, OpTally
+from kvactors.testing._device import FakeDevice, FakeDeviceError, parse_fake_device
 from kvactors.testing._events import FakeEvent
 from kvactors.testing._memory import FakeMemory
 from kvactors.testing._streams import FakeExternalStream, FakeStream, FakeStreamContext

@@ -30,8 +30,8 @@ import torch
 from kvactors.layouts import KVFormat
 from kvactors.testing import fake_vendor
 from kvactors.testing.pytest_plugin import require_torch_devices
-
 from tests._transfer_cases import Case, raw
+
 from .conftest import LMCACHE_MISSING, SKIP_REASON
 
 if TYPE_CHECKING:
@@ -149,7 +149,6 @@ def vendor(request: pytest.FixtureRequest) -> Iterator[tuple[str, FakeVendor, An
     require_torch_devices(kind)
     lm_cls = _lmcache_ops_class(kind)
     import kvactors_lmcache.ops as kops
-
     from kvactors.runtime import Runtime
 
     with fake_vendor(kind, seed=7, jitter=0.0002) as fake:
@@ -196,7 +195,7 @@ def _check(kind: str, fake: FakeVendor, lm: Any, ours: Any, spec: tuple[Any, ...
     if case.fmt in EXTRAS[kind] and mine.error is None:
         oracle = _Run(case, _torch_path(case, ids, skip, direction), None, ())
         assert oracle.error is None, f"LMCache's torch path refused {label}: {oracle.error}"
-        assert mine.same(oracle), f"kvactors' extra layout differs from LMCache's torch path: {label}"
+        assert mine.same(oracle), f"kvactors' extra layout differs from the torch path: {label}"
         return "extra"
     assert mine.error is not None, (
         f"LMCache's {kind} ops refuse ({theirs.error!r}) but kvactors accepted: {label}"
