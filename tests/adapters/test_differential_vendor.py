@@ -209,14 +209,16 @@ def test_random_cases_match_lmcache_ops_byte_for_byte(vendor: tuple[Any, ...]) -
     rng = random.Random(f"differential-{kind}")
     outcomes: dict[str, int] = {}
     formats: set[KVFormat] = set()
+    others: set[KVFormat] = set()
     for i in range(CASES):
         spec = _random_case(kind, rng, seed=1000 + i)
         got = _check(kind, fake, lm, ours, spec)
         outcomes[got] = outcomes.get(got, 0) + 1
-        if got == "identical":
-            formats.add(spec[0].fmt)
-    # The random cases must really have exercised every layout LMCache serves there.
+        (formats if got == "identical" else others).add(spec[0].fmt)
+    # The random cases must really have exercised every layout LMCache serves there, and
+    # every layout only kvactors serves.
     assert formats == set(VENDORS[kind][3]), (formats, outcomes)
+    assert others == set(EXTRAS[kind]), (others, outcomes)
     assert outcomes.get("identical", 0) >= CASES // 2, outcomes
 
 
