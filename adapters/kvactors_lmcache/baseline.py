@@ -17,7 +17,7 @@ if TYPE_CHECKING:
 
     from kvactors.plans import TransferRequest
 
-__all__ = ("lmcache_torch_transfer",)
+__all__ = ("lmcache_mlu_ops", "lmcache_musa_ops", "lmcache_torch_transfer")
 
 
 def lmcache_torch_transfer(
@@ -44,3 +44,60 @@ def lmcache_torch_transfer(
         )
 
     return run
+
+
+def _vendor_ops_transfer(
+    module: str,
+    cls: str,
+    request: TransferRequest,
+    paged: Any,
+    objects: Sequence[torch.Tensor],
+    device: torch.device,
+) -> Callable[[], None]:
+    import importlib
+
+    from lmcache import lmcache_native as native
+
+    try:
+        ops = getattr(importlib.import_module(module), cls)()
+    except (ImportError, AttributeError) as exc:
+        import lmcache
+
+        raise ImportError(
+            f"lmcache {getattr(lmcache, '__version__', '?')} has no {cls}"
+        ) from exc
+    shape = request.shape
+    sd = native.PageBufferShapeDesc()
+    for f in ("kv_size", "nl", "nb", "bs", "nh", "hs", "element_size", "block_stride_elems"):
+        setattr(sd, f, getattr(shape, f))
+    sd.dtype = objects[0].dtype
+    fmt = native.EngineKVFormat(int(request.fmt))
+    direction = native.TransferDirection(int(request.direction))
+    ids, objs = list(request.block_ids), list(objects)
+
+    def run() -> None:
+        ops.multi_layer_block_kv_transfer(
+            paged, objs, ids, device, direction, sd, request.chunk_size, fmt, request.skip_blocks
+        )
+
+    return run
+
+
+def lmcache_mlu_ops(
+    request: TransferRequest, paged: Any, objects: Sequence[torch.Tensor], device: torch.device
+) -> Callable[[], None]:
+    """LMCache's own ``MluDeviceOps`` (lmcache >= 0.5.7) on the operands; ImportError if absent."""
+    return _vendor_ops_transfer(
+        "lmcache.v1.platform.devices.mlu.device_ops", "MluDeviceOps", request, paged, objects,
+        device,
+    )
+
+
+def lmcache_musa_ops(
+    request: TransferRequest, paged: Any, objects: Sequence[torch.Tensor], device: torch.device
+) -> Callable[[], None]:
+    """LMCache's built-in ``MusaDeviceOps`` on the operands (the caller's current stream)."""
+    return _vendor_ops_transfer(
+        "lmcache.v1.platform.devices.musa.device_ops", "MusaDeviceOps", request, paged,
+        objects, device,
+    )

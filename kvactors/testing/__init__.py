@@ -8,6 +8,17 @@ a knob reproducing torch_mlu's asynchronous strided device-to-host bug. Device m
 memory; device tensors are :class:`FakeDeviceTensor` instances whose device work really
 runs later, on the stream's thread, so a missing synchronize or wait yields stale bytes.
 
+Vendor code runs as written: the first fake installed in a process claims torch's private
+device name (as torch_mlu / torch_musa do on import; ``KVACTORS_FAKE_VENDOR=mlu|musa`` pins
+which kind may), so ``torch.device("mlu:0")``, ``tensor.to("mlu:0")``, ``tensor.mlu()``,
+``torch.empty(..., device="mlu")`` and ``t.device.type == "mlu"`` behave as on a card. torch
+allows one such name per process: a fake of the other kind in the same process falls back to
+:class:`FakeDevice` objects (see ``kvactors.testing._device``).
+
+Every fake counts the device operations it performs (kernel launches, host<->device copies,
+host synchronisations, device allocations): ``fake.counters()`` is an :class:`OpCounts`
+snapshot and ``with fake.counting() as ops: ...`` gives ``ops.counts`` for one call.
+
 Example::
 
     with fake_vendor("musa", jitter=0.001, seed=3) as fake:
@@ -34,6 +45,7 @@ import contextlib
 import dataclasses
 from typing import TYPE_CHECKING, Any
 
+from kvactors.testing._counters import OpCounter, OpCounts
 from kvactors.testing._device import FakeDevice, FakeDeviceError
 from kvactors.testing._events import FakeEvent
 from kvactors.testing._ipc import FakeMUSAIPCTensor, MUSAIPCTensorHandle
@@ -56,6 +68,8 @@ __all__ = (
     "FakeStream",
     "FakeVendor",
     "MUSAIPCTensorHandle",
+    "OpCounter",
+    "OpCounts",
     "check_backend",
     "fake_vendor",
 )

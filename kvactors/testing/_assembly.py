@@ -22,9 +22,14 @@ from typing import TYPE_CHECKING, Any
 import torch
 
 from kvactors.testing import _ipc
-from kvactors.testing._device import FakeDevice, FakeDeviceError, parse_fake_device
+from kvactors.testing._device import (
+    FakeDevice,
+    FakeDeviceError,
+    claim_device_name,
+    parse_fake_device,
+)
 from kvactors.testing._memory import FakeMusart
-from kvactors.testing._tensor import FakeDeviceTensor, plain, wrap
+from kvactors.testing._tensor import FakeDeviceTensor, move_to, parse_to, plain, wrap
 from kvactors.testing.vendor import new_module
 
 if TYPE_CHECKING:
@@ -35,13 +40,16 @@ if TYPE_CHECKING:
 __all__ = ("Installation",)
 
 _MISSING = object()
-_FACTORIES = ("empty", "zeros", "ones", "full", "empty_strided", "tensor", "as_tensor", "arange")
+_FACTORIES = (
+    "empty", "zeros", "ones", "full", "empty_strided", "tensor", "as_tensor", "arange",
+    "empty_like", "zeros_like", "ones_like", "full_like", "rand", "randn", "randint",
+)
 
 
 def _ours(vendor: FakeVendor, device: object) -> int | None:
-    if device is None or isinstance(device, (torch.device, int)):
+    if device is None or isinstance(device, int):
         return None
-    if isinstance(device, (FakeDevice, str)):
+    if isinstance(device, (FakeDevice, str, torch.device)):
         idx = parse_fake_device(device, vendor.kind, vendor.current_device())
         return None if idx is None else vendor.device_index(idx)
     return None
@@ -147,12 +155,19 @@ class Installation:
                 raise RuntimeError(f"{name} is already imported; cannot install a fake over it")
         if hasattr(torch, v.kind):
             raise RuntimeError(f"torch.{v.kind} already exists; cannot install a fake over it")
+        v.torch_devices = claim_device_name(v.kind)
         for name, mod in self.modules.items():
             sys.modules[name] = mod
             self._undo.append(functools.partial(_forget_module, name))
         self._set(torch, v.kind, self.torch_attr)
+        self._set(torch.Tensor, "to", self._to(torch.Tensor.to))
+        self._set(torch.Tensor, v.kind, self._to_vendor())
+        if f"is_{v.kind}" not in vars(torch.Tensor):
+            self._set(torch.Tensor, f"is_{v.kind}", property(
+                lambda t: isinstance(t, FakeDeviceTensor) and t._fake_vendor.kind == v.kind
+            ))
         for fname in _FACTORIES:
-            self._set(torch, fname, self._factory(getattr(torch, fname)))
+            self._set(torch, fname, self._factory(fname, getattr(torch, fname)))
         self._set(torch._C, "_construct_storage_from_data_pointer",
                   self._storage_from_ptr(torch._C._construct_storage_from_data_pointer))
         self._set(torch.Tensor, "pin_memory", self._pin_memory(torch.Tensor.pin_memory))
@@ -170,7 +185,7 @@ class Installation:
 
     # ---- patched torch entry points ------------------------------------------------
 
-    def _factory(self, orig: Callable[..., Any]) -> Callable[..., Any]:
+    def _factory(self, fname: str, orig: Callable[..., Any]) -> Callable[..., Any]:
         v = self.vendor
 
         @functools.wraps(orig)
@@ -183,13 +198,51 @@ class Installation:
                     v.memory.add_pinned(out)
                     return out
                 return orig(*args, **kwargs)
+            first = args[0] if args else kwargs.get("data")
+            if fname == "as_tensor" and isinstance(first, FakeDeviceTensor) and (
+                first._fake_vendor is v and first._fake_index == idx
+                and kwargs.get("dtype") in (None, first.dtype)
+            ):
+                return first  # already there: as_tensor returns its input
             kwargs = {**kwargs, "device": "cpu"}
             args = tuple(plain(a) if isinstance(a, FakeDeviceTensor) else a for a in args)
             out = orig(*args, **kwargs)
             v.memory.add_device(out, idx)
+            if fname in ("tensor", "as_tensor"):  # host data, uploaded from pageable memory
+                v.tally.add("h2d")
+                v.tally.add("syncs")
+            elif not fname.startswith("empty"):  # a fill kernel
+                v.tally.add("launches")
             return wrap(out, v, idx)
 
         return factory
+
+    def _to(self, orig: Callable[..., Any]) -> Callable[..., Any]:
+        v = self.vendor
+
+        @functools.wraps(orig)
+        def to(self_: torch.Tensor, *args: Any, **kwargs: Any) -> Any:
+            if not isinstance(self_, FakeDeviceTensor):
+                device, dtype, non_blocking, copy = parse_to((self_, *args), kwargs)
+                idx = _ours(v, device)
+                if idx is not None:
+                    return move_to(self_, v, idx, dtype, non_blocking, copy)
+            return orig(self_, *args, **kwargs)
+
+        return to
+
+    def _to_vendor(self) -> Callable[..., Any]:
+        v = self.vendor
+
+        def to_vendor(
+            self_: torch.Tensor, device: object = None, non_blocking: bool = False,
+            **kwargs: Any,
+        ) -> torch.Tensor:
+            """``Tensor.mlu()`` / ``Tensor.musa()``: a copy on the fake device (or self)."""
+            return move_to(self_, v, v.device_index(device), None, non_blocking, False)
+
+        to_vendor.__name__ = v.kind
+        return to_vendor
 
     def _storage_from_ptr(self, orig: Callable[..., Any]) -> Callable[..., Any]:
         v = self.vendor

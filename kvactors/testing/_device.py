@@ -1,16 +1,38 @@
-"""Fake device identity and the fake vendor error type.
+"""Fake device identity, the process's vendor device name, and the fake vendor error type.
 
 Theory of operation. torch can register exactly one private device name per process
-(``torch.utils.rename_privateuse1_backend``), so ``torch.device("mlu")`` and
-``torch.device("musa")`` cannot both parse in one test process. The fakes therefore never
-build a real ``torch.device`` for a fake accelerator: :class:`FakeDevice` is a small value
-object with the attributes backend code reads (``type``, ``index``) and the string form
-torch uses (``"mlu:0"``). It compares equal to another FakeDevice and to that string.
+(``torch.utils.rename_privateuse1_backend``, irreversible), so ``torch.device("mlu")`` and
+``torch.device("musa")`` cannot both parse in one process. Real machines have one vendor
+too, so the fakes do what the vendor packages do on import: the first fake installed in a
+process *claims* the private device name (:func:`claim_device_name`), and from then on its
+devices are genuine ``torch.device("mlu", 0)`` objects, so vendor code that builds torch
+devices, parses ``"mlu:0"`` or compares ``t.device.type`` runs as written. The environment
+variable ``KVACTORS_FAKE_VENDOR=mlu|musa`` pins which kind may claim it (test runs use it to
+run the MLU and MUSA fake suites in separate processes).
+
+A fake of the other kind in the same process cannot have torch devices; it falls back to
+:class:`FakeDevice`, a small value object with the attributes backend code reads
+(``type``, ``index``) and torch's string form (``"mlu:0"``). Code that only reads those
+attributes still works; code that calls ``torch.device(...)`` on it does not.
 """
 
 from __future__ import annotations
 
-__all__ = ("FakeDevice", "FakeDeviceError", "parse_fake_device")
+import os
+
+import torch
+
+__all__ = (
+    "ENV_VENDOR",
+    "FakeDevice",
+    "FakeDeviceError",
+    "claim_device_name",
+    "parse_fake_device",
+    "process_vendor",
+)
+
+ENV_VENDOR = "KVACTORS_FAKE_VENDOR"
+_UNNAMED = "privateuseone"
 
 
 class FakeDeviceError(RuntimeError):
@@ -56,13 +78,15 @@ class FakeDevice:
 def parse_fake_device(value: object, kind: str, current: int) -> int | None:
     """The device index ``value`` names on fake ``kind``, or None if it names something else.
 
-    Accepts a :class:`FakeDevice`, ``"kind"``/``"kind:i"`` strings, an int (an ordinal) and
-    None (the current device ``current``).
+    Accepts a :class:`FakeDevice`, a ``torch.device``, ``"kind"``/``"kind:i"`` strings, an
+    int (an ordinal) and None (the current device ``current``).
     """
     if value is None:
         return current
-    if isinstance(value, FakeDevice):
-        return value.index if value.type == kind else None
+    if isinstance(value, (FakeDevice, torch.device)):
+        if value.type != kind:
+            return None
+        return current if value.index is None else value.index
     if isinstance(value, bool):
         return None
     if isinstance(value, int):
@@ -73,3 +97,34 @@ def parse_fake_device(value: object, kind: str, current: int) -> int | None:
             return None
         return int(idx) if idx else current
     return None
+
+
+def process_vendor() -> str | None:
+    """The vendor kind owning this process's private torch device name, if any.
+
+    That is the kind a fake can give real ``torch.device`` objects to: the name torch
+    already carries, else the one ``KVACTORS_FAKE_VENDOR`` pins, else None (the first fake
+    installed will claim it).
+    """
+    name = torch._C._get_privateuse1_backend_name()
+    if name != _UNNAMED:
+        return str(name)
+    pinned = os.environ.get(ENV_VENDOR, "").strip().lower()
+    return pinned or None
+
+
+def claim_device_name(kind: str) -> bool:
+    """Make ``kind`` torch's private device name, if this process may; whether it is now.
+
+    Renames the PrivateUse1 backend once per process (as torch_mlu / torch_musa do on
+    import). Returns False when the name already belongs to another kind, or when
+    ``KVACTORS_FAKE_VENDOR`` names another kind.
+    """
+    owner = process_vendor()
+    if owner is not None and owner != kind:
+        return False
+    if torch._C._get_privateuse1_backend_name() == _UNNAMED:
+        from torch.utils.backend_registration import rename_privateuse1_backend
+
+        rename_privateuse1_backend(kind)
+    return True

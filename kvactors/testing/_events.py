@@ -18,9 +18,12 @@ import os
 import weakref
 from typing import TYPE_CHECKING, ClassVar
 
-from kvactors.testing._device import FakeDevice, FakeDeviceError
+from kvactors.testing._device import FakeDeviceError
 
 if TYPE_CHECKING:
+    import torch
+
+    from kvactors.testing._device import FakeDevice
     from kvactors.testing._streams import FakeStream
     from kvactors.testing._worker import Marker
     from kvactors.testing.vendor import FakeVendor
@@ -67,10 +70,10 @@ class FakeEvent:
         return self._state.handle
 
     @property
-    def device(self) -> FakeDevice | None:
+    def device(self) -> torch.device | FakeDevice | None:
         """The event's device; None until created."""
         idx = self._state.device_index
-        return None if idx is None else FakeDevice(self._vendor.kind, idx)
+        return None if idx is None else self._vendor.make_device(idx)
 
     def _check_exporter(self) -> None:
         ref = self._state.exporter
@@ -102,6 +105,7 @@ class FakeEvent:
     def synchronize(self) -> None:
         """Block until the latest record completed; raise the stream's error it carries."""
         self._check_exporter()
+        self._vendor.tally.add("syncs")
         marker = self._state.marker
         if marker is None:
             return

@@ -17,6 +17,8 @@ from typing import TYPE_CHECKING, Protocol, cast
 
 from torch.multiprocessing import reductions
 
+from kvactors.testing._counters import OpTally
+
 if TYPE_CHECKING:
     import torch
 
@@ -57,14 +59,20 @@ def _span(t: torch.Tensor) -> tuple[int, int]:
 class FakeMemory:
     """Device allocations and pinned host ranges of one fake vendor."""
 
-    def __init__(self) -> None:
+    def __init__(self, tally: OpTally | None = None) -> None:
+        self.tally = tally if tally is not None else OpTally()
         self._lock = threading.Lock()
         self._device: list[_Range] = []
         self._pinned: list[_Range] = []
 
-    def add_device(self, t: torch.Tensor, index: int) -> None:
-        """Record the storage of ``t`` as device memory of ``index``."""
+    def add_device(self, t: torch.Tensor, index: int, *, fresh: bool = True) -> None:
+        """Record the storage of ``t`` as device memory of ``index``.
+
+        ``fresh``: a new allocation (counted); False only declares existing memory.
+        """
         start, end = _span(t)
+        if fresh:
+            self.tally.allocation(end - start)
         with self._lock:
             self._device = [r for r in self._device if r.live()]
             self._device.append(_Range(start, end, index, weak_storage(t.untyped_storage())))

@@ -17,12 +17,14 @@ from __future__ import annotations
 
 from typing import TYPE_CHECKING, Any, ClassVar
 
-from kvactors.testing._device import FakeDevice
 from kvactors.testing._worker import Marker
 
 if TYPE_CHECKING:
     from types import TracebackType
 
+    import torch
+
+    from kvactors.testing._device import FakeDevice
     from kvactors.testing._events import FakeEvent
     from kvactors.testing._worker import StreamWorker
     from kvactors.testing.vendor import FakeVendor
@@ -61,9 +63,9 @@ class FakeStream:
         return self._vendor.kind
 
     @property
-    def device(self) -> FakeDevice:
+    def device(self) -> torch.device | FakeDevice:
         """The stream's device."""
-        return FakeDevice(self._vendor.kind, self._index)
+        return self._vendor.make_device(self._index)
 
     @property
     def stream_id(self) -> int:
@@ -90,6 +92,7 @@ class FakeStream:
 
     def synchronize(self) -> None:
         """Block until all work enqueued before the call ran; raise a sticky error."""
+        self._vendor.tally.add("syncs")
         self.worker.synchronize()
 
     def wait_event(self, event: FakeEvent) -> None:

@@ -31,14 +31,14 @@ from typing import TYPE_CHECKING, Any
 import torch
 import torch.utils._pytree as pytree
 
-from kvactors.testing._device import FakeDevice
+from kvactors.testing._device import FakeDevice, parse_fake_device
 
 if TYPE_CHECKING:
     from collections.abc import Callable
 
     from kvactors.testing.vendor import FakeVendor
 
-__all__ = ("FakeDeviceTensor", "plain", "wrap")
+__all__ = ("FakeDeviceTensor", "move_to", "parse_to", "plain", "wrap")
 
 _NoTF = torch._C.DisableTorchFunctionSubclass
 
@@ -61,9 +61,10 @@ class FakeDeviceTensor(torch.Tensor):
     _fake_index: int
 
     @property  # type: ignore[override]
-    def device(self) -> FakeDevice:  # type: ignore[override]
-        """The fake device (``FakeDevice("mlu", 0)``-like)."""
-        return FakeDevice(self._fake_vendor.kind, self._fake_index)
+    def device(self) -> torch.device | FakeDevice:  # type: ignore[override]
+        """The fake device: ``torch.device("mlu", 0)`` (a :class:`FakeDevice` for a second
+        vendor in one process, which cannot have torch devices)."""
+        return self._fake_vendor.make_device(self._fake_index)
 
     @property
     def is_cpu(self) -> bool:  # type: ignore[override]
@@ -108,6 +109,10 @@ def plain(t: torch.Tensor) -> torch.Tensor:
     return t
 
 
+# Ops that only allocate: no kernel runs on a real device.
+_NO_KERNEL = frozenset({"new_empty", "new_empty_strided", "empty_like"})
+
+
 def _name(func: Callable[..., Any]) -> str:
     name = getattr(func, "__name__", "")
     if name in ("__get__", "__set__"):
@@ -128,6 +133,13 @@ def _dispatch(func: Callable[..., Any], args: tuple[Any, ...], kwargs: dict[str,
         if name in _METADATA_INPLACE:
             return args[0] if args else out
         return _wrap_all(out, vendor, index)
+    if name == "to":
+        device, dtype, non_blocking, copy = parse_to(args, kwargs)
+        idx = parse_fake_device(device, vendor.kind, vendor.current_device())
+        if device is not None and idx is not None:
+            return move_to(args[0], vendor, vendor.device_index(idx), dtype, non_blocking, copy)
+        if device is None and (dtype is None or dtype == args[0].dtype) and not copy:
+            return args[0]
     if name in _HOST_READS or (name == "to" and _targets_cpu(args, kwargs)):
         return _host_read(func, args, kwargs, vendor, index)
     if name == "copy_":
@@ -137,6 +149,62 @@ def _dispatch(func: Callable[..., Any], args: tuple[Any, ...], kwargs: dict[str,
     ):
         return _enqueue_mutation(func, args, kwargs, vendor, index)
     return _compute(func, args, kwargs, vendor, index)
+
+
+def parse_to(
+    args: tuple[Any, ...], kwargs: dict[str, Any]
+) -> tuple[object, torch.dtype | None, bool, bool]:
+    """(device, dtype, non_blocking, copy) of a ``Tensor.to(*args, **kwargs)`` call
+    (``args[0]`` is the tensor); device and dtype are None where the call keeps them."""
+    device: object = kwargs.get("device")
+    dtype: torch.dtype | None = kwargs.get("dtype")
+    non_blocking = bool(kwargs.get("non_blocking", False))
+    copy = bool(kwargs.get("copy", False))
+    rest = list(args[1:])
+    if rest and isinstance(rest[0], torch.Tensor):
+        other = rest.pop(0)
+        device, dtype = other.device, other.dtype
+    elif rest and isinstance(rest[0], (str, torch.device, FakeDevice, int)) and not isinstance(
+        rest[0], bool
+    ):
+        device = rest.pop(0)
+    if rest and isinstance(rest[0], torch.dtype):
+        dtype = rest.pop(0)
+    if rest:
+        non_blocking = bool(rest.pop(0))
+    if rest:
+        copy = bool(rest.pop(0))
+    return device, dtype, non_blocking, copy
+
+
+def move_to(
+    src: torch.Tensor,
+    vendor: FakeVendor,
+    index: int,
+    dtype: torch.dtype | None,
+    non_blocking: bool,
+    copy: bool,
+) -> torch.Tensor:
+    """``src.to(<fake device index>, dtype, non_blocking, copy)``, as a vendor runs it.
+
+    Already there (same dtype, no ``copy``): ``src`` itself. A dtype change on the device:
+    an asynchronous kernel. From the host or another device: a fresh device tensor filled
+    by an emulated copy (asynchronous only for ``non_blocking`` from pinned memory).
+    """
+    if isinstance(src, FakeDeviceTensor) and src._fake_vendor is vendor and (
+        src._fake_index == index
+    ):
+        if (dtype is None or dtype == src.dtype) and not copy:
+            return src
+        return _compute(  # type: ignore[no-any-return]
+            torch._C.TensorBase.to, (src, dtype or src.dtype), {"copy": True}, vendor, index
+        )
+    with _NoTF():
+        out = torch.empty_like(plain(src), dtype=dtype or src.dtype, device="cpu")
+    vendor.memory.add_device(out, index)
+    dev = wrap(out, vendor, index)
+    _copy((dev, src), {"non_blocking": non_blocking}, vendor, index)
+    return dev
 
 
 def _wrap_all(out: Any, vendor: FakeVendor, index: int) -> Any:
@@ -158,6 +226,17 @@ def _unwrap(tree: Any, *, snapshot_host: bool, keep: tuple[object, ...] = ()) ->
         return x
 
     return pytree.tree_map(u, tree)
+
+
+def _count_uploads(vendor: FakeVendor, tree: Any, keep: tuple[object, ...]) -> None:
+    """Count host tensors handed to a device kernel as implicit synchronous uploads."""
+    for x in pytree.tree_flatten(tree)[0]:
+        if (
+            isinstance(x, torch.Tensor) and not isinstance(x, FakeDeviceTensor)
+            and x.dim() > 0 and not any(x is k for k in keep)
+        ):
+            vendor.tally.add("h2d")
+            vendor.tally.add("syncs")
 
 
 def _targets_cpu(args: tuple[Any, ...], kwargs: dict[str, Any]) -> bool:
@@ -193,7 +272,9 @@ def _copy(args: tuple[Any, ...], kwargs: dict[str, Any], vendor: FakeVendor, ind
     def run() -> None:
         pd.copy_(ps)
 
+    tally = vendor.tally
     if src_dev and not dst_dev:  # device to host
+        tally.add("d2h")
         converting = pd.dtype != ps.dtype or not pd.is_contiguous() or pd.stride() != ps.stride()
         if non_blocking and converting and cfg.strided_d2h_bug:
             staging = torch.zeros(ps.shape, dtype=ps.dtype)
@@ -204,10 +285,13 @@ def _copy(args: tuple[Any, ...], kwargs: dict[str, Any], vendor: FakeVendor, ind
         if not non_blocking or not (cfg.pageable_async or vendor.memory.is_pinned(pd)):
             stream.synchronize()
     elif dst_dev and not src_dev:  # host to device
+        tally.add("h2d")
         stream.enqueue(run)
         if not non_blocking or not (cfg.pageable_async or vendor.memory.is_pinned(ps)):
             stream.synchronize()
-    else:  # device to device: asynchronous regardless of non_blocking
+    else:  # device to device: a kernel, asynchronous regardless of non_blocking
+        tally.add("d2d")
+        tally.add("launches")
         stream.enqueue(run)
     return dst
 
@@ -218,6 +302,8 @@ def _enqueue_mutation(
     target = kwargs["out"] if kwargs.get("out") is not None else args[0]
     keep = tuple(pytree.tree_flatten(target)[0])
     pa, pk = _unwrap((args, kwargs), snapshot_host=True, keep=keep)
+    _count_uploads(vendor, (args, kwargs), keep)
+    vendor.tally.add("launches")
     vendor.current_stream(index).enqueue(lambda: func(*pa, **pk))
     return target
 
@@ -244,7 +330,12 @@ def _compute(
         vendor.current_stream(index).synchronize()
         pa, pk = _unwrap((args, kwargs), snapshot_host=False)
         with _NoTF():
-            return _wrap_all(func(*pa, **pk), vendor, index)
+            out = func(*pa, **pk)
+        for r in pytree.tree_flatten(out)[0]:
+            if isinstance(r, torch.Tensor):
+                vendor.memory.add_device(r, index)
+        vendor.tally.add("launches")
+        return _wrap_all(out, vendor, index)
     mflat, spec = pytree.tree_flatten(mout)
     mtensors = [t for t in mflat if isinstance(t, torch.Tensor)]
     if not mtensors:  # metadata answer (size, data_ptr, ...): ask the real tensors
@@ -269,6 +360,9 @@ def _compute(
         else:
             outs.append(m)
     pa, pk = _unwrap((args, kwargs), snapshot_host=True)
+    _count_uploads(vendor, (args, kwargs), ())
+    if _name(func) not in _NO_KERNEL:
+        vendor.tally.add("launches")
 
     def run() -> None:
         res = [r for r in pytree.tree_flatten(func(*pa, **pk))[0] if isinstance(r, torch.Tensor)]

@@ -21,7 +21,8 @@ from typing import TYPE_CHECKING, Any
 
 import torch
 
-from kvactors.testing._device import FakeDeviceError, parse_fake_device
+from kvactors.testing._counters import OpCounter, OpCounts, OpTally
+from kvactors.testing._device import FakeDevice, FakeDeviceError, parse_fake_device
 from kvactors.testing._events import FakeEvent
 from kvactors.testing._memory import FakeMemory
 from kvactors.testing._streams import FakeExternalStream, FakeStream, FakeStreamContext
@@ -115,7 +116,8 @@ class FakeVendor:
             raise ValueError(f"fake vendor kind must be one of {_KINDS}, got {kind!r}")
         self.kind = kind
         self.knobs = knobs
-        self.memory = FakeMemory()
+        self.tally = OpTally()
+        self.memory = FakeMemory(self.tally)
         self.ipc_events: dict[bytes, Any] = {}
         self.ipc_storages: dict[bytes, Any] = {}
         self.open_owners: list[Any] = []
@@ -129,6 +131,7 @@ class FakeVendor:
         self._handles = itertools.count(1)
         self._closed = False
         self._initialized = False
+        self.torch_devices = False  # set by the installation (claim_device_name)
         attrs: dict[str, Any] = {"_vendor": self, "__module__": f"torch_{kind}"}
         handle = property(lambda s: s.handle)
         self.Stream: type[FakeStream] = type(
@@ -157,6 +160,13 @@ class FakeVendor:
         if not 0 <= idx < self.device_count():
             raise FakeDeviceError(f"invalid device ordinal {idx} ({self.device_count()} present)")
         return idx
+
+    def make_device(self, index: int) -> torch.device | FakeDevice:
+        """The device object of ordinal ``index``: a real ``torch.device`` when this fake
+        owns the process's private device name, else a :class:`FakeDevice`."""
+        if self.torch_devices:
+            return torch.device(self.kind, index)
+        return FakeDevice(self.kind, index)
 
     def is_available(self) -> bool:
         """Whether a fake device is present."""
@@ -289,9 +299,10 @@ class FakeVendor:
         with self._lock:
             streams = [s for s in self._all_streams() if s.device_index == idx]
         errors: list[BaseException] = []
+        self.tally.add("syncs")
         for s in streams:
             try:
-                s.synchronize()
+                s.worker.synchronize()
             except FakeDeviceError as exc:
                 errors.append(exc)
         if errors:
@@ -332,8 +343,16 @@ class FakeVendor:
         Keeps every stride and offset (padded, permuted, gapped views stay as they are).
         The caller must not use ``t`` itself afterwards.
         """
-        self.memory.add_device(t, self.device_index(index))
+        self.memory.add_device(t, self.device_index(index), fresh=False)
         return wrap(t, self, index)
+
+    def counters(self) -> OpCounts:
+        """A snapshot of the device-operation counters (see :class:`OpCounts`)."""
+        return self.tally.snapshot()
+
+    def counting(self) -> OpCounter:
+        """``with fake.counting() as ops: call()``; ``ops.counts`` is what the call cost."""
+        return OpCounter(self.tally)
 
     def peek(self, t: torch.Tensor) -> torch.Tensor:
         """The bytes of device tensor ``t`` right now, ignoring every stream (a clone)."""

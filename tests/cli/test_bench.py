@@ -25,6 +25,10 @@ def test_bench_tiny(tmp_path: pathlib.Path, capsys: pytest.CaptureFixture[str]) 
         assert r["raw_gbps"] > 0
     assert {r["direction"] for r in data["runtime"]} == {"gather", "scatter"}
     assert data["messaging"]["ask_us"] > 0
+    # The vendor part: kvactors' device ops per call on both fake vendors, each layout.
+    ours = [r for r in data["vendor"] if r["contender"] == "kvactors"]
+    assert {(r["vendor"], r["layout"]) for r in ours} >= {("mlu", "HND"), ("musa", "KV lists")}
+    assert all(r["counts"]["d2h"] + r["counts"]["h2d"] >= r["chunks"] for r in ours)
     png = (out / "bench.png").read_bytes()
     assert png.startswith(b"\x89PNG\r\n\x1a\n")
     assert len(png) > 10_000

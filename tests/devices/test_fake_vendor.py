@@ -102,7 +102,7 @@ def test_kernels_are_enqueued_and_views_alias() -> None:
         assert isinstance(out, FakeDeviceTensor)
         assert out.device.type == "mlu"
         assert torch.equal(out.cpu(), torch.tensor([[2.0, 4], [10, 12], [18, 20]]))
-        empty = torch.empty(4, device=dev.device)  # type: ignore[call-overload]
+        empty = torch.empty(4, device=dev.device)  # type: ignore[call-overload,arg-type]
         assert isinstance(empty, FakeDeviceTensor)
 
 

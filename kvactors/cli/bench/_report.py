@@ -31,4 +31,5 @@ class BenchReport(msgspec.Struct, kw_only=True):
     transfer: list[BenchRow]
     runtime: list[RuntimeRow]
     messaging: dict[str, float] | None
+    vendor: list[dict[str, Any]] | None = None
     seconds: float = 0.0

@@ -11,7 +11,10 @@ Three parts, each a ratio measured inside one run (absolute GB/s on shared hosts
   ``--device`` (message hop, actors, lane thread, completion) against a raw contiguous copy of
   the same bytes between that device and the host, interleaved;
 * **messaging** (:func:`kvactors.cli.bench.messaging.run_messaging_bench`): the runtime's hops
-  against bare asyncio/threading floors.
+  against bare asyncio/threading floors;
+* **vendor** (:func:`kvactors.cli.bench.vendor.run_vendor_bench`): on the fake MLU and MUSA,
+  kvactors next to LMCache's own backend per layout and direction: device operations per
+  call (launches, copies, host syncs, allocations) and host time per call.
 
 Kernel figures are host-side (the paged pools are CPU memory), so they are measured once
 whatever ``--device`` says; the runtime figures follow ``--device``.
@@ -55,6 +58,7 @@ class BenchConfig(msgspec.Struct, frozen=True, kw_only=True):
     include_lmcache: bool = True
     messaging: bool = True
     runtime: bool = True
+    vendor: bool = True
     seed: int = 0
 
 
@@ -173,8 +177,17 @@ def run_bench(cfg: BenchConfig, *, progress: Callable[[str], None] | None = None
         m = run_messaging_bench(n=300, reps=5) if cfg.quick else run_messaging_bench()
         messaging = msgspec.to_builtins(m)
         step("messaging")
+    vendor = None
+    if cfg.vendor:
+        import dataclasses
+
+        from kvactors.cli.bench.vendor import run_vendor_bench
+
+        vreps = cfg.reps if cfg.reps is not None else (5 if cfg.quick else 30)
+        vendor = [dataclasses.asdict(r) for r in run_vendor_bench(reps=vreps)]
+        step("vendor")
     return BenchReport(meta=meta, transfer=rows, runtime=runtime, messaging=messaging,
-                       seconds=time.perf_counter() - t0)
+                       vendor=vendor, seconds=time.perf_counter() - t0)
 
 
 def add_arguments(ap: argparse.ArgumentParser) -> None:
@@ -197,6 +210,8 @@ def add_arguments(ap: argparse.ArgumentParser) -> None:
     ap.add_argument("--no-lmcache", action="store_true", help="skip LMCache's torch path")
     ap.add_argument("--no-messaging", action="store_true", help="skip the messaging figures")
     ap.add_argument("--no-runtime", action="store_true", help="skip the through-runtime figures")
+    ap.add_argument("--no-vendor", action="store_true",
+                    help="skip kvactors vs LMCache's own MLU/MUSA ops on the fake vendors")
     ap.add_argument("--no-plot", action="store_true", help="write the JSON only")
 
 
@@ -211,10 +226,10 @@ def run(args: argparse.Namespace) -> int:
         layouts=tuple(args.layouts) if args.layouts else LAYOUTS,
         directions=tuple(args.directions), threads=threads, reps=args.reps,
         include_lmcache=not args.no_lmcache, messaging=not args.no_messaging,
-        runtime=not args.no_runtime,
+        runtime=not args.no_runtime, vendor=not args.no_vendor,
     )
     n_steps = (len(cfg.layouts) * len(cfg.directions) * len(threads) + int(cfg.runtime)
-               + int(cfg.messaging))
+               + int(cfg.messaging) + int(cfg.vendor))
     bar = _Progress(n_steps)
     try:
         report = run_bench(cfg, progress=bar.step)
@@ -235,6 +250,12 @@ def run(args: argparse.Namespace) -> int:
         print(f"messaging: ask {m['ask_us']:.2f} us (bare {m['bare_ask_us']:.2f}, ratio "
               f"{m['ask_ratio']:.2f}); blocking call {m['blocking_us']:.2f} us (bare "
               f"{m['bare_thread_us']:.2f}, ratio {m['blocking_ratio']:.2f})")
+    if report.vendor is not None:
+        from kvactors.cli.bench.vendor import VendorRow, format_vendor_table
+
+        print(format_vendor_table(
+            [VendorRow(**{**d, "violations": tuple(d["violations"])}) for d in report.vendor]
+        ))
     print(f"wrote {json_path}", end="")
     if not args.no_plot:
         from kvactors.cli.bench._plot import plot

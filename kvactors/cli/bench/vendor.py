@@ -1,0 +1,346 @@
+"""kvactors next to LMCache's own MLU and MUSA backends, on the fake vendors.
+
+For each vendor, layout LMCache's backend serves there (MLU: NHD, HND, MLA; MUSA: NHD, MLA,
+K/V lists) and direction, both contenders move the same blocks between the same fake device
+caches and host chunks:
+
+* ``kvactors``: ``Runtime.transfer`` on the caller's current stream (what the
+  ``kvactors_mlu`` / ``kvactors_musa`` LMCache plugin calls);
+* ``lmcache``: LMCache's ``MluDeviceOps`` (lmcache >= 0.5.7) / ``MusaDeviceOps``
+  (built in), unmodified, found through the ``kvactors.baselines`` entry points
+  ``lmcache_mlu_ops`` / ``lmcache_musa_ops`` (kvactors never imports lmcache).
+
+Reported per call: the device operations the fake counted (kernel launches, H2D/D2H/D2D
+copies, host synchronisations, device allocations; ``kvactors.testing`` ``OpCounts``), the
+host time until the call returns and until its work completed (call + device synchronize),
+medians over interleaved repetitions, and whether kvactors meets the per-call budget
+(:func:`budget_violations`, issue 11 item 6). Fake host times measure Python and
+synchronisation overhead on this machine, not a card: compare contenders, not absolutes.
+
+torch names one private device per process, so each vendor runs in its own interpreter
+(``python -m kvactors.cli.bench.vendor --kind mlu``) with ``KVACTORS_FAKE_VENDOR`` set;
+:func:`run_vendor_bench` does that and gathers the JSON.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import json
+import os
+import random
+import statistics
+import subprocess
+import sys
+import time
+from typing import TYPE_CHECKING, Any
+
+import torch
+
+if TYPE_CHECKING:
+    from collections.abc import Callable, Sequence
+
+    from kvactors.testing import FakeVendor
+
+__all__ = (
+    "VENDOR_LAYOUTS",
+    "VendorRow",
+    "budget_violations",
+    "format_vendor_table",
+    "measure_vendor",
+    "run_vendor_bench",
+)
+
+#: Layouts LMCache's own backend serves, per vendor (lmcache-057.md sections 1 and 3).
+VENDOR_LAYOUTS: dict[str, tuple[str, ...]] = {
+    "mlu": ("NHD", "HND", "MLA"),
+    "musa": ("NHD", "MLA", "KV lists"),
+}
+_FORMATS = {"NHD": 1, "HND": 6, "MLA": 3, "KV lists": 9}
+
+
+@dataclasses.dataclass(frozen=True)
+class VendorRow:
+    """One (vendor, layout, direction, contender) measurement."""
+
+    vendor: str
+    layout: str
+    direction: str  # "gather" (D2H, store) or "scatter" (H2D, retrieve)
+    contender: str  # "kvactors" or "lmcache"
+    chunks: int
+    planes: int
+    counts: dict[str, int] | None  # per call, steady state; None: contender absent
+    host_us: float | None  # median host time until the call returned
+    complete_us: float | None  # median host time until its work completed
+    note: str = ""
+    violations: tuple[str, ...] = ()
+
+
+def budget_violations(
+    counts: dict[str, int], *, chunks: int, planes: int, gather: bool, contiguous: bool
+) -> list[str]:
+    """Where one call's device operations exceed kvactors' per-call budget (issue 11.6).
+
+    At most one gather/scatter launch per chunk and K/V plane (device-to-device copies count
+    as launches) plus one host<->device copy per chunk; at most one host synchronisation per
+    call, none for a D2H into contiguous chunks (the caller synchronises before it reads);
+    no device allocation in steady state.
+    """
+    out: list[str] = []
+    if counts["launches"] > chunks * planes:
+        out.append(f"launches {counts['launches']} > {chunks * planes} (chunks x planes)")
+    if counts["h2d"] + counts["d2h"] > chunks:
+        out.append(f"host<->device copies {counts['h2d'] + counts['d2h']} > {chunks} (chunks)")
+    sync_limit = 0 if (gather and contiguous) else 1
+    if counts["syncs"] > sync_limit:
+        out.append(f"host syncs {counts['syncs']} > {sync_limit}")
+    if counts["allocations"] > 0:
+        out.append(f"device allocations {counts['allocations']} > 0")
+    return out
+
+
+@dataclasses.dataclass(frozen=True)
+class _Shape:
+    nl: int = 8
+    nb: int = 64
+    bs: int = 16
+    nh: int = 4
+    hs: int = 64
+    mla_hs: int = 288
+    chunk_blocks: int = 4
+    chunks: int = 2
+    dtype: str = "bfloat16"
+
+
+def _operands(
+    fake: FakeVendor, layout: str, shape: _Shape, seed: int
+) -> tuple[Any, list[torch.Tensor], Any]:
+    """(device paged operand, host chunks, kvactors ShapeDesc) for one layout."""
+    from kvactors.layouts import ShapeDesc
+
+    dtype = getattr(torch, shape.dtype)
+    gen = torch.Generator().manual_seed(seed)
+    mla = layout == "MLA"
+    nh, hs = (1, shape.mla_hs) if mla else (shape.nh, shape.hs)
+    unit = {
+        "NHD": (2, shape.nb, shape.bs, nh, hs),
+        "HND": (2, shape.nb, nh, shape.bs, hs),
+        "MLA": (shape.nb, shape.bs, hs),
+        "KV lists": (shape.nb, shape.bs, nh, hs),
+    }[layout]
+
+    # One allocation holding every layer (per-layer views), as vLLM's allocator does.
+    planes = 2 if layout == "KV lists" else 1
+    pool = fake.to_device(torch.randn((planes * shape.nl, *unit), generator=gen).to(dtype))
+    units = list(pool.unbind(0))
+    tokens = shape.chunk_blocks * shape.bs
+    if layout == "KV lists":
+        paged: Any = [units[: shape.nl], units[shape.nl :]]
+    else:
+        paged = units
+    oshape = (shape.nl, tokens, hs) if mla else (2, shape.nl, tokens, nh * hs)
+    objects = [torch.zeros(oshape, dtype=dtype).pin_memory() for _ in range(shape.chunks)]
+    desc = ShapeDesc(
+        kv_size=1 if mla else 2, nl=shape.nl, nb=shape.nb, bs=shape.bs, nh=nh, hs=hs,
+        element_size=torch.empty(0, dtype=dtype).element_size(), dtype=shape.dtype,
+    )
+    return paged, objects, desc
+
+
+def _lmcache_contender(kind: str) -> Callable[..., Callable[[], None]] | None:
+    from importlib.metadata import entry_points
+
+    for ep in entry_points(group="kvactors.baselines"):
+        if ep.name == f"lmcache_{kind}_ops":
+            try:
+                return ep.load()  # type: ignore[no-any-return]
+            except ImportError:
+                return None
+    return None
+
+
+def _time(fns: dict[str, Callable[[], None]], sync: Callable[[], None], reps: int) -> dict[
+    str, tuple[float, float]
+]:
+    ret: dict[str, list[float]] = {k: [] for k in fns}
+    done: dict[str, list[float]] = {k: [] for k in fns}
+    for _ in range(reps):
+        for name, fn in fns.items():  # interleaved, so drift hits both alike
+            t0 = time.perf_counter()
+            fn()
+            t1 = time.perf_counter()
+            sync()
+            t2 = time.perf_counter()
+            ret[name].append(t1 - t0)
+            done[name].append(t2 - t0)
+    return {k: (statistics.median(ret[k]) * 1e6, statistics.median(done[k]) * 1e6) for k in fns}
+
+
+def measure_vendor(
+    kind: str, *, reps: int = 30, seed: int = 0, lmcache: bool = True
+) -> list[VendorRow]:
+    """Measure every layout and direction of ``kind`` in this process (see module doc).
+
+    Args:
+        kind: ``"mlu"`` or ``"musa"``.
+        reps: timed repetitions per contender (0: counts only).
+        seed: operand and fake seed.
+        lmcache: also measure LMCache's own ops (needs the fake's real torch devices).
+
+    Raises:
+        RuntimeError: LMCache's ops were asked for but this process's torch device name
+            belongs to the other vendor.
+    """
+    from kvactors.layouts import Direction
+    from kvactors.plans import TransferRequest
+    from kvactors.runtime import Runtime
+    from kvactors.testing import fake_vendor
+
+    torch.set_num_threads(1)
+    shape = _Shape()
+    make_lmcache = _lmcache_contender(kind) if lmcache else None
+    rows: list[VendorRow] = []
+    with fake_vendor(kind, seed=seed) as fake:
+        if lmcache and not fake.torch_devices:
+            raise RuntimeError(
+                f"torch's device name is taken in this process; run {kind} in its own "
+                f"interpreter (KVACTORS_FAKE_VENDOR={kind})"
+            )
+        mod = getattr(torch, kind)
+        backend = Runtime(kind, device_index=0, default_timeout=120.0)
+        with backend as rt:
+            for layout in VENDOR_LAYOUTS[kind]:
+                paged, objects, desc = _operands(fake, layout, shape, seed)
+                n_ids = shape.chunk_blocks * shape.chunks
+                ids = tuple(random.Random(seed).sample(range(shape.nb), n_ids))
+                planes = 1 if layout == "MLA" else 2
+                for dname, direction in (("gather", Direction.D2H), ("scatter", Direction.H2D)):
+                    req = TransferRequest(
+                        fmt=_FORMATS[layout], direction=int(direction), block_ids=ids,
+                        chunk_size=shape.chunk_blocks * shape.bs, shape=desc,
+                    )
+
+                    def ours(
+                        req: TransferRequest = req, paged: Any = paged,
+                        objects: list[torch.Tensor] = objects,
+                    ) -> None:
+                        handle = rt.backend.current_stream_handle(0)
+                        rt.transfer(req, paged, objects, stream_handle=handle)
+
+                    fns: dict[str, Callable[[], None]] = {"kvactors": ours}
+                    note = ""
+                    if not lmcache:
+                        note = "not measured"
+                    elif make_lmcache is None:
+                        note = f"lmcache (or its {kind} ops) not importable"
+                    else:
+                        try:
+                            fns["lmcache"] = make_lmcache(
+                                req, paged, objects, torch.device(kind, 0)
+                            )
+                        except (ImportError, NotImplementedError) as exc:
+                            note = f"lmcache: {exc}"
+                    for fn in fns.values():  # warm up: plans, caches, allocator
+                        fn()
+                        fn()
+                        mod.synchronize()
+                    counts: dict[str, dict[str, int]] = {}
+                    for name, fn in fns.items():
+                        with fake.counting() as ops:
+                            fn()
+                        mod.synchronize()
+                        counts[name] = ops.counts.as_dict()
+                    times = _time(fns, mod.synchronize, reps) if reps > 0 else {
+                        k: (float("nan"), float("nan")) for k in fns
+                    }
+                    for name in ("kvactors", "lmcache"):
+                        if name not in fns:
+                            rows.append(VendorRow(kind, layout, dname, name, shape.chunks,
+                                                  planes, None, None, None, note))
+                            continue
+                        viol: tuple[str, ...] = ()
+                        if name == "kvactors":
+                            viol = tuple(budget_violations(
+                                counts[name], chunks=shape.chunks, planes=planes,
+                                gather=dname == "gather", contiguous=True,
+                            ))
+                        rows.append(VendorRow(
+                            kind, layout, dname, name, shape.chunks, planes, counts[name],
+                            times[name][0], times[name][1], "", viol,
+                        ))
+    return rows
+
+
+def run_vendor_bench(
+    kinds: Sequence[str] = ("mlu", "musa"), *, reps: int = 30, timeout: float = 600.0
+) -> list[VendorRow]:
+    """Run :func:`measure_vendor` for each kind in its own interpreter; gather the rows."""
+    rows: list[VendorRow] = []
+    for kind in kinds:
+        env = {**os.environ, "KVACTORS_FAKE_VENDOR": kind, "OMP_NUM_THREADS": "1",
+               "LMCACHE_TRACK_USAGE": "false"}
+        proc = subprocess.run(
+            [sys.executable, "-m", "kvactors.cli.bench.vendor", "--kind", kind,
+             "--reps", str(reps)],
+            env=env, capture_output=True, text=True, timeout=timeout, check=False,
+        )
+        lines = [ln for ln in proc.stdout.splitlines() if ln.startswith("[")]
+        if proc.returncode != 0 or not lines:
+            raise RuntimeError(
+                f"vendor bench for {kind} failed ({proc.returncode}): {proc.stderr[-2000:]}"
+            )
+        for d in json.loads(lines[-1]):
+            d["violations"] = tuple(d["violations"])
+            rows.append(VendorRow(**d))
+    return rows
+
+
+def _fmt_counts(c: dict[str, int] | None) -> str:
+    if c is None:
+        return "-"
+    return (f"{c['launches']}L {c['h2d']}/{c['d2h']}/{c['d2d']} {c['syncs']}S "
+            f"{c['allocations']}A")
+
+
+def format_vendor_table(rows: Sequence[VendorRow]) -> str:
+    """A plain-text side-by-side table (kvactors | LMCache's own backend)."""
+    head = (f"{'vendor':6} {'layout':9} {'dir':8} | {'kvactors ops':18} {'ret us':>8} "
+            f"{'done us':>8} | {'lmcache ops':18} {'ret us':>8} {'done us':>8} | budget")
+    lines = [head, "-" * len(head)]
+    by = {(r.vendor, r.layout, r.direction, r.contender): r for r in rows}
+    seen: list[tuple[str, str, str]] = []
+    for r in rows:
+        key = (r.vendor, r.layout, r.direction)
+        if key not in seen:
+            seen.append(key)
+    for key in seen:
+        k, lm = by.get((*key, "kvactors")), by.get((*key, "lmcache"))
+
+        def cell(r: VendorRow | None) -> str:
+            if r is None or r.counts is None:
+                return f"{'-':18} {'-':>8} {'-':>8}"
+            return f"{_fmt_counts(r.counts):18} {r.host_us or 0:8.0f} {r.complete_us or 0:8.0f}"
+
+        budget = "ok" if k is not None and not k.violations else "; ".join(
+            k.violations if k is not None else ("-",)
+        )
+        lines.append(f"{key[0]:6} {key[1]:9} {key[2]:8} | {cell(k)} | {cell(lm)} | {budget}")
+    lines.append("ops: <L>aunches <h2d>/<d2h>/<d2d> copies <S>yncs <A>llocations, per call; "
+                 "ret: host time to return, done: to completion (fake devices)")
+    return "\n".join(lines)
+
+
+def main(argv: Sequence[str] | None = None) -> int:
+    """``python -m kvactors.cli.bench.vendor --kind mlu|musa``: one vendor, JSON rows on stdout."""
+    import argparse
+
+    ap = argparse.ArgumentParser(prog="python -m kvactors.cli.bench.vendor")
+    ap.add_argument("--kind", choices=sorted(VENDOR_LAYOUTS), required=True)
+    ap.add_argument("--reps", type=int, default=30)
+    args = ap.parse_args(argv)
+    rows = measure_vendor(args.kind, reps=args.reps)
+    print(json.dumps([dataclasses.asdict(r) for r in rows]))
+    return 0
+
+
+if __name__ == "__main__":
+    sys.exit(main())

@@ -1,0 +1,112 @@
+"""Device-operation counters of a fake vendor: what one call cost the "device" and the host.
+
+Theory of operation. Every fake entry point that would cost something on a real card bumps
+one field of the vendor's :class:`OpTally` as it happens, on whatever thread does it:
+
+* ``launches``: kernels enqueued on a stream (tensor ops producing or mutating device memory,
+  ``index_select``, ``copy_`` within a device, ``fill_``...). Device-to-device ``copy_`` is a
+  kernel here (``d2d`` counts it again as a copy).
+* ``h2d`` / ``d2h`` / ``d2d``: ``copy_`` calls by direction (one DMA each); a host tensor
+  (not 0-dim) passed to a device kernel counts as an implicit H2D upload plus a sync, and
+  ``torch.tensor(data, device=dev)`` as one too.
+* ``syncs``: the host waited for the device: ``Stream.synchronize``, ``Event.synchronize``,
+  ``synchronize()`` (once per call), a blocking copy (``non_blocking=False`` or pageable
+  memory) and host reads of device tensors (``.cpu()``, ``.item()``...).
+* ``allocations`` / ``alloc_bytes``: fresh device memory (factories, op outputs,
+  ``Tensor.to`` a device); test helpers that *declare* memory (``adopt``) do not count.
+
+:class:`OpCounts` is an immutable snapshot; subtracting two gives what happened between
+them. ``FakeVendor.counting()`` wraps that in a context manager. Counts are vendor-wide, so
+measure one call at a time (other threads' device work in the window is counted too).
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import threading
+
+__all__ = ("OpCounter", "OpCounts", "OpTally")
+
+
+@dataclasses.dataclass(frozen=True)
+class OpCounts:
+    """A snapshot (or a difference) of a fake vendor's device-operation counters."""
+
+    launches: int = 0
+    h2d: int = 0
+    d2h: int = 0
+    d2d: int = 0
+    syncs: int = 0
+    allocations: int = 0
+    alloc_bytes: int = 0
+
+    @property
+    def copies(self) -> int:
+        """Copies in every direction."""
+        return self.h2d + self.d2h + self.d2d
+
+    @property
+    def host_device_copies(self) -> int:
+        """Copies that cross the host/device boundary (H2D plus D2H)."""
+        return self.h2d + self.d2h
+
+    def __sub__(self, other: OpCounts) -> OpCounts:
+        return OpCounts(*(
+            getattr(self, f.name) - getattr(other, f.name) for f in dataclasses.fields(self)
+        ))
+
+    def as_dict(self) -> dict[str, int]:
+        """The fields (and ``copies``) as a plain dict, for reports and JSON."""
+        out = dataclasses.asdict(self)
+        out["copies"] = self.copies
+        return out
+
+
+class OpTally:
+    """The live, thread-safe counters behind a fake vendor."""
+
+    def __init__(self) -> None:
+        self._lock = threading.Lock()
+        self._values = dict.fromkeys((f.name for f in dataclasses.fields(OpCounts)), 0)
+
+    def add(self, field: str, n: int = 1) -> None:
+        """Add ``n`` to ``field``."""
+        with self._lock:
+            self._values[field] += n
+
+    def allocation(self, nbytes: int) -> None:
+        """Count one device allocation of ``nbytes``."""
+        with self._lock:
+            self._values["allocations"] += 1
+            self._values["alloc_bytes"] += nbytes
+
+    def snapshot(self) -> OpCounts:
+        """The counters now."""
+        with self._lock:
+            return OpCounts(**self._values)
+
+
+class OpCounter:
+    """``with fake.counting() as ops: ...``; then ``ops.counts`` holds what the block did.
+
+    Inside the block ``ops.counts`` is what happened so far.
+    """
+
+    def __init__(self, tally: OpTally) -> None:
+        self._tally = tally
+        self._start = tally.snapshot()
+        self._end: OpCounts | None = None
+
+    @property
+    def counts(self) -> OpCounts:
+        """Counts since the block started (final once it ended)."""
+        end = self._end if self._end is not None else self._tally.snapshot()
+        return end - self._start
+
+    def __enter__(self) -> OpCounter:
+        self._start = self._tally.snapshot()
+        self._end = None
+        return self
+
+    def __exit__(self, *exc: object) -> None:
+        self._end = self._tally.snapshot()

@@ -1,0 +1,265 @@
+"""Byte for byte against LMCache's own MLU and MUSA ops, on the fake vendors.
+
+LMCache's ``MluDeviceOps`` (0.5.7) and its built-in ``MusaDeviceOps`` run *unmodified* on
+``kvactors.testing.fake_vendor`` (vendor code as written: ``torch.device("musa", 0)``,
+``tensor.new_empty``, ``index_select``, asynchronous copies on the current stream), next to
+kvactors' plugin for the same device type, on identical freshly built operands. For every
+seeded random case (layouts LMCache supports there, bf16/fp16/fp32, skipped prefixes,
+partial last chunks, both directions, several allocations) either
+
+* both succeed and every byte of the chunks and of the paged caches is identical, or
+* LMCache refuses; then kvactors refuses too (and touched nothing), unless the layout is one
+  kvactors deliberately supports beyond LMCache's backend (``EXTRAS``, listed in
+  docs/comparison.md): then kvactors' bytes equal LMCache's generic torch path on host copies.
+
+What runs is chosen from the importable lmcache: the MLU ops exist from 0.5.7 on. One
+vendor per process (torch names one private device per process): the other vendor's case
+skips here and runs under ``KVACTORS_FAKE_VENDOR=<kind>`` (scripts/test-fakes.sh).
+"""
+
+from __future__ import annotations
+
+import contextlib
+import importlib
+import random
+from typing import TYPE_CHECKING, Any
+
+import pytest
+import torch
+
+from kvactors.layouts import KVFormat
+from kvactors.testing import fake_vendor
+from kvactors.testing.pytest_plugin import require_torch_devices
+from tests._transfer_cases import Case, raw
+
+from .conftest import LMCACHE_MISSING, SKIP_REASON
+
+if TYPE_CHECKING:
+    from collections.abc import Iterator
+
+    from kvactors.testing import FakeVendor
+
+pytestmark = [pytest.mark.lmcache, pytest.mark.skipif(LMCACHE_MISSING, reason=SKIP_REASON)]
+
+F = KVFormat
+#: LMCache's own ops and the formats its backend serves there (lmcache-057.md section 1, 3).
+VENDORS: dict[str, tuple[str, str, str, frozenset[KVFormat]]] = {
+    "mlu": (
+        "lmcache.v1.platform.devices.mlu.device_ops", "MluDeviceOps", "KvactorsMluOps",
+        frozenset({F.NL_X_TWO_NB_BS_NH_HS, F.NL_X_TWO_NB_NH_BS_HS, F.NL_X_NB_BS_HS}),
+    ),
+    "musa": (
+        "lmcache.v1.platform.devices.musa.device_ops", "MusaDeviceOps", "KvactorsMusaOps",
+        frozenset({F.NL_X_TWO_NB_BS_NH_HS, F.NL_X_NB_BS_HS, F.TWO_X_NL_X_NB_BS_NH_HS}),
+    ),
+}
+#: Layouts LMCache's backend refuses and kvactors deliberately serves (docs/comparison.md).
+EXTRAS: dict[str, frozenset[KVFormat]] = {
+    "mlu": frozenset({F.NL_X_NB_TWO_BS_NH_HS, F.NL_X_NB_TWO_NH_BS_HS, F.TWO_X_NL_X_NB_BS_NH_HS}),
+    "musa": frozenset({F.NL_X_TWO_NB_NH_BS_HS, F.NL_X_NB_TWO_BS_NH_HS, F.NL_X_NB_TWO_NH_BS_HS}),
+}
+DTYPES = (torch.bfloat16, torch.float16, torch.float32)
+ALLOCS = ("stacked", "separate", "gapped", "shuffled", "padded")
+CASES = 60
+
+
+def _lmcache_ops_class(kind: str) -> type[Any]:
+    module, name, _, _ = VENDORS[kind]
+    try:
+        return getattr(importlib.import_module(module), name)  # type: ignore[no-any-return]
+    except (ImportError, AttributeError):
+        import lmcache
+
+        version = getattr(lmcache, "__version__", "?")
+        pytest.skip(f"lmcache {version} has no {name} (LMCache's own {kind} backend)")
+
+
+def _desc(case: Case) -> Any:
+    import lmcache.lmcache_native as native
+
+    sd = native.PageBufferShapeDesc()
+    shape = case.shape()
+    for f in ("kv_size", "nl", "nb", "bs", "nh", "hs", "element_size", "block_stride_elems"):
+        setattr(sd, f, getattr(shape, f))
+    sd.dtype = case.dtype
+    return sd
+
+
+def _on_device(fake: FakeVendor, paged: Any, backing: list[torch.Tensor]) -> Any:
+    """The same views, over ``backing`` declared as fake device memory."""
+    dev = {b.untyped_storage().data_ptr(): fake.adopt(b) for b in backing}
+
+    def conv(t: Any) -> Any:
+        if isinstance(t, list):
+            return [conv(x) for x in t]
+        base = dev[t.untyped_storage().data_ptr()]
+        return base.as_strided(t.shape, t.stride(), t.storage_offset())
+
+    return conv(paged)
+
+
+class _Run:
+    """One contender's call on freshly built operands: bytes after, or the refusal."""
+
+    def __init__(self, case: Case, call: Any, fake: FakeVendor | None, args: tuple[Any, ...]):
+        paged, objects, backing = case.build()
+        self.before = [raw(t).clone() for t in (*objects, *backing)]
+        operand = paged if fake is None else _on_device(fake, paged, backing)
+        self.error: BaseException | None = None
+        try:
+            call(operand, objects, *args)
+            if fake is not None:
+                getattr(torch, fake.kind).synchronize()
+        except (TypeError, ValueError, NotImplementedError, RuntimeError) as exc:
+            # RuntimeError: a device-side failure (LMCache's index_select on a bad block id
+            # fails on the stream, after the call returned).
+            self.error = exc
+            if fake is not None:
+                with contextlib.suppress(RuntimeError):
+                    getattr(torch, fake.kind).synchronize()
+        self.after = [raw(t).clone() for t in (*objects, *backing)]
+
+    def same(self, other: _Run) -> bool:
+        return all(torch.equal(a, b) for a, b in zip(self.after, other.after, strict=True))
+
+    def untouched(self) -> bool:
+        return all(torch.equal(a, b) for a, b in zip(self.before, self.after, strict=True))
+
+
+def _random_case(kind: str, rng: random.Random, seed: int) -> tuple[Case, list[int], int, int]:
+    fmt = rng.choice(sorted(VENDORS[kind][3]) * 3 + sorted(EXTRAS[kind]))
+    mla = fmt is F.NL_X_NB_BS_HS
+    case = Case(
+        fmt=fmt, nl=rng.randint(1, 3), nb=rng.randint(8, 14), bs=rng.choice((2, 4, 8)),
+        nh=1 if mla else rng.randint(1, 3), hs=rng.choice((4, 8, 16)),
+        dtype=rng.choice(DTYPES), alloc=rng.choice(ALLOCS), seed=seed,
+        n_objects=rng.randint(1, 3), bpo=rng.randint(1, 3),
+    )
+    capacity = min(case.n_objects * case.bpo, case.nb)
+    n_ids = rng.randint(max(1, capacity - case.bpo + 1), capacity)  # the last chunk may be partial
+    ids = rng.sample(range(case.nb), n_ids)
+    skip = rng.choice((0, 0, rng.randint(0, n_ids)))
+    direction = rng.choice((0, 1))
+    return case, ids, skip, direction
+
+
+@pytest.fixture(params=sorted(VENDORS))
+def vendor(request: pytest.FixtureRequest) -> Iterator[tuple[str, FakeVendor, Any, Any]]:
+    kind: str = request.param
+    require_torch_devices(kind)
+    lm_cls = _lmcache_ops_class(kind)
+    import kvactors_lmcache.ops as kops
+    from kvactors.runtime import Runtime
+
+    with fake_vendor(kind, seed=7, jitter=0.0002) as fake:
+        rt = Runtime(kind, device_index=0, default_timeout=60.0).start()
+        try:
+            ours = getattr(kops, VENDORS[kind][2])(runtime_factory=lambda b, i: rt)
+            yield kind, fake, lm_cls(), ours
+        finally:
+            rt.close()
+
+
+def _transfer(ops: Any, case: Case, ids: list[int], skip: int, direction: int, dev: Any) -> Any:
+    import lmcache.lmcache_native as native
+
+    def call(paged: Any, objects: list[torch.Tensor]) -> None:
+        ops.multi_layer_block_kv_transfer(
+            paged, objects, list(ids), dev, native.TransferDirection(direction), _desc(case),
+            case.bpo * case.bs, native.EngineKVFormat(int(case.fmt)), skip,
+        )  # fmt: skip
+
+    return call
+
+
+def _torch_path(case: Case, ids: list[int], skip: int, direction: int) -> Any:
+    from lmcache.v1.platform.torch_ops import multi_layer_block_kv_transfer
+
+    class _Oracle:
+        def multi_layer_block_kv_transfer(self, *args: Any) -> None:
+            multi_layer_block_kv_transfer(*args)
+
+    return _transfer(_Oracle(), case, ids, skip, direction, torch.device("cpu"))
+
+
+def _check(kind: str, fake: FakeVendor, lm: Any, ours: Any, spec: tuple[Any, ...]) -> str:
+    case, ids, skip, direction = spec
+    dev = torch.device(kind, 0)
+    theirs = _Run(case, _transfer(lm, case, ids, skip, direction, dev), fake, ())
+    mine = _Run(case, _transfer(ours, case, ids, skip, direction, dev), fake, ())
+    label = f"{case} ids={ids} skip={skip} dir={'D2H' if direction else 'H2D'}"
+    if theirs.error is None:
+        assert mine.error is None, f"kvactors refused what LMCache serves: {label}: {mine.error}"
+        assert mine.same(theirs), f"bytes differ from LMCache's {kind} ops: {label}"
+        return "identical"
+    if case.fmt in EXTRAS[kind] and mine.error is None:
+        oracle = _Run(case, _torch_path(case, ids, skip, direction), None, ())
+        assert oracle.error is None, f"LMCache's torch path refused {label}: {oracle.error}"
+        assert mine.same(oracle), f"kvactors' extra layout differs from the torch path: {label}"
+        return "extra"
+    assert mine.error is not None, (
+        f"LMCache's {kind} ops refuse ({theirs.error!r}) but kvactors accepted: {label}"
+    )
+    assert mine.untouched(), f"kvactors refused but modified operands: {label}"
+    return "refused"
+
+
+def test_random_cases_match_lmcache_ops_byte_for_byte(vendor: tuple[Any, ...]) -> None:
+    kind, fake, lm, ours = vendor
+    rng = random.Random(f"differential-{kind}")
+    outcomes: dict[str, int] = {}
+    formats: set[KVFormat] = set()
+    others: set[KVFormat] = set()
+    for i in range(CASES):
+        spec = _random_case(kind, rng, seed=1000 + i)
+        got = _check(kind, fake, lm, ours, spec)
+        outcomes[got] = outcomes.get(got, 0) + 1
+        (formats if got == "identical" else others).add(spec[0].fmt)
+    # The random cases must really have exercised every layout LMCache serves there, and
+    # every layout only kvactors serves.
+    assert formats == set(VENDORS[kind][3]), (formats, outcomes)
+    assert others == set(EXTRAS[kind]), (others, outcomes)
+    assert outcomes.get("identical", 0) >= CASES // 2, outcomes
+
+
+def _refusal_specs(kind: str) -> list[tuple[str, tuple[Any, ...]]]:
+    nhd = F.NL_X_TWO_NB_BS_NH_HS
+    base: dict[str, Any] = {"nl": 2, "nb": 10, "bs": 4, "nh": 2, "hs": 8, "dtype": torch.bfloat16,
+            "alloc": "separate", "seed": 5, "n_objects": 2, "bpo": 2}
+    return [
+        ("negative skip", (Case(fmt=nhd, **base), [1, 2, 3], -1, 1)),
+        ("chunk size not a block multiple", (Case(fmt=nhd, **base), [1, 2, 3], 0, 1)),
+        ("block id out of range", (Case(fmt=nhd, **base), [1, 2, 99], 0, 1)),
+    ]
+
+
+@pytest.mark.parametrize("what", ["negative skip", "chunk size not a block multiple",
+                                  "block id out of range"])
+def test_refusals_match(vendor: tuple[Any, ...], what: str) -> None:
+    """Where LMCache's ops refuse, kvactors refuses too and leaves every byte alone."""
+    kind, fake, lm, ours = vendor
+    spec = dict(_refusal_specs(kind))[what]
+    case, ids, skip, direction = spec
+    dev = torch.device(kind, 0)
+    if what == "chunk size not a block multiple":
+
+        def odd(ops: Any) -> Any:
+            import lmcache.lmcache_native as native
+
+            def call(paged: Any, objects: list[torch.Tensor]) -> None:
+                ops.multi_layer_block_kv_transfer(
+                    paged, objects, list(ids), dev, native.TransferDirection(direction),
+                    _desc(case), case.bpo * case.bs - 1, native.EngineKVFormat(int(case.fmt)), 0,
+                )  # fmt: skip
+
+            return call
+
+        theirs = _Run(case, odd(lm), fake, ())
+        mine = _Run(case, odd(ours), fake, ())
+    else:
+        theirs = _Run(case, _transfer(lm, case, ids, skip, direction, dev), fake, ())
+        mine = _Run(case, _transfer(ours, case, ids, skip, direction, dev), fake, ())
+    if theirs.error is None:
+        pytest.fail(f"LMCache's {kind} ops accepted {what}; the refusal case is stale")
+    assert mine.error is not None, f"kvactors accepted {what} (LMCache: {theirs.error!r})"
+    assert mine.untouched()
