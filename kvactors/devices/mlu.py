@@ -37,6 +37,7 @@ from kvactors.devices.mlu_layouts import (
     normalize_mlu_transfer,
 )
 from kvactors.devices.native import NativeSlot
+from kvactors.errors import InvalidSettingError
 from kvactors.plans import TransferRequest
 
 if TYPE_CHECKING:
@@ -88,7 +89,10 @@ class MluBackend(TorchLikeBackend):
         if layout_source is None:
             layout_source = layout_source_from_env(environ)
         elif layout_source not in ("legacy", "resolved"):
-            raise ValueError(f"layout_source must be 'legacy' or 'resolved', got {layout_source!r}")
+            raise InvalidSettingError(
+                f"layout_source must be 'legacy' or 'resolved', got {layout_source!r}",
+                setting="layout_source",
+            )
         self.layout_source: LayoutSource | None = layout_source
         self.native = NativeSlot("mlu", NATIVE_TRANSFER_ENV, native, environ)
 

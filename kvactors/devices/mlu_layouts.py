@@ -33,7 +33,7 @@ from typing import TYPE_CHECKING, Any, Literal
 
 import torch
 
-from kvactors.errors import OperandTypeError, TransferValidationError
+from kvactors.errors import InvalidSettingError, OperandTypeError, TransferValidationError
 from kvactors.layouts import KVFormat, ShapeDesc
 
 if TYPE_CHECKING:
@@ -76,7 +76,9 @@ def layout_source_from_env(env: Mapping[str, str]) -> LayoutSource | None:
     for s in _SOURCES:
         if raw == s:
             return s
-    raise ValueError(f"{LAYOUT_SOURCE_ENV}={raw!r}: expected 'legacy' or 'resolved'")
+    raise InvalidSettingError(
+        f"{LAYOUT_SOURCE_ENV}={raw!r}: expected 'legacy' or 'resolved'", setting=LAYOUT_SOURCE_ENV
+    )
 
 
 def squeeze_mla(t: torch.Tensor) -> torch.Tensor:

@@ -149,10 +149,14 @@ def vendor(request: pytest.FixtureRequest) -> Iterator[tuple[str, FakeVendor, An
     require_torch_devices(kind)
     lm_cls = _lmcache_ops_class(kind)
     import kvactors_lmcache.ops as kops
+    from kvactors.devices.mlu import MluBackend
     from kvactors.runtime import Runtime
 
     with fake_vendor(kind, seed=7, jitter=0.0002) as fake:
-        rt = Runtime(kind, device_index=0, default_timeout=60.0).start()
+        # LMCache 0.5.7 resolves vLLM-MLU's legacy layout answer itself, so format 1 reaching
+        # the plugin is real NHD memory (as these operands are): declared resolved on MLU.
+        backend = MluBackend(layout_source="resolved") if kind == "mlu" else kind
+        rt = Runtime(backend, device_index=0, default_timeout=60.0).start()
         try:
             ours = getattr(kops, VENDORS[kind][2])(runtime_factory=lambda b, i: rt)
             yield kind, fake, lm_cls(), ours

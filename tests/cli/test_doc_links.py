@@ -96,7 +96,8 @@ _FROM = re.compile(r"^\s*from ([A-Za-z_][\w.]*) import ([\w, ]+?)\s*(?:#.*)?$", 
 _IMPORT = re.compile(r"^\s*import ([A-Za-z_][\w.]*)\s*(?:#.*)?$", re.M)
 _DOTTED = re.compile(r"(?<![\w./-])(kvactors(?:_lmcache)?(?:\.[A-Za-z_]\w*)+)")
 # Dotted names that are not Python objects: entry-point groups, logger names.
-_NOT_OBJECTS = {"kvactors.baselines", "kvactors.demo"}
+# Entry-point groups and logger names, not importable objects.
+_NOT_OBJECTS = {"kvactors.baselines", "kvactors.demo", "kvactors.native_kernels"}
 
 
 def _first_party(name: str) -> bool:

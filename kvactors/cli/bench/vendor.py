@@ -36,6 +36,8 @@ from typing import TYPE_CHECKING, Any
 
 import torch
 
+from kvactors.errors import BackendUnavailableError
+
 if TYPE_CHECKING:
     from collections.abc import Callable, Sequence
 
@@ -201,12 +203,19 @@ def measure_vendor(
     rows: list[VendorRow] = []
     with fake_vendor(kind, seed=seed) as fake:
         if lmcache and not fake.torch_devices:
-            raise RuntimeError(
-                f"torch's device name is taken in this process; run {kind} in its own "
-                f"interpreter (KVACTORS_FAKE_VENDOR={kind})"
+            raise BackendUnavailableError(
+                backend=kind,
+                reason=f"torch's device name is taken in this process; run {kind} in its own "
+                f"interpreter (KVACTORS_FAKE_VENDOR={kind})",
             )
         mod = getattr(torch, kind)
-        backend = Runtime(kind, device_index=0, default_timeout=120.0)
+        # The operands are real NHD memory: on MLU, format 1 is declared resolved.
+        if kind == "mlu":
+            from kvactors.devices.mlu import MluBackend
+
+            backend = Runtime(MluBackend(layout_source="resolved"), default_timeout=120.0)
+        else:
+            backend = Runtime(kind, device_index=0, default_timeout=120.0)
         with backend as rt:
             for layout in VENDOR_LAYOUTS[kind]:
                 paged, objects, desc = _operands(fake, layout, shape, seed)
@@ -285,8 +294,9 @@ def run_vendor_bench(
         )
         lines = [ln for ln in proc.stdout.splitlines() if ln.startswith("[")]
         if proc.returncode != 0 or not lines:
-            raise RuntimeError(
-                f"vendor bench for {kind} failed ({proc.returncode}): {proc.stderr[-2000:]}"
+            raise BackendUnavailableError(
+                backend=kind,
+                reason=f"vendor bench failed ({proc.returncode}): {proc.stderr[-2000:]}",
             )
         for d in json.loads(lines[-1]):
             d["violations"] = tuple(d["violations"])
