@@ -26,8 +26,10 @@ import importlib.metadata
 import json
 import os
 import sys
-from collections.abc import Iterator
-from typing import Any
+from typing import TYPE_CHECKING, Any
+
+if TYPE_CHECKING:
+    from collections.abc import Iterator
 
 __all__ = ("detect", "main")
 
