@@ -65,7 +65,7 @@ _REFUSED_FORMATS: dict[int, str] = {
         "does not move blocked-scale pages; use LMCache's own backend for this KV cache"
     ),
 }
-"""LMCache formats kvactors refuses with a specific reason (any other unknown one is refused too)."""
+"""LMCache formats kvactors refuses with a specific reason (other unknown ones are refused too)."""
 
 
 def _format_value(engine_kv_format: Any) -> int:

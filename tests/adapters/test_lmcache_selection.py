@@ -21,7 +21,9 @@ pytestmark = [pytest.mark.lmcache, pytest.mark.skipif(LMCACHE_MISSING, reason=SK
 CASES = [("mlu", "kvactors_mlu", "KvactorsMluOps"), ("musa", "kvactors_musa", "KvactorsMusaOps")]
 
 
-@pytest.mark.parametrize(("kind", "device_type_env"), [("mlu", False), ("musa", False), ("musa", True)])
+@pytest.mark.parametrize(
+    ("kind", "device_type_env"), [("mlu", False), ("musa", False), ("musa", True)]
+)
 def test_installing_kvactors_never_changes_or_breaks_lmcaches_choice(
     kind: str, device_type_env: bool
 ) -> None:
