@@ -3,9 +3,9 @@
 Theory of operation. LMCache finds device plugins through the entry-point group
 :data:`ENTRY_POINT_GROUP`; each entry point's name must equal its spec's ``backend_name``
 (LMCache selects by that name, ``LMCACHE_DEVICE_BACKEND=<name>``). The adapter's specs
-(``kvactors_lmcache.spec``) return these constants, the CLI's selection prediction and
-``kvactors doctor`` read them, and ``tests/test_plugins.py`` checks that ``pyproject.toml``'s
-entry points (the one place Python cannot import from) list exactly these names.
+(``kvactors_lmcache.spec``) return these constants, ``kvactors doctor`` reads them, and
+``tests/test_plugins.py`` checks that ``pyproject.toml``'s entry points (the one place
+Python cannot import from) list exactly these names.
 
 This module is data only: it imports nothing, so every floor may read it, and knowing the
 names does not import the adapter or lmcache.
@@ -21,8 +21,8 @@ __all__ = ("ENTRY_POINT_GROUP", "PLUGINS", "PLUGIN_CPU", "PLUGIN_MLU", "PLUGIN_M
 ENTRY_POINT_GROUP: Final = "lmcache.device_plugins"
 """The entry-point group LMCache scans for device plugins."""
 
-PLUGIN_MLU: Final = "mlu"
-"""Cambricon MLU (LMCache 0.5.6 has no built-in MLU backend)."""
+PLUGIN_MLU: Final = "kvactors_mlu"
+"""Cambricon MLU; next to LMCache 0.5.7's built-in ``mlu`` it is used only when selected by name."""
 PLUGIN_MUSA: Final = "kvactors_musa"
 """Moore Threads MUSA; selected by name only (LMCache's built-in ``musa`` exists)."""
 PLUGIN_CPU: Final = "kvactors_cpu"

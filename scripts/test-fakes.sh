@@ -2,20 +2,23 @@
 # The fake-vendor suites once per vendor, each in its own pytest process.
 #
 #   bash scripts/test-fakes.sh [pytest args...]      (PYTHON=... to pick another venv)
+#   bash scripts/test-fakes.sh --list                 (the suites, for scripts/test.sh)
 #
 # torch can name one private device per process (rename_privateuse1_backend), so the fakes
 # give real torch.device("mlu:0") / ("musa:0") objects to one vendor per process: the first
 # fake installed claims the name, and KVACTORS_FAKE_VENDOR pins which kind may. A plain
 # pytest run therefore exercises vendor code as written for one vendor only (tests needing
-# the other skip with a reason); this script runs those suites under each vendor in turn.
-# Call it from scripts/test.sh after the main pytest run (and once per LMCache version, if
-# the adapter tests run per version, so the differential test sees each version's ops).
+# the other skip with a reason); scripts/test.sh runs these suites under each vendor in turn.
 set -euo pipefail
 cd "$(dirname "${BASH_SOURCE[0]}")/.."
-PY="${PYTHON:-.venv/bin/python}"
-export LMCACHE_TRACK_USAGE=false PYTHONHASHSEED=0
 SUITES=(tests/testing tests/devices tests/test_runtime.py tests/scenarios
         tests/adapters/test_differential_vendor.py tests/adapters/test_lmcache_ops.py)
+if [ "${1:-}" = "--list" ]; then
+    echo "${SUITES[@]}"
+    exit 0
+fi
+PY="${PYTHON:-.venv/bin/python}"
+export LMCACHE_TRACK_USAGE=false PYTHONHASHSEED=0
 rc=0
 for vendor in mlu musa; do
     echo "== pytest with the fake ${vendor} owning torch's device name"

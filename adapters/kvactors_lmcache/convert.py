@@ -10,7 +10,12 @@ touched: ``TypeError`` for operand structure (raw pointers included), ``ValueErr
 values; kvactors' own validation runs again inside the runtime.
 
 The enum numbers are LMCache's, so the mapping is by value (``int(...)``); LMCache's native
-enums are never imported here.
+enums are never imported here. Two LMCache formats differ from a kvactors format only by a
+size-1 axis between heads and tokens (RBLN's ``NL_X_NB_TWO_NH_ONE_BS_HS``, new in LMCache
+0.5.7, and ``NL_X_TWO_NB_NH_ONE_BS_HS``): the same bytes and strides, so :func:`normalize_format`
+drops that axis with a view and kvactors moves them as the HND format they are. Blocked-scale
+formats (fp8 values and fp32 scales per block, which LMCache repacks into token-major rows)
+are refused by name before anything is touched.
 """
 
 from __future__ import annotations
@@ -34,6 +39,7 @@ __all__ = (
     "direction_of",
     "dtype_name",
     "format_of",
+    "normalize_format",
     "shape_desc_of",
     "to_transfer_request",
 )
@@ -46,15 +52,40 @@ POINTER_MODE_MESSAGE = (
 )
 
 
-def format_of(engine_kv_format: Any) -> KVFormat:
-    """kvactors' :class:`KVFormat` for LMCache's ``EngineKVFormat`` (same numbers)."""
+_SINGLETON_AXIS_FORMATS: dict[int, tuple[KVFormat, int, str]] = {
+    19: (KVFormat.NL_X_NB_TWO_NH_BS_HS, 3, "NL_X_NB_TWO_NH_ONE_BS_HS"),
+    15: (KVFormat.NL_X_TWO_NB_NH_BS_HS, 3, "NL_X_TWO_NB_NH_ONE_BS_HS"),
+}
+"""LMCache format -> (kvactors format, the size-1 axis of each paged tensor, LMCache name)."""
+
+_REFUSED_FORMATS: dict[int, str] = {
+    14: (
+        "NL_X_NB_BSV_BSS is a blocked-scale format (per block: fp8 values of every token, then "
+        "their fp32 scales; LMCache's torch path repacks them into token-major rows). kvactors "
+        "does not move blocked-scale pages; use LMCache's own backend for this KV cache"
+    ),
+}
+"""LMCache formats kvactors refuses with a specific reason (other unknown ones are refused too)."""
+
+
+def _format_value(engine_kv_format: Any) -> int:
     try:
-        value = int(engine_kv_format)
+        return int(engine_kv_format)
     except (TypeError, ValueError) as exc:
         raise TransferValidationError(
             f"engine_kv_format {engine_kv_format!r} is not an EngineKVFormat",
             field="engine_kv_format",
         ) from exc
+
+
+def format_of(engine_kv_format: Any) -> KVFormat:
+    """kvactors' :class:`KVFormat` for LMCache's ``EngineKVFormat`` (same numbers)."""
+    value = _format_value(engine_kv_format)
+    if value in _REFUSED_FORMATS:
+        raise TransferValidationError(
+            f"engine_kv_format {engine_kv_format!r}: {_REFUSED_FORMATS[value]}",
+            field="engine_kv_format",
+        )
     try:
         return KVFormat(value)
     except ValueError as exc:
@@ -62,6 +93,40 @@ def format_of(engine_kv_format: Any) -> KVFormat:
             f"unknown engine_kv_format {engine_kv_format!r} (value {value})",
             field="engine_kv_format",
         ) from exc
+
+
+def normalize_format(engine_kv_format: Any, paged: Any) -> tuple[Any, Any]:
+    """``(format, paged)`` with LMCache's singleton-axis formats as the kvactors format they are.
+
+    For ``NL_X_NB_TWO_NH_ONE_BS_HS`` (LMCache 0.5.7) and ``NL_X_TWO_NB_NH_ONE_BS_HS``, each
+    per-layer tensor must have exactly a size-1 axis 3; it is dropped with a view (no copy,
+    same storage and strides). Every other format is returned unchanged.
+
+    Raises:
+        OperandTypeError: the paged operand is not a list of tensors.
+        TransferValidationError: a tensor lacks the size-1 axis.
+    """
+    value = _format_value(engine_kv_format)
+    mapped = _SINGLETON_AXIS_FORMATS.get(value)
+    if mapped is None:
+        return engine_kv_format, paged
+    fmt, axis, name = mapped
+    if isinstance(paged, torch.Tensor) or not isinstance(paged, Sequence) or not all(
+        isinstance(t, torch.Tensor) for t in paged
+    ):
+        raise OperandTypeError(
+            f"{name} needs one tensor per layer, got {type(paged).__name__}", field="paged"
+        )
+    views: list[torch.Tensor] = []
+    for i, t in enumerate(paged):
+        if t.dim() != 6 or t.shape[axis] != 1:
+            raise TransferValidationError(
+                f"paged tensor {i} has shape {tuple(t.shape)}; {name} needs 6 axes with a "
+                f"size-1 axis {axis}",
+                field="shape",
+            )
+        views.append(t.squeeze(axis))
+    return int(fmt), views
 
 
 def direction_of(direction: Any) -> Direction:

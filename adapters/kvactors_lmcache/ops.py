@@ -41,6 +41,7 @@ if TYPE_CHECKING:
 
 __all__ = (
     "DELIBERATELY_INHERITED",
+    "REMOVED_IN_LMCACHE_057",
     "KvactorsCpuOps",
     "KvactorsDeviceOps",
     "KvactorsMluOps",
@@ -52,9 +53,10 @@ __all__ = (
 
 RuntimeFactory = Callable[[str, int], "Runtime"]
 
-# Every public DeviceOps member of lmcache 0.5.6 that the kvactors ops do NOT override, with
-# the reason. tests/adapters/test_contract.py walks the installed class and fails on any
-# public member that is neither overridden nor listed here.
+# Every public DeviceOps member of lmcache 0.5.6 and 0.5.7 that the kvactors ops do NOT
+# override, with the reason. tests/adapters/test_lmcache_contract.py walks the installed class
+# and fails on any public member that is neither overridden nor listed here, and on any listed
+# name the installed class lacks (unless LMCache removed it: REMOVED_IN_LMCACHE_057).
 DELIBERATELY_INHERITED: dict[str, str] = {
     # Shared types: LMCache's own classes, used by make_page_buffer_shape_desc.
     "PageBufferShapeDesc": "LMCache's native shape descriptor type (needs dynamic dtype attr)",
@@ -97,6 +99,11 @@ DELIBERATELY_INHERITED: dict[str, str] = {
     "decode_fast_prefsum": "CacheGen codec kernel, compute not transfer",
     "encode_fast_new": "CacheGen codec kernel, compute not transfer",
 }
+
+REMOVED_IN_LMCACHE_057: frozenset[str] = frozenset(
+    {"multi_layer_kv_transfer_unilateral", "single_layer_kv_transfer_sgl"}
+)
+"""DeviceOps members of 0.5.6 that 0.5.7 removed (no 0.5.7 caller; inherited on 0.5.6 only)."""
 
 _counts_lock = threading.Lock()
 _counts: Counter[str] = Counter()
@@ -207,6 +214,9 @@ class KvactorsDeviceOps(DeviceOps):
             ValueError: the request fails validation (nothing is copied).
         """
         convert.check_tensor_operands(paged_buffer_ptrs_tensor, lmcache_objects_ptrs)
+        engine_kv_format, paged_buffer_ptrs_tensor = convert.normalize_format(
+            engine_kv_format, paged_buffer_ptrs_tensor
+        )
         request = convert.to_transfer_request(
             engine_kv_format,
             direction,

@@ -1,4 +1,4 @@
-"""LMCache 0.5.6 ``DeviceSpec`` plugins backed by the kvactors runtime.
+"""LMCache ``DeviceSpec`` plugins backed by the kvactors runtime (LMCache 0.5.6 and 0.5.7).
 
 Theory of operation. LMCache imports this module through the ``lmcache.device_plugins``
 entry points *while ``lmcache.v1.platform`` is still initialising*, so at module level it
@@ -9,16 +9,28 @@ every probe error reads as "unavailable".
 
 Three specs, one per entry point (the entry-point name equals ``backend_name``):
 
-* ``mlu`` (device_type ``mlu``): LMCache 0.5.6 has no MLU backend, so auto-detection picks it
-  whenever torch_mlu is importable and an MLU is visible.
-* ``kvactors_musa`` (device_type ``musa``): collides with LMCache's built-in ``musa``; every
-  process must set ``LMCACHE_DEVICE_BACKEND=kvactors_musa``.
+* ``kvactors_mlu`` (device_type ``mlu``) and ``kvactors_musa`` (device_type ``musa``).
 * ``kvactors_cpu`` (device_type ``cpu``): test-only, available only with
   ``KVACTORS_LMCACHE_CPU=1``. ``cpu`` comes first in LMCache's registry order, so an available
   CPU spec would hijack ``torch_dev`` and beat accelerator plugins; it defaults to unavailable.
 
+Coexistence. LMCache's detection raises when two *available* specs share a device type and
+``LMCACHE_DEVICE_BACKEND`` is unset, and it prefers nothing: so an accelerator spec here
+reports available only where it cannot make detection ambiguous or change what LMCache would
+pick on its own (design.md, "Adapter"):
+
+1. selected by name: ``LMCACHE_DEVICE_BACKEND`` equals its ``backend_name``; or
+2. it is the only spec LMCache registered for its device type (LMCache 0.5.6 has no MLU
+   backend; 0.5.7 ships a built-in ``mlu``; every version has a built-in ``musa``).
+
+Rule 2 reads LMCache's own backend registry (``_device_detect._build_device_registry``),
+which is complete and cached before LMCache asks any spec ``is_available()``; it never runs
+device detection, so there is no recursion. Where the registry cannot be read, the answer is
+"not the only one" (fail closed: kvactors then runs only when selected by name). And in every
+case kvactors' own probe must find the device.
+
 All three default to the engine-driven MP path. The MUSA handle (lmcache-driven) path is
-opt-in through ``LMCACHE_MUSA_HANDLE_TRANSFER=1`` and limited by LMCache 0.5.6 (see
+opt-in through ``LMCACHE_MUSA_HANDLE_TRANSFER=1`` and limited by LMCache (see
 ``docs/lmcache-adapter.md``).
 """
 
@@ -26,6 +38,7 @@ from __future__ import annotations
 
 import logging
 import os
+import threading
 from typing import TYPE_CHECKING, Any
 
 from lmcache.v1.multiprocess.transfer_mode import MPTransferMode
@@ -40,17 +53,20 @@ if TYPE_CHECKING:
     from lmcache.v1.platform.base.ipc_wrapper import DeviceIPCWrapper
 
 __all__ = (
+    "BACKEND_ENV",
     "CPU_ENV",
     "MUSA_HANDLE_ENV",
     "KvactorsCpuSpec",
+    "KvactorsMluSpec",
     "KvactorsMusaSpec",
     "KvactorsSpecBase",
-    "MluSpec",
     "probe_backend",
+    "registered_backends",
 )
 
 _log = logging.getLogger(__name__)
 
+BACKEND_ENV = "LMCACHE_DEVICE_BACKEND"
 CPU_ENV = "KVACTORS_LMCACHE_CPU"
 MUSA_HANDLE_ENV = "LMCACHE_MUSA_HANDLE_TRANSFER"
 _TRUE = ("1", "true", "yes", "on")
@@ -75,11 +91,41 @@ def probe_backend(kind: str) -> tuple[bool, str]:
         return False, f"{type(exc).__name__}: {exc}"
 
 
+_registry_guard = threading.local()
+
+
+def registered_backends(device_type: str) -> tuple[str, ...] | None:
+    """The ``backend_name`` of every spec LMCache registered for ``device_type``, in order.
+
+    Read from LMCache's own (cached) backend registry, never by running device detection.
+    ``None`` when the registry cannot be read (an LMCache without it, or a re-entrant call
+    while the registry is being built); callers treat that as "not the only backend".
+    """
+    if getattr(_registry_guard, "active", False):
+        return None
+    _registry_guard.active = True
+    try:
+        from lmcache.v1.platform._device_detect import _build_device_registry
+
+        specs = _build_device_registry().get(device_type, ())
+        return tuple(str(s.backend_name) for s in specs)
+    except Exception as exc:  # an LMCache without this registry: fail closed
+        _log.debug("cannot read LMCache's backend registry: %s", exc)
+        return None
+    finally:
+        _registry_guard.active = False
+
+
+def _selected_name() -> str:
+    return os.environ.get(BACKEND_ENV, "").strip().lower()
+
+
 class KvactorsSpecBase(DeviceSpec):
     """Common part of the kvactors specs: engine-driven default, kvactors ops, stream handles."""
 
     #: kvactors backend kind (``kvactors.devices.get_backend`` key) this spec routes into.
     kvactors_backend: str = ""
+    _told_to_step_aside: bool = False
 
     @property
     def ops_cls(self) -> type[DeviceOps]:
@@ -93,11 +139,30 @@ class KvactorsSpecBase(DeviceSpec):
 
     def _probe(self) -> bool:
         available, reason = probe_backend(self.kvactors_backend)
-        selected = os.environ.get("LMCACHE_DEVICE_BACKEND", "").strip().lower()
-        if not available and selected == self.backend_name:
+        if not available and _selected_name() == self.backend_name:
             # LMCache only says "registered but not available"; say why.
             _log.warning("kvactors LMCache plugin %r is unavailable: %s", self.backend_name, reason)
         return available
+
+    def _unambiguous(self) -> bool:
+        """Selected by name, or the only backend LMCache registered for this device type."""
+        if _selected_name() == self.backend_name:
+            return True
+        others = registered_backends(self.device_type)
+        if others == (self.backend_name,):
+            return True
+        if not self._told_to_step_aside:
+            self._told_to_step_aside = True
+            _log.info(
+                "kvactors LMCache plugin %r steps aside for device type %r (LMCache also has "
+                "%s); select it with %s=%s",
+                self.backend_name,
+                self.device_type,
+                ", ".join(n for n in (others or ()) if n != self.backend_name) or "an unknown set",
+                BACKEND_ENV,
+                self.backend_name,
+            )
+        return False
 
     def get_stream_handle(self, stream: object) -> int:
         """The native queue/stream pointer of ``stream`` as an ``int``."""
@@ -110,8 +175,12 @@ class KvactorsSpecBase(DeviceSpec):
         )
 
 
-class MluSpec(KvactorsSpecBase):
-    """Cambricon MLU through kvactors (LMCache 0.5.6 has no built-in MLU backend)."""
+class KvactorsMluSpec(KvactorsSpecBase):
+    """Cambricon MLU through kvactors; ``LMCACHE_DEVICE_BACKEND=kvactors_mlu`` selects it.
+
+    Auto-detected only where LMCache has no other MLU backend (0.5.6); LMCache 0.5.7's
+    built-in ``mlu`` keeps auto-detection there.
+    """
 
     kvactors_backend = "mlu"
 
@@ -128,12 +197,18 @@ class MluSpec(KvactorsSpecBase):
         return "mlu"
 
     def is_available(self) -> bool:
-        """torch_mlu importable and at least one MLU visible; never raises."""
-        return self._probe()
+        """Unambiguous (see the module docstring) and an MLU visible; never raises."""
+        try:
+            return self._unambiguous() and self._probe()
+        except Exception:
+            return False
 
 
 class KvactorsMusaSpec(KvactorsSpecBase):
-    """Moore Threads MUSA through kvactors; select with ``LMCACHE_DEVICE_BACKEND=kvactors_musa``."""
+    """Moore Threads MUSA through kvactors; ``LMCACHE_DEVICE_BACKEND=kvactors_musa`` selects it.
+
+    LMCache's built-in ``musa`` keeps auto-detection unless kvactors is selected by name.
+    """
 
     kvactors_backend = "musa"
     _event_backend_cache: EventIPCBackend | None = None
@@ -151,8 +226,11 @@ class KvactorsMusaSpec(KvactorsSpecBase):
         return "musa"
 
     def is_available(self) -> bool:
-        """torch_musa present (kvactors' musa backend probe); never raises."""
-        return self._probe()
+        """Unambiguous (see the module docstring) and torch_musa present; never raises."""
+        try:
+            return self._unambiguous() and self._probe()
+        except Exception:
+            return False
 
     @property
     def pin_memory_backend(self) -> Any:

@@ -43,6 +43,8 @@ def build_parser() -> argparse.ArgumentParser:
 
     doc = add_parser("doctor", help="backends, LMCache plugin selection, environment")
     doc.add_argument("--json", action="store_true", help="print the report as JSON")
+    doc.add_argument("--fake", choices=("mlu", "musa"), default=None,
+                     help="answer as on a host with one such device (kvactors' fake vendor)")
 
     demo = add_parser("demo", help="simulated serving workload, verified bit for bit")
     demo.add_argument("--device", choices=DEVICE_KINDS, default="cpu")
@@ -112,7 +114,7 @@ def main(argv: Sequence[str] | None = None) -> int:
 def _doctor(args: argparse.Namespace) -> int:
     from kvactors.cli.doctor import collect, format_doctor
 
-    report = collect()
+    report = collect(fake=args.fake)
     if args.json:
         data = msgspec.to_builtins(report)
         data["ok"] = report.ok

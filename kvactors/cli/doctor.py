@@ -1,36 +1,55 @@
 """``kvactors doctor``: what can run here, what LMCache would select, and what to do about it.
 
-Everything is read without side effects: packages through ``importlib.metadata`` and
-``importlib.util.find_spec`` (lmcache and the adapter are never imported: importing lmcache
-runs its device detection), backends through kvactors' probes (which never raise), and the
-LMCache selection is predicted by :mod:`kvactors.cli._selection`.
+Theory of operation. kvactors never imports lmcache (importing it runs LMCache's device
+detection, loads every plugin, and can raise), and it does not re-implement LMCache's selection
+rules either: when lmcache is importable, the doctor runs LMCache's own detection in a fresh
+subprocess with the same environment (``kvactors_lmcache/detect.py``, found without importing
+the adapter) and reports its answer: the selected backend, or the error ``import lmcache``
+raises, every registered backend with its ``is_available()``, and the MP transfer mode.
+Everything else is read without side effects: packages through ``importlib.metadata`` and
+``importlib.util.find_spec``, kvactors' backends through their probes (which never raise).
+Where lmcache is not installed there is nothing to select: the plugin is inactive.
 """
 
 from __future__ import annotations
 
+import contextlib
 import importlib.metadata
 import importlib.util
+import json
 import os
 import platform
+import subprocess
 import sys
-from typing import Literal
+from pathlib import Path
+from typing import TYPE_CHECKING, Literal
 
 import msgspec
 
-from kvactors.cli._selection import (
-    BUILTIN_BACKENDS,
-    KVACTORS_PLUGINS,
-    Selection,
-    SpecFact,
-    predict_selection,
-)
 from kvactors.devices import BACKEND_KINDS, Probe, probe_all
-from kvactors.plugins import PLUGIN_CPU, PLUGIN_MLU, PLUGIN_MUSA
+from kvactors.plugins import PLUGIN_CPU
 
-__all__ = ("ENV_VARS", "DoctorReport", "Finding", "collect", "format_doctor")
+if TYPE_CHECKING:
+    from collections.abc import Iterator
+
+__all__ = (
+    "BACKEND_ENV",
+    "ENV_VARS",
+    "LMCACHE_TESTED",
+    "DoctorReport",
+    "Finding",
+    "RegisteredBackend",
+    "Selection",
+    "ask_lmcache",
+    "collect",
+    "format_doctor",
+)
+
+BACKEND_ENV = "LMCACHE_DEVICE_BACKEND"
+"""LMCache's variable that selects a device backend by name."""
 
 ENV_VARS = (
-    "LMCACHE_DEVICE_BACKEND",
+    BACKEND_ENV,
     "DEVICE_TYPE",
     "LMCACHE_MP_TRANSFER_MODE",
     "KVACTORS_LMCACHE_CPU",
@@ -42,6 +61,9 @@ ENV_VARS = (
 )
 """Environment variables that change what kvactors or LMCache do."""
 
+LMCACHE_TESTED = ("0.5.6", "0.5.7rc2")
+"""The LMCache versions the adapter is tested against (CI runs the adapter tests on each)."""
+
 _VENDOR_DISTS = {
     "torch": ("torch",),
     "torch_mlu": ("torch_mlu", "torch-mlu"),
@@ -49,7 +71,11 @@ _VENDOR_DISTS = {
     "lmcache": ("lmcache",),
 }
 _PLUGIN_GROUP = "lmcache.device_plugins"
-_LMCACHE_TESTED = "0.5.6"
+_ADAPTER = "kvactors_lmcache"
+_DETECT_TIMEOUT_S = 180.0
+_RUN_FILE = (
+    "import runpy, sys; sys.argv = sys.argv[1:]; runpy.run_path(sys.argv[0], run_name='__main__')"
+)
 
 
 class Finding(msgspec.Struct, frozen=True, kw_only=True):
@@ -59,6 +85,39 @@ class Finding(msgspec.Struct, frozen=True, kw_only=True):
     topic: str
     message: str
     fix: str = ""
+
+
+class RegisteredBackend(msgspec.Struct, frozen=True, kw_only=True):
+    """One backend in LMCache's registry, as LMCache itself reports it."""
+
+    backend: str
+    device_type: str
+    origin: str
+    """``builtin`` (shipped with LMCache) or ``plugin`` (an entry point)."""
+    kvactors: bool
+    available: bool | None
+    """``is_available()`` here; ``None`` when it raised (``error``)."""
+    spec: str = ""
+    error: str = ""
+
+
+class Selection(msgspec.Struct, frozen=True, kw_only=True):
+    """LMCache's answer to "which device backend here", asked in a subprocess."""
+
+    outcome: str
+    """``selected``, ``stub`` (LMCache's StubCPUDevice), ``error`` (``import lmcache`` or the
+    transfer-mode choice raises), ``absent`` (lmcache not installed) or ``unknown`` (the
+    detection subprocess could not run)."""
+    backend: str | None = None
+    device_type: str = ""
+    kvactors: bool = False
+    """Whether the selected backend is one of kvactors' plugins."""
+    error: str = ""
+    transfer_mode: str = ""
+    transfer_mode_reason: str = ""
+    registry: list[RegisteredBackend] = msgspec.field(default_factory=list)
+    source: str = ""
+    """Where the answer came from (``LMCache 0.5.6 detection, in a subprocess``)."""
 
 
 class DoctorReport(msgspec.Struct, frozen=True, kw_only=True):
@@ -75,11 +134,18 @@ class DoctorReport(msgspec.Struct, frozen=True, kw_only=True):
     selection: Selection
     env: dict[str, str]
     findings: list[Finding]
+    fake: str | None = None
+    """The fake vendor module the report was taken under (``kvactors doctor --fake``)."""
 
     @property
     def ok(self) -> bool:
         """No finding at level ``error``."""
         return all(f.level != "error" for f in self.findings)
+
+    @property
+    def kvactors_plugins(self) -> dict[str, str]:
+        """kvactors' own entry points (``backend_name -> target``)."""
+        return {k: v for k, v in self.plugins.items() if v.startswith(_ADAPTER + ".")}
 
 
 def _version(names: tuple[str, ...]) -> str | None:
@@ -103,64 +169,107 @@ def _plugins() -> dict[str, str]:
     return {ep.name: ep.value for ep in sorted(eps, key=lambda e: (e.name, e.value))}
 
 
-def _spec_facts(
-    probes: dict[str, Probe], plugins: dict[str, str], env: dict[str, str]
-) -> list[SpecFact]:
-    import torch
 
-    cuda = bool(torch.cuda.is_available())
-    facts: list[SpecFact] = []
-    for name, dtype in BUILTIN_BACKENDS:
-        if name == "cpu":
-            avail, why = False, "LMCache's built-in CPU spec never reports available"
-        elif name == "cuda":
-            avail, why = cuda and torch.version.cuda is not None, "torch.cuda"
-        elif name == "rocm":
-            avail, why = cuda and getattr(torch.version, "hip", None) is not None, "torch.cuda+hip"
-        elif name == "musa":
-            avail, why = probes["musa"].available, probes["musa"].reason
-        elif name == "xpu":
-            xpu = getattr(torch, "xpu", None)
-            avail = bool(xpu is not None and xpu.is_available())
-            why = "torch.xpu"
-        else:
-            avail, why = False, "not checked by kvactors (assumed unavailable)"
-        facts.append(SpecFact(backend=name, device_type=dtype, origin="builtin",
-                              available=avail, reason=why))
-    for name in plugins:
-        if name in KVACTORS_PLUGINS:
-            dtype = KVACTORS_PLUGINS[name]
-            if name == PLUGIN_CPU:
-                flag = env.get("KVACTORS_LMCACHE_CPU", "").strip().lower()
-                on = flag in ("1", "true", "yes", "on")
-                avail, why = on, "" if on else "set KVACTORS_LMCACHE_CPU=1 to enable"
-            else:
-                p = probes[dtype]
-                avail, why = p.available, p.reason
-        else:
-            dtype, avail, why = name, False, "a third-party plugin: not checked by kvactors"
-        facts.append(SpecFact(backend=name, device_type=dtype, origin="plugin",
-                              available=avail, reason=why))
-    return facts
+def _detect_script() -> Path | None:
+    """``kvactors_lmcache/detect.py``, located without importing the adapter (or lmcache)."""
+    try:
+        spec = importlib.util.find_spec(_ADAPTER)
+    except (ImportError, ValueError):
+        return None
+    if spec is None or not spec.submodule_search_locations:
+        return None
+    for folder in spec.submodule_search_locations:
+        path = Path(folder) / "detect.py"
+        if path.is_file():
+            return path
+    return None
 
 
-def collect(env: dict[str, str] | None = None) -> DoctorReport:
-    """Gather the doctor report (``env`` defaults to ``os.environ``)."""
+def ask_lmcache(env: dict[str, str], *, fake: str | None = None) -> Selection:
+    """Run LMCache's own device detection in a fresh interpreter with ``env``; never raises.
+
+    Args:
+        env: The environment of the LMCache process to answer for.
+        fake: ``"mlu"`` or ``"musa"``: answer as on a host with one such device
+            (kvactors' fake vendor module is installed in the subprocess first).
+    """
+    try:
+        if importlib.util.find_spec("lmcache") is None:
+            return Selection(outcome="absent", error="lmcache is not installed")
+    except (ImportError, ValueError) as exc:
+        return Selection(outcome="absent", error=f"lmcache cannot be found: {exc}")
+    script = _detect_script()
+    if script is None:
+        return Selection(outcome="unknown",
+                         error=f"the adapter package {_ADAPTER} (detect.py) cannot be found")
+    cmd = [sys.executable, "-c", _RUN_FILE, str(script)] + (["--fake", fake] if fake else [])
+    sub_env = {"LMCACHE_TRACK_USAGE": "false", **env}
+    try:
+        proc = subprocess.run(cmd, env=sub_env, capture_output=True, text=True,
+                              timeout=_DETECT_TIMEOUT_S, check=False)
+    except (OSError, subprocess.TimeoutExpired) as exc:
+        return Selection(outcome="unknown", error=f"LMCache detection did not run: {exc}")
+    lines = [ln for ln in proc.stdout.splitlines() if ln.startswith("{")]
+    if proc.returncode != 0 or not lines:
+        tail = (proc.stderr or proc.stdout).strip().splitlines()[-1:] or ["no output"]
+        return Selection(outcome="unknown",
+                         error=f"LMCache detection exited {proc.returncode}: {tail[0]}")
+    try:
+        raw = json.loads(lines[-1])
+        registry = msgspec.convert(raw.get("registry", []), list[RegisteredBackend])
+    except (ValueError, msgspec.ValidationError) as exc:
+        return Selection(outcome="unknown", error=f"unreadable LMCache detection output: {exc}")
+    mode = raw.get("transfer_mode") or {}
+    error = str(raw.get("error") or "") or str(mode.get("error") or "")
+    outcome = str(raw.get("outcome", "unknown"))
+    return Selection(
+        outcome="error" if error else outcome,
+        backend=raw.get("backend"),
+        device_type=str(raw.get("device_type") or ""),
+        kvactors=bool(raw.get("kvactors")),
+        error=error,
+        transfer_mode=str(mode.get("mode") or ""),
+        transfer_mode_reason=str(mode.get("reason") or ""),
+        registry=registry,
+        source=f"LMCache {raw.get('lmcache') or '?'} detection, in a subprocess",
+    )
+
+
+@contextlib.contextmanager
+def _maybe_fake(kind: str | None) -> Iterator[None]:
+    if kind is None:
+        yield
+        return
+    from kvactors.testing import fake_vendor
+
+    with fake_vendor(kind):
+        yield
+
+
+def collect(env: dict[str, str] | None = None, *, fake: str | None = None) -> DoctorReport:
+    """Gather the doctor report (``env`` defaults to ``os.environ``).
+
+    Args:
+        env: The environment to answer for (the LMCache detection subprocess gets exactly it).
+        fake: ``"mlu"`` or ``"musa"``: answer as on a host with one such device, with
+            kvactors' fake vendor module (``kvactors doctor --fake KIND``).
+    """
     import torch
 
     e = dict(os.environ if env is None else env)
-    # str() the details: a probe may hand back e.g. a TorchVersion, which JSON cannot encode.
-    probes = {
-        p.backend: msgspec.structs.replace(p, details={k: str(v) for k, v in p.details.items()})
-        for p in probe_all(BACKEND_KINDS)
-    }
+    with _maybe_fake(fake):
+        # str() the details: a probe may hand back e.g. a TorchVersion, which JSON cannot encode.
+        probes = {
+            p.backend: msgspec.structs.replace(
+                p, details={k: str(v) for k, v in p.details.items()})
+            for p in probe_all(BACKEND_KINDS)
+        }
     plugins = _plugins()
     packages = {k: _version(v) for k, v in _VENDOR_DISTS.items()}
     try:
-        adapter = importlib.util.find_spec("kvactors_lmcache") is not None
+        adapter = importlib.util.find_spec(_ADAPTER) is not None
     except (ImportError, ValueError):
         adapter = False
-    selection = predict_selection(_spec_facts(probes, plugins, e), e)
     report = DoctorReport(
         python=sys.version.split()[0],
         platform=platform.platform(),
@@ -170,12 +279,25 @@ def collect(env: dict[str, str] | None = None) -> DoctorReport:
         backends=list(probes.values()),
         plugins=plugins,
         adapter_importable=adapter,
-        selection=selection,
+        selection=ask_lmcache(e, fake=fake),
         env={k: e[k] for k in ENV_VARS if k in e}
         | {k: v for k, v in e.items() if k.startswith("KVACTORS_")},
         findings=[],
+        fake=fake,
     )
     return msgspec.structs.replace(report, findings=_findings(report, e))
+
+
+def _pick_lines(r: DoctorReport) -> list[str]:
+    """``LMCACHE_DEVICE_BACKEND=<name>`` for each kvactors plugin whose device is here."""
+    avail = {p.backend for p in r.backends if p.available}
+    kv = [b for b in r.selection.registry if b.kvactors]
+    if not kv:  # lmcache absent or unreadable: kvactors' own entry points
+        kv = [RegisteredBackend(backend=n, device_type=n.removeprefix("kvactors_"),
+                                origin="plugin", kvactors=True, available=None)
+              for n in r.kvactors_plugins]
+    return [f"{BACKEND_ENV}={b.backend}" for b in kv
+            if b.device_type != "cpu" and b.device_type in avail]
 
 
 def _findings(r: DoctorReport, env: dict[str, str]) -> list[Finding]:
@@ -198,23 +320,23 @@ def _findings(r: DoctorReport, env: dict[str, str]) -> list[Finding]:
         out.append(Finding(level="info", topic=f"backend {p.backend}",
                            message=f"unavailable: {p.reason}.{sim}", fix=fix))
     lm = r.packages.get("lmcache")
+    tested = " or ".join(LMCACHE_TESTED)
     if lm is None:
         out.append(Finding(
             level="info", topic="lmcache",
             message="lmcache is not installed: kvactors works standalone; the LMCache plugin "
             "is inactive",
-            fix=f"pip install lmcache=={_LMCACHE_TESTED} (the version the adapter targets)"))
+            fix=f"install lmcache {tested} with scripts/install-lmcache.sh (see README)"))
     else:
-        if lm != _LMCACHE_TESTED:
+        if lm not in LMCACHE_TESTED:
             out.append(Finding(
                 level="warn", topic="lmcache",
-                message=f"lmcache {lm} is installed; the adapter is written and tested against "
-                f"{_LMCACHE_TESTED}", fix=f"pip install lmcache=={_LMCACHE_TESTED}"))
-        missing = sorted(set(KVACTORS_PLUGINS) - set(r.plugins))
-        if missing:
+                message=f"lmcache {lm} is installed; the adapter is tested against {tested}",
+                fix="LMCACHE_VERSION=0.5.6 scripts/install-lmcache.sh"))
+        if not r.kvactors_plugins:
             out.append(Finding(
                 level="warn", topic="plugins",
-                message=f"kvactors' LMCache entry points are not registered: {missing}",
+                message="kvactors' LMCache entry points are not registered",
                 fix="reinstall kvactors into this environment (pip install -e . from the "
                 "repository, or the wheel) so its entry points are registered"))
         if not r.adapter_importable:
@@ -222,17 +344,7 @@ def _findings(r: DoctorReport, env: dict[str, str]) -> list[Finding]:
                 level="warn", topic="plugins",
                 message="the adapter package kvactors_lmcache cannot be found",
                 fix="reinstall kvactors (the wheel ships adapters/kvactors_lmcache)"))
-    s = r.selection
-    if s.outcome == "error":
-        out.append(Finding(level="error", topic="LMCache selection", message=s.error,
-                           fix=_selection_fix(s, env)))
-    elif lm is not None:
-        who = f"{s.backend} (kvactors)" if s.kvactors else (s.backend or "StubCPUDevice")
-        level: Literal["ok", "info"] = "ok" if s.kvactors else "info"
-        out.append(Finding(level=level, topic="LMCache selection",
-                           message=f"LMCache would select {who}: {s.reason}; MP transfer mode "
-                           f"{s.transfer_mode} ({s.transfer_mode_reason})",
-                           fix="" if s.kvactors else _not_kvactors_fix(r)))
+    out += _selection_findings(r, env)
     accel = [p.backend for p in r.backends if p.available and p.backend != "cpu"]
     if env.get("KVACTORS_LMCACHE_CPU", "").strip() == "1" and accel:
         out.append(Finding(
@@ -249,25 +361,41 @@ def _findings(r: DoctorReport, env: dict[str, str]) -> list[Finding]:
     return out
 
 
-def _selection_fix(s: Selection, env: dict[str, str]) -> str:
-    if "Multiple LMCache backends" in s.error and "musa" in s.error:
-        return f"export LMCACHE_DEVICE_BACKEND={PLUGIN_MUSA} in every process (server and workers)"
-    if "LMCACHE_DEVICE_BACKEND" in s.error:
-        return ("fix or unset LMCACHE_DEVICE_BACKEND; run `kvactors doctor` in the same "
-                "environment as the LMCache process")
-    if "transfer mode" in s.error or "lmcache_driven" in s.error:
-        return "export LMCACHE_MP_TRANSFER_MODE=engine_driven (or unset it)"
-    return "set LMCACHE_DEVICE_BACKEND=<backend_name> to choose one explicitly"
-
-
-def _not_kvactors_fix(r: DoctorReport) -> str:
-    avail = {p.backend for p in r.backends if p.available}
-    if "mlu" in avail:
-        return f"export LMCACHE_DEVICE_BACKEND={PLUGIN_MLU}"
-    if "musa" in avail:
-        return f"export LMCACHE_DEVICE_BACKEND={PLUGIN_MUSA}"
-    return ("no accelerator for kvactors here; for a CPU-only test of the plugin export "
-            "KVACTORS_LMCACHE_CPU=1 (tests only)")
+def _selection_findings(r: DoctorReport, env: dict[str, str]) -> list[Finding]:
+    s = r.selection
+    if s.outcome == "absent":
+        return []
+    picks = _pick_lines(r)
+    how = (
+        "to use kvactors: " + " or ".join(f"export {p}" for p in picks)
+        + " in every LMCache worker process"
+        if picks else
+        "no device for kvactors here; for a CPU-only test of the plugin export "
+        "KVACTORS_LMCACHE_CPU=1 (tests only)"
+    )
+    if s.outcome == "unknown":
+        return [Finding(level="warn", topic="LMCache selection",
+                        message=f"could not ask LMCache: {s.error}", fix=how)]
+    if s.outcome == "error":
+        if "Multiple LMCache backends" in s.error:
+            fix = f"choose one: export {BACKEND_ENV}=<backend_name> in every process; " + how
+        elif BACKEND_ENV in s.error:
+            named = env.get(BACKEND_ENV, "").strip().lower()
+            probe = next((b for b in r.selection.registry if b.backend == named), None)
+            dev = next((p for p in r.backends if probe and p.backend == probe.device_type), None)
+            why = f" ({dev.reason})" if dev is not None and not dev.available else ""
+            fix = f"fix the device{why} or unset {BACKEND_ENV}; " + how
+        elif "transfer mode" in s.error or "lmcache_driven" in s.error:
+            fix = "export LMCACHE_MP_TRANSFER_MODE=engine_driven (or unset it)"
+        else:
+            fix = how
+        return [Finding(level="error", topic="LMCache selection", message=s.error, fix=fix)]
+    who = f"{s.backend} (kvactors)" if s.kvactors else (s.backend or "StubCPUDevice")
+    return [Finding(
+        level="ok" if s.kvactors else "info", topic="LMCache selection",
+        message=f"LMCache selects {who} for device type {s.device_type!r}; MP transfer mode "
+        f"{s.transfer_mode} ({s.transfer_mode_reason})",
+        fix="" if s.kvactors else how)]
 
 
 _MARK = {"ok": "[ ok ]", "info": "[info]", "warn": "[WARN]", "error": "[FAIL]"}
@@ -276,7 +404,8 @@ _MARK = {"ok": "[ ok ]", "info": "[info]", "warn": "[WARN]", "error": "[FAIL]"}
 def format_doctor(r: DoctorReport) -> str:
     """The report as text: versions, backends, plugins, selection, env, findings."""
     lines = [
-        f"kvactors {r.kvactors}  python {r.python}  {r.platform}",
+        f"kvactors {r.kvactors}  python {r.python}  {r.platform}"
+        + (f"  [fake {r.fake} vendor module]" if r.fake else ""),
         "packages: " + ", ".join(f"{k} {v or 'not installed'}" for k, v in r.packages.items()),
         f"torch intra-op threads: {r.torch_threads}",
         "backends:",
@@ -288,12 +417,25 @@ def format_doctor(r: DoctorReport) -> str:
     lines.append("LMCache plugins (entry points, group lmcache.device_plugins):")
     lines += [f"  {k} = {v}" for k, v in r.plugins.items()] or ["  (none registered)"]
     s = r.selection
-    lines.append(
-        "LMCache selection (predicted): "
-        + (f"ERROR: {s.error}" if s.outcome == "error" else
-           f"{s.backend or 'StubCPUDevice'} [{s.device_type}] - {s.reason}")
-    )
-    lines.append(f"  MP transfer mode: {s.transfer_mode} ({s.transfer_mode_reason})")
+    head = f"LMCache selection ({s.source or 'not asked'}): "
+    if s.outcome == "selected" or s.outcome == "stub":
+        lines.append(head + f"{s.backend or 'StubCPUDevice'} [{s.device_type}]"
+                     + (" (kvactors)" if s.kvactors else ""))
+        lines.append(f"  MP transfer mode: {s.transfer_mode} ({s.transfer_mode_reason})")
+    elif s.outcome == "absent":
+        lines.append(head + "lmcache is not installed")
+    else:
+        lines.append(head + f"{s.outcome.upper()}: {s.error}")
+    for b in s.registry:
+        state = {True: "available", False: "unavailable", None: f"raised {b.error}"}[b.available]
+        lines.append(f"  {b.backend:<14} [{b.device_type}] {b.origin:<7} {state}"
+                     + ("  (kvactors)" if b.kvactors else ""))
+    picks = _pick_lines(r)
+    kv_names = sorted(r.kvactors_plugins)
+    lines.append("select kvactors: " + (
+        ", ".join(f"{BACKEND_ENV}={n}" for n in kv_names if n != PLUGIN_CPU)
+        + "; CPU tests: KVACTORS_LMCACHE_CPU=1"
+        + (f"  (here: {' or '.join(picks)})" if picks else "")))
     lines.append("environment:")
     lines += [f"  {k}={v}" for k, v in r.env.items()] or ["  (none of the relevant variables set)"]
     lines.append("findings:")

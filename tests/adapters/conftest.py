@@ -136,18 +136,32 @@ class LMCacheServer:
             raise AssertionError(f"server ignored SIGTERM:\n{self.log()}") from None
         finally:
             self._log.close()
-        self.leftover = [pid for pid in kids if _alive(pid)]
+        self.leftover = _still_alive(kids, timeout=15.0)
         return rc
 
 
-def _alive(pid: int) -> bool:
+def _still_alive(pids: list[int], timeout: float) -> list[int]:
+    """Children that have not exited within ``timeout`` after their parent (teardown is
+    asynchronous: a child learns of the parent's SIGTERM through its own signal or pipe)."""
     try:
         import psutil
-
-        p = psutil.Process(pid)
-        return p.status() != psutil.STATUS_ZOMBIE
-    except Exception:
-        return False
+    except ImportError:
+        return []
+    procs = []
+    for pid in pids:
+        try:
+            procs.append(psutil.Process(pid))
+        except psutil.NoSuchProcess:
+            continue
+    _, alive = psutil.wait_procs(procs, timeout=timeout)
+    out = []
+    for p in alive:
+        try:
+            if p.status() != psutil.STATUS_ZOMBIE:
+                out.append(p.pid)
+        except psutil.NoSuchProcess:
+            continue
+    return out
 
 
 @pytest.fixture

@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import importlib.util
 from pathlib import Path
 
 import pytest
@@ -11,8 +12,17 @@ from .conftest import LMCACHE_MISSING, SKIP_REASON, lmcache_env, run_script
 pytestmark = [pytest.mark.lmcache, pytest.mark.skipif(LMCACHE_MISSING, reason=SKIP_REASON)]
 
 
+def _inline_context() -> str:
+    """The non-SHM engine-driven transport this LMCache offers (0.5.6 pickle, 0.5.7 msgspec)."""
+    pkg = "lmcache.v1.multiprocess.transfer_context"
+    if importlib.util.find_spec(f"{pkg}.inline") is not None:
+        return "EngineDrivenContextInline"  # 0.5.7: inline msgspec tensor_wire, no pickle
+    assert importlib.util.find_spec(f"{pkg}.pickle") is not None
+    return "EngineDrivenContextPickle"  # 0.5.6
+
+
 @pytest.mark.timeout(180)
-@pytest.mark.parametrize("transport", ["pickle", "shm"])
+@pytest.mark.parametrize("transport", ["inline", "shm"])
 def test_store_lookup_retrieve_round_trip(transport: str, lmcache_server_factory) -> None:
     # The server runs without the plugin (LMCache's stub CPU): on the engine-driven path it
     # only handles host chunks; every copy happens in the client, through kvactors.
@@ -29,7 +39,7 @@ def test_store_lookup_retrieve_round_trip(transport: str, lmcache_server_factory
         raise AssertionError(f"{exc}\n--- server log\n{srv.log()}") from None
     assert res["ops_module"] == "kvactors_lmcache.ops"
     assert res["ops_type"] == "KvactorsCpuOps"
-    expected_sub = "EngineDrivenContextShm" if transport == "shm" else "EngineDrivenContextPickle"
+    expected_sub = "EngineDrivenContextShm" if transport == "shm" else _inline_context()
     assert {c["case"] for c in res["cases"]} == {"nhd", "mla", "sglang"}
     for case in res["cases"]:
         assert case["ctx"] == "EngineDrivenTransferContext", case

@@ -1,8 +1,14 @@
-"""Backend selection with kvactors' fake vendor modules, and the failure without them."""
+"""Backend selection under kvactors' fake vendor modules, in fresh processes (LMCache's own code).
+
+Coexistence (design.md, "Adapter"): with kvactors installed and no ``LMCACHE_DEVICE_BACKEND``,
+importing LMCache never raises and LMCache selects what it selects without kvactors, except
+where LMCache has no backend at all for the device type (MLU on 0.5.6), where kvactors' plugin
+is the only one. Selecting a kvactors plugin by name works on every LMCache version, and a
+transfer through it is bit-exact against LMCache's torch path.
+"""
 
 from __future__ import annotations
 
-import importlib.util
 import subprocess
 import sys
 
@@ -12,11 +18,30 @@ from .conftest import LMCACHE_MISSING, SCRIPTS, SKIP_REASON, lmcache_env, run_sc
 
 pytestmark = [pytest.mark.lmcache, pytest.mark.skipif(LMCACHE_MISSING, reason=SKIP_REASON)]
 
-CASES = [("mlu", "mlu", "KvactorsMluOps"), ("musa", "kvactors_musa", "KvactorsMusaOps")]
+CASES = [("mlu", "kvactors_mlu", "KvactorsMluOps"), ("musa", "kvactors_musa", "KvactorsMusaOps")]
 
 
-def _backend_missing(kind: str) -> bool:
-    return importlib.util.find_spec(f"kvactors.devices.{kind}") is None
+@pytest.mark.parametrize(
+    ("kind", "device_type_env"), [("mlu", False), ("musa", False), ("musa", True)]
+)
+def test_installing_kvactors_never_changes_or_breaks_lmcaches_choice(
+    kind: str, device_type_env: bool
+) -> None:
+    env = lmcache_env(**({"DEVICE_TYPE": kind} if device_type_env else {}))
+    with_kv = run_script("lmcache_selects.py", "--fake", kind, env=env)
+    without = run_script("lmcache_selects.py", "--fake", kind, "--hide-kvactors", env=env)
+    assert with_kv["error"] is None, with_kv  # import lmcache(.v1.platform) did not raise
+    assert without["error"] is None, without
+    others = [b for b in with_kv["registry"][kind] if not b.startswith("kvactors_")]
+    if others:
+        # LMCache has its own backend for this device: it keeps choosing exactly that.
+        assert with_kv["backend"] == without["backend"]
+        assert with_kv["backend"] in others
+    else:
+        # No LMCache backend for the type (MLU on 0.5.6): kvactors' plugin is the only one.
+        assert without["backend"] is None
+        assert with_kv["backend"] == f"kvactors_{kind}"
+    assert with_kv["device_type"] == kind
 
 
 @pytest.mark.parametrize(("kind", "backend", "ops"), CASES)

@@ -11,7 +11,7 @@ from .conftest import LMCACHE_MISSING, SKIP_REASON, lmcache_env, run_script
 pytestmark = [pytest.mark.lmcache, pytest.mark.skipif(LMCACHE_MISSING, reason=SKIP_REASON)]
 
 EXPECTED = {
-    "mlu": ("MluSpec", "mlu", "mlu"),
+    "kvactors_mlu": ("KvactorsMluSpec", "mlu", "mlu"),
     "kvactors_musa": ("KvactorsMusaSpec", "musa", "musa"),
     "kvactors_cpu": ("KvactorsCpuSpec", "cpu", "cpu"),
 }
@@ -53,6 +53,7 @@ def test_spec_module_imports_nothing_device_specific() -> None:
         "__future__",
         "logging",
         "os",
+        "threading",
         "typing",
         "lmcache.v1.platform.base.",
         "lmcache.v1.multiprocess.transfer_mode",
@@ -64,10 +65,10 @@ def test_spec_module_imports_nothing_device_specific() -> None:
 def test_defaults_engine_driven_and_handle_path_off(monkeypatch: pytest.MonkeyPatch) -> None:
     from lmcache.v1.multiprocess.transfer_mode import MPTransferMode
 
-    from kvactors_lmcache.spec import KvactorsCpuSpec, KvactorsMusaSpec, MluSpec
+    from kvactors_lmcache.spec import KvactorsCpuSpec, KvactorsMluSpec, KvactorsMusaSpec
 
     monkeypatch.delenv("LMCACHE_MUSA_HANDLE_TRANSFER", raising=False)
-    for cls in (MluSpec, KvactorsMusaSpec, KvactorsCpuSpec):
+    for cls in (KvactorsMluSpec, KvactorsMusaSpec, KvactorsCpuSpec):
         spec = cls()
         assert spec.default_mp_transfer_mode() is MPTransferMode.ENGINE_DRIVEN
         assert spec.is_lmcache_driven_available() is False
@@ -105,28 +106,28 @@ def test_accelerator_specs_unavailable_here_and_never_raise(
     monkeypatch: pytest.MonkeyPatch,
 ) -> None:
     import kvactors.devices as devices
-    from kvactors_lmcache.spec import KvactorsMusaSpec, MluSpec
+    from kvactors_lmcache.spec import KvactorsMluSpec, KvactorsMusaSpec
 
-    assert MluSpec().is_available() is False
+    assert KvactorsMluSpec().is_available() is False
     assert KvactorsMusaSpec().is_available() is False
 
     def boom(kind: str) -> object:
         raise RuntimeError(f"driver exploded probing {kind}")
 
     monkeypatch.setattr(devices, "get_backend", boom, raising=False)
-    assert MluSpec().is_available() is False
+    assert KvactorsMluSpec().is_available() is False
     assert KvactorsMusaSpec().is_available() is False
 
 
 def test_stream_handle_is_native_int() -> None:
-    from kvactors_lmcache.spec import MluSpec
+    from kvactors_lmcache.spec import KvactorsMluSpec
 
     class S:
         mlu_stream = 0x1234
 
-    assert MluSpec().get_stream_handle(S()) == 0x1234
+    assert KvactorsMluSpec().get_stream_handle(S()) == 0x1234
     with pytest.raises(RuntimeError, match="no integer native handle"):
-        MluSpec().get_stream_handle(object())
+        KvactorsMluSpec().get_stream_handle(object())
 
 
 def test_cpu_plugin_selection_in_fresh_process() -> None:
@@ -140,3 +141,37 @@ def test_cpu_plugin_selection_in_fresh_process() -> None:
     off = run_script(code, env=lmcache_env())
     assert off["ops"] == "lmcache.v1.platform.devices.cpu.device_ops.CpuDeviceOps"
     assert off["spec"] != "kvactors_cpu"
+
+
+def test_accelerator_specs_step_aside_unless_unambiguous(monkeypatch: pytest.MonkeyPatch) -> None:
+    """Available only if selected by name or the only backend LMCache registered for the type.
+
+    The device probe is forced on, so only the coexistence rule decides; the registry is
+    LMCache's own (whatever this LMCache version registers).
+    """
+    import kvactors_lmcache.spec as spec_mod
+    from kvactors_lmcache.spec import KvactorsMluSpec, KvactorsMusaSpec, registered_backends
+
+    monkeypatch.setattr(spec_mod, "probe_backend", lambda kind: (True, ""))
+    monkeypatch.delenv("LMCACHE_DEVICE_BACKEND", raising=False)
+    musa = registered_backends("musa")
+    assert musa is not None
+    assert "musa" in musa  # LMCache's built-in, on every version
+    assert "kvactors_musa" in musa
+    assert KvactorsMusaSpec().is_available() is False
+    mlu = registered_backends("mlu")
+    assert mlu is not None
+    assert "kvactors_mlu" in mlu
+    assert KvactorsMluSpec().is_available() is (mlu == ("kvactors_mlu",))
+    for cls, name, sole in (
+        (KvactorsMusaSpec, "kvactors_musa", False),
+        (KvactorsMluSpec, "kvactors_mlu", mlu == ("kvactors_mlu",)),
+    ):
+        monkeypatch.setenv("LMCACHE_DEVICE_BACKEND", f" {name.upper()} ")
+        assert cls().is_available() is True
+        monkeypatch.setenv("LMCACHE_DEVICE_BACKEND", "musa")  # another backend selected
+        assert cls().is_available() is sole
+    # An unreadable registry fails closed: kvactors then runs only when selected by name.
+    monkeypatch.delenv("LMCACHE_DEVICE_BACKEND")
+    monkeypatch.setattr(spec_mod, "registered_backends", lambda device_type: None)
+    assert KvactorsMluSpec().is_available() is False

@@ -1,30 +1,143 @@
-"""kvactors doctor: the report, JSON output, and the predicted LMCache selection."""
+"""kvactors doctor: the report, JSON output, and LMCache's selection as LMCache itself answers.
+
+The selection tests compare ``kvactors doctor --json`` (run as users run it, in a fresh process)
+with an independent oracle that imports lmcache as an application would
+(``tests/adapters/scripts/lmcache_selects.py``), for the same environment and fake device.
+Nothing here restates LMCache's rules; each test also pins the one fact it is about, so it
+fails when the doctor or the coexistence rule changes.
+"""
 
 from __future__ import annotations
 
+import importlib.metadata
+import importlib.util
 import json
-from typing import Literal
+import os
+import subprocess
+import sys
+from pathlib import Path
+from typing import Any
 
+import msgspec
 import pytest
 
 from kvactors.cli import main
-from kvactors.cli._selection import SpecFact, predict_selection
 from kvactors.cli.doctor import ENV_VARS, collect
 
-_ENV = (*ENV_VARS, "KVACTORS_LMCACHE_CPU")
+ORACLE = Path(__file__).resolve().parents[1] / "adapters" / "scripts" / "lmcache_selects.py"
+LMCACHE_MISSING = importlib.util.find_spec("lmcache") is None
+needs_lmcache = pytest.mark.skipif(LMCACHE_MISSING, reason="lmcache is not installed")
+LMCACHE_057 = not LMCACHE_MISSING and importlib.metadata.version("lmcache").startswith("0.5.7")
 
 
 @pytest.fixture(autouse=True)
 def clean_env(monkeypatch: pytest.MonkeyPatch) -> None:
-    for name in _ENV:
+    for name in ENV_VARS:
         monkeypatch.delenv(name, raising=False)
+
+
+def _env(**extra: str) -> dict[str, str]:
+    env = {k: v for k, v in os.environ.items() if not k.startswith(("LMCACHE_", "KVACTORS_"))}
+    env.update(LMCACHE_TRACK_USAGE="false", PYTHONHASHSEED="0", OMP_NUM_THREADS="1")
+    for k in ("DEVICE_TYPE",):
+        env.pop(k, None)
+    env.update(extra)
+    return env
+
+
+def _last_json(proc: subprocess.CompletedProcess[str]) -> dict[str, Any]:
+    lines = [ln for ln in proc.stdout.splitlines() if ln.startswith("{")]
+    assert lines, f"no JSON (rc {proc.returncode})\n{proc.stdout[-2000:]}\n{proc.stderr[-3000:]}"
+    return json.loads(lines[-1])
+
+
+def _start_doctor(env: dict[str, str], fake: str | None) -> subprocess.Popen[str]:
+    cmd = [sys.executable, "-m", "kvactors.cli", "doctor", "--json"]
+    cmd += ["--fake", fake] if fake else []
+    return subprocess.Popen(cmd, env=env, stdout=subprocess.PIPE, stderr=subprocess.PIPE,
+                            text=True)  # fmt: skip
+
+
+def _start_oracle(env: dict[str, str], fake: str | None) -> subprocess.Popen[str]:
+    cmd = [sys.executable, str(ORACLE)] + (["--fake", fake] if fake else [])
+    return subprocess.Popen(cmd, env=env, stdout=subprocess.PIPE, stderr=subprocess.PIPE,
+                            text=True)  # fmt: skip
+
+
+def _finish(proc: subprocess.Popen[str]) -> subprocess.CompletedProcess[str]:
+    try:
+        out, err = proc.communicate(timeout=240)
+    except subprocess.TimeoutExpired:
+        proc.kill()
+        out, err = proc.communicate()
+    return subprocess.CompletedProcess(proc.args, proc.returncode, out, err)
+
+
+def _doctor_json(proc: subprocess.CompletedProcess[str]) -> dict[str, Any]:
+    assert "{" in proc.stdout, proc.stderr[-3000:]
+    data: dict[str, Any] = json.loads(proc.stdout[proc.stdout.index("{"):])
+    assert proc.returncode == (0 if data["ok"] else 1)
+    return data
+
+
+def both(env: dict[str, str], fake: str | None = None) -> tuple[dict[str, Any], dict[str, Any]]:
+    """The doctor's report and the oracle's answer for ``env``, computed side by side.
+
+    The oracle always runs in a fresh process. With a fake device the doctor runs as users run
+    it (``kvactors doctor --json --fake KIND``, a fresh process: a fake vendor module is
+    per process); without one, in this process (its LMCache question still runs in a fresh
+    subprocess with ``env``).
+    """
+    ora = _start_oracle(env, fake)
+    if fake is None:
+        report = collect(env)
+        doc = msgspec.to_builtins(report) | {"ok": report.ok}
+    else:
+        doc = _doctor_json(_finish(_start_doctor(env, fake)))
+    ora_done = _finish(ora)
+    assert ora_done.returncode == 0, ora_done.stderr[-3000:]
+    return doc, _last_json(ora_done)
+
+
+def lmcache_says(env: dict[str, str], fake: str | None = None) -> dict[str, Any]:
+    """The oracle alone: what LMCache itself selects with ``env`` (and a fake device)."""
+    proc = _finish(_start_oracle(env, fake))
+    assert proc.returncode == 0, proc.stderr[-3000:]
+    return _last_json(proc)
+
+
+def _same(pair: tuple[dict[str, Any], dict[str, Any]]) -> dict[str, Any]:
+    """Assert the doctor reports exactly LMCache's answer; return the doctor's selection."""
+    doc, oracle = pair
+    sel = doc["selection"]
+    if oracle["error"]:
+        assert sel["outcome"] == "error", sel
+        assert oracle["error"] in sel["error"], (sel, oracle)
+    elif oracle.get("mode_error"):
+        assert sel["outcome"] == "error", sel
+        assert oracle["mode_error"] in sel["error"], (sel, oracle)
+    else:
+        assert sel["backend"] == oracle["backend"], (sel, oracle)
+        assert sel["outcome"] == ("stub" if oracle["backend"] is None else "selected")
+        assert sel["device_type"] == oracle["device_type"]
+        assert sel["transfer_mode"] == oracle["mode"]
+        assert sel["kvactors"] == str(oracle["backend"]).startswith("kvactors_")
+        names = {t: [b["backend"] for b in sel["registry"] if b["device_type"] == t]
+                 for t in oracle["registry"]}  # fmt: skip
+        assert names == oracle["registry"]
+    return sel
 
 
 def test_doctor_text(capsys: pytest.CaptureFixture[str]) -> None:
     assert main(["doctor"]) == 0
     out = capsys.readouterr().out
-    for needle in ("backends:", "cpu   available", "LMCache selection (predicted)", "findings:"):
+    for needle in ("backends:", "cpu   available", "LMCache selection (", "findings:",
+                   "select kvactors: ", "KVACTORS_LMCACHE_CPU=1"):  # fmt: skip
         assert needle in out
+    if not LMCACHE_MISSING:
+        assert "detection, in a subprocess" in out
+        assert "LMCACHE_DEVICE_BACKEND=kvactors_mlu" in out
+        assert "LMCACHE_DEVICE_BACKEND=kvactors_musa" in out
 
 
 def test_doctor_json(capsys: pytest.CaptureFixture[str]) -> None:
@@ -32,88 +145,100 @@ def test_doctor_json(capsys: pytest.CaptureFixture[str]) -> None:
     data = json.loads(capsys.readouterr().out)
     assert data["ok"] is True
     assert {b["backend"] for b in data["backends"]} == {"cpu", "mlu", "musa", "cuda"}
-    assert data["selection"]["outcome"] in ("selected", "stub")
+    assert data["selection"]["outcome"] in (("absent",) if LMCACHE_MISSING else ("stub",))
     assert "torch" in data["packages"]
 
 
-def test_doctor_flags_unavailable_explicit_backend(
-    monkeypatch: pytest.MonkeyPatch, capsys: pytest.CaptureFixture[str]
+def test_doctor_without_lmcache_says_the_plugin_is_inactive(
+    monkeypatch: pytest.MonkeyPatch,
 ) -> None:
-    monkeypatch.setenv("LMCACHE_DEVICE_BACKEND", "kvactors_musa")
-    rc = main(["doctor"])
-    out = capsys.readouterr().out
-    if collect().packages["torch_musa"] is None:
-        assert rc == 1
-        assert "[FAIL]" in out
-        assert "LMCACHE_DEVICE_BACKEND='kvactors_musa' is registered but not available" in out
-    assert "LMCACHE_DEVICE_BACKEND=kvactors_musa" in out  # listed among the environment
-
-
-def test_doctor_sees_fake_mlu(fake_mlu: object) -> None:
+    real = importlib.util.find_spec
+    monkeypatch.setattr(importlib.util, "find_spec",
+                        lambda name, *a: None if name == "lmcache" else real(name, *a))  # fmt: skip
     report = collect({})
-    mlu = next(p for p in report.backends if p.backend == "mlu")
-    assert mlu.available
-    if "mlu" in report.plugins:
-        assert report.selection.backend == "mlu"
-        assert report.selection.kvactors
-        assert report.selection.transfer_mode == "engine_driven"
+    assert report.selection.outcome == "absent"
+    assert not report.selection.registry
 
 
-def _specs(**avail: bool) -> list[SpecFact]:
-    base: list[tuple[str, str, Literal["builtin", "plugin"]]] = [
-        ("cpu", "cpu", "builtin"), ("cuda", "cuda", "builtin"), ("musa", "musa", "builtin"),
-        ("kvactors_cpu", "cpu", "plugin"), ("kvactors_musa", "musa", "plugin"),
-        ("mlu", "mlu", "plugin"),
-    ]
-    order = ["cpu", "cuda", "musa"]
-    facts = [SpecFact(backend=n, device_type=t, origin=o, available=avail.get(n, False))
-             for n, t, o in base]
-    return sorted(facts, key=lambda f: order.index(f.device_type) if f.device_type in order
-                  else len(order))
+@needs_lmcache
+def test_doctor_flags_unavailable_explicit_backend(capsys: pytest.CaptureFixture[str]) -> None:
+    env = _env(LMCACHE_DEVICE_BACKEND="kvactors_musa")
+    report = collect(env)
+    oracle = lmcache_says(env)
+    assert oracle["error"]
+    assert "registered but not available" in oracle["error"]
+    assert report.selection.outcome == "error"
+    assert oracle["error"] in report.selection.error
+    assert not report.ok
+    fail = next(f for f in report.findings if f.level == "error")
+    assert "torch_musa" in fail.fix  # says why kvactors' backend cannot run
 
 
+# -- LMCache's real detection vs the doctor (fresh processes on both sides) ------------------
+
+
+@needs_lmcache
 def test_selection_nothing_available_is_the_stub() -> None:
-    s = predict_selection(_specs(), {})
-    assert s.outcome == "stub"
-    assert not s.kvactors
+    env = _env()
+    sel = _same(both(env))
+    assert sel["outcome"] == "stub"
 
 
+@needs_lmcache
 def test_selection_mlu_auto() -> None:
-    s = predict_selection(_specs(mlu=True), {})
-    assert (s.outcome, s.backend, s.kvactors, s.transfer_mode) == (
-        "selected", "mlu", True, "engine_driven")
+    env = _env()
+    pair = both(env, "mlu")
+    doc, sel = pair[0], _same(pair)
+    # kvactors_mlu is auto-selected only where LMCache has no MLU backend of its own.
+    builtin_mlu = any(b["backend"] == "mlu" for b in sel["registry"])
+    assert builtin_mlu == LMCACHE_057
+    assert sel["backend"] == ("mlu" if builtin_mlu else "kvactors_mlu")
+    if builtin_mlu:
+        fix = next(f["fix"] for f in doc["findings"] if f["topic"] == "LMCache selection")
+        assert "export LMCACHE_DEVICE_BACKEND=kvactors_mlu" in fix
 
 
-def test_selection_two_musa_backends_need_the_env_var() -> None:
-    s = predict_selection(_specs(musa=True, kvactors_musa=True), {})
-    assert s.outcome == "error"
-    assert "Multiple LMCache backends" in s.error
-    s = predict_selection(_specs(musa=True, kvactors_musa=True),
-                          {"LMCACHE_DEVICE_BACKEND": "kvactors_musa"})
-    assert (s.outcome, s.backend) == ("selected", "kvactors_musa")
+@needs_lmcache
+def test_selection_musa_coexists_and_selects_by_name() -> None:
+    env = _env()
+    sel = _same(both(env, "musa"))
+    assert sel["backend"] == "musa"  # the built-in: installing kvactors changed nothing
+    env = _env(LMCACHE_DEVICE_BACKEND="kvactors_musa")
+    sel = _same(both(env, "musa"))
+    assert sel["backend"] == "kvactors_musa"
 
 
+@needs_lmcache
 def test_selection_cpu_plugin_beats_accelerators() -> None:
-    s = predict_selection(_specs(kvactors_cpu=True, mlu=True), {})
-    assert s.backend == "kvactors_cpu"
+    env = _env(KVACTORS_LMCACHE_CPU="1")
+    pair = both(env, "mlu")
+    doc, sel = pair[0], _same(pair)
+    assert sel["backend"] == "kvactors_cpu"
+    assert any(f["topic"] == "KVACTORS_LMCACHE_CPU" and f["level"] == "warn"
+               for f in doc["findings"])  # fmt: skip
 
 
+@needs_lmcache
 def test_selection_unknown_or_unavailable_explicit_backend() -> None:
-    assert "not a registered" in predict_selection(
-        _specs(), {"LMCACHE_DEVICE_BACKEND": "nope"}).error
-    assert "not available" in predict_selection(_specs(), {"LMCACHE_DEVICE_BACKEND": "mlu"}).error
+    for name, needle in (("nope", "is not registered"),
+                         ("kvactors_mlu", "registered but not available")):  # fmt: skip
+        env = _env(LMCACHE_DEVICE_BACKEND=name)
+        sel = _same(both(env))
+        assert needle in sel["error"]
 
 
+@needs_lmcache
 def test_selection_transfer_modes() -> None:
-    env = {"LMCACHE_DEVICE_BACKEND": "mlu", "LMCACHE_MP_TRANSFER_MODE": "lmcache_driven"}
-    assert predict_selection(_specs(mlu=True), env).outcome == "error"
-    env["LMCACHE_MP_TRANSFER_MODE"] = "engine_driven"
-    assert predict_selection(_specs(mlu=True), env).outcome == "selected"
+    env = _env(LMCACHE_DEVICE_BACKEND="kvactors_mlu", LMCACHE_MP_TRANSFER_MODE="lmcache_driven")
+    sel = _same(both(env, "mlu"))
+    assert sel["outcome"] == "error"
     env["LMCACHE_MP_TRANSFER_MODE"] = "bogus"
-    assert "Invalid MP transfer mode" in predict_selection(_specs(mlu=True), env).error
+    sel = _same(both(env, "mlu"))
+    assert "Invalid MP transfer mode" in sel["error"]
 
 
+@needs_lmcache
 def test_selection_device_type_falls_through_when_unavailable() -> None:
-    s = predict_selection(_specs(mlu=True), {"DEVICE_TYPE": "cuda"})
-    assert s.backend == "mlu"
-    assert "DEVICE_TYPE=cuda has no available backend" in s.reason
+    env = _env(DEVICE_TYPE="cuda")
+    sel = _same(both(env, "mlu"))
+    assert sel["device_type"] == "mlu"

@@ -6,6 +6,7 @@ import). Prints one JSON object on the last line of stdout.
 
 from __future__ import annotations
 
+import inspect
 import json
 import sys
 from typing import Any
@@ -49,6 +50,18 @@ def make_kv(case: str, dtype: torch.dtype, gen: torch.Generator) -> dict[str, An
             "hints": {"kv_layout": "NHD"},
             "engine": EngineType.VLLM,
         }
+    if case == "mla_padded":
+        # A dim-0-padded MLA pool (LMCache 0.5.7 passes block_stride_elems = stride(0)).
+        row = BS * HS * 4
+        pools = [_rand((NB, row + 40), dtype, gen) for _ in range(NL)]
+        return {
+            "kv": {
+                f"l{i}": p.as_strided((NB, BS, HS * 4), (row + 40, HS * 4, 1))
+                for i, p in enumerate(pools)
+            },
+            "hints": {"kv_layout": "NHD"},
+            "engine": EngineType.VLLM,
+        }
     if case == "sglang":
         kv = {f"k{i}": _rand((NB * BS, NH, HS), dtype, gen) for i in range(NL)}
         kv.update({f"v{i}": _rand((NB * BS, NH, HS), dtype, gen) for i in range(NL)})
@@ -64,11 +77,18 @@ def bits(t: torch.Tensor) -> torch.Tensor:
     return t.contiguous().view(torch.uint8)
 
 
-def run_case(case: str, dtype: torch.dtype, builtin: Any) -> dict[str, Any]:
+def zeros_like_strided(t: torch.Tensor) -> torch.Tensor:
+    base = torch.zeros(t.untyped_storage().nbytes() // t.element_size(), dtype=t.dtype)
+    return base.as_strided(t.shape, t.stride(), t.storage_offset())
+
+
+def run_case(case: str, dtype: torch.dtype, builtin: Any, window: int | None = None) -> dict:
     gen = torch.Generator().manual_seed(1234)
     spec = make_kv(case, dtype, gen)
     kv, hints, engine = spec["kv"], spec["hints"], spec["engine"]
     real_resolve = tc_base.resolve_device_ops
+    # Sliding-window groups (LMCache 0.5.7): the op sees window-sized chunks and skips.
+    extra = {} if window is None else {"blocks_per_window": window}
 
     def gather(use_builtin: bool, src: dict[str, torch.Tensor] | None = None) -> list[torch.Tensor]:
         tc_base.resolve_device_ops = (lambda _dt: builtin) if use_builtin else real_resolve
@@ -79,12 +99,13 @@ def run_case(case: str, dtype: torch.dtype, builtin: Any) -> dict[str, Any]:
                 BPC,
                 layout_hints=hints,
                 engine_type=engine,
+                **extra,
             )
         finally:
             tc_base.resolve_device_ops = real_resolve
 
     def scatter(chunks: list[torch.Tensor], skip_tokens: int, use_builtin: bool) -> dict:
-        dst = {k: torch.zeros_like(v) for k, v in kv.items()}
+        dst = {k: zeros_like_strided(v) for k, v in kv.items()}
         tc_base.resolve_device_ops = (lambda _dt: builtin) if use_builtin else real_resolve
         try:
             tc_base.scatter_cpu_to_paged_kv(
@@ -95,6 +116,7 @@ def run_case(case: str, dtype: torch.dtype, builtin: Any) -> dict[str, Any]:
                 skip_first_n_tokens=skip_tokens,
                 layout_hints=hints,
                 engine_type=engine,
+                **extra,
             )
         finally:
             tc_base.resolve_device_ops = real_resolve
@@ -125,12 +147,13 @@ def run_case(case: str, dtype: torch.dtype, builtin: Any) -> dict[str, Any]:
         BPC,
         layout_hints=hints,
         engine_type=engine,
+        **extra,
     )
     untouched_ok = all(not bits(v).any() for v in roundtrip.values())
     after = kops.transfer_counts()
     served = {k: after.get(k, 0) - before.get(k, 0) for k in after}
     return {
-        "case": case,
+        "case": case if window is None else f"{case}_window{window}",
         "dtype": str(dtype),
         "chunk_shape": list(got[0].shape) if got else [],
         "gather_bit_exact": bool(gather_ok),
@@ -154,8 +177,11 @@ def main() -> int:
         ("mla", torch.float32),
         ("sglang", torch.bfloat16),
     ]
+    cases.append(("mla_padded", torch.bfloat16))
     for case, dtype in cases:
         results["cases"].append(run_case(case, dtype, builtin))  # type: ignore[attr-defined]
+    if "blocks_per_window" in inspect.signature(tc_base.gather_paged_kv_to_cpu).parameters:
+        results["cases"].append(run_case("nhd", torch.bfloat16, builtin, window=1))  # type: ignore[attr-defined]
     print(json.dumps(results))
     return 0
 

@@ -1,6 +1,6 @@
 """LMCache's own engine-driven worker client against a real LMCache MP server.
 
-Usage: e2e_client.py PORT EXPECT_MODE   (EXPECT_MODE: "pickle" or "shm")
+Usage: e2e_client.py PORT EXPECT_MODE   (EXPECT_MODE: "inline" or "shm")
 
 Runs in a fresh interpreter with KVACTORS_LMCACHE_CPU=1, so LMCache selects the kvactors CPU
 plugin for the CPU KV tensors. For NHD, MLA and SGLang K/V lists: register, store, then for

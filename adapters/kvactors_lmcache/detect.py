@@ -1,0 +1,171 @@
+"""Ask LMCache's own device detection what it selects here; print it as one JSON object.
+
+Run as a script in a fresh interpreter (``kvactors doctor`` does, with the caller's
+environment): LMCache detects the device once, at ``import lmcache``, and caches the result
+for the life of the process, so only a fresh process answers for a given environment.
+
+    python .../kvactors_lmcache/detect.py [--fake mlu|musa]
+
+Theory of operation. Nothing here re-implements LMCache's rules: the script imports lmcache
+(which runs detection and may raise, e.g. ``Multiple LMCache backends are available``),
+then reads LMCache's own answers: ``_detect_device()`` for the selected backend, its backend
+registry for every registered spec (asking each ``is_available()`` as LMCache does), the
+MP transfer mode through ``worker_transfer._resolve_mode`` and the selected spec's
+``default_mp_transfer_mode()``. When the import raises, the error is reported and the
+registry is still read from the modules that loaded (``_device_detect`` survives a failed
+package import in ``sys.modules``). ``--fake KIND`` installs kvactors' fake vendor module
+first, to answer as on a host with one such device. Private LMCache names are read
+defensively: a missing one becomes an ``unknown`` field, never a crash.
+"""
+
+from __future__ import annotations
+
+import argparse
+import contextlib
+import importlib.metadata
+import json
+import os
+import sys
+from typing import TYPE_CHECKING, Any
+
+if TYPE_CHECKING:
+    from collections.abc import Iterator
+
+__all__ = ("detect", "main")
+
+_DETECT_MODULE = "lmcache.v1.platform._device_detect"
+
+
+def _qual(obj: object) -> str:
+    t = obj if isinstance(obj, type) else type(obj)
+    return f"{t.__module__}.{t.__qualname__}"
+
+
+def _error_text(exc: BaseException) -> str:
+    return f"{type(exc).__name__}: {exc}"
+
+
+def _registry(dd: Any) -> list[dict[str, Any]]:
+    out: list[dict[str, Any]] = []
+    for name, spec in dd._build_backend_registry().items():
+        module = type(spec).__module__
+        try:
+            available: bool | None = bool(spec.is_available())
+            why = ""
+        except Exception as exc:  # LMCache would propagate this; report it
+            available, why = None, _error_text(exc)
+        out.append(
+            {
+                "backend": str(name),
+                "device_type": str(spec.device_type),
+                "origin": "builtin" if module.startswith("lmcache.") else "plugin",
+                "kvactors": module.startswith("kvactors_lmcache."),
+                "spec": _qual(spec),
+                "available": available,
+                "error": why,
+            }
+        )
+    return out
+
+
+def _transfer_mode(dd: Any, device_type: str) -> dict[str, str]:
+    try:
+        from lmcache.v1.multiprocess.transfer_context.worker_transfer import _resolve_mode
+        from lmcache.v1.multiprocess.transfer_mode import MPTransferMode
+    except Exception as exc:
+        return {"mode": "unknown", "reason": _error_text(exc), "error": ""}
+    try:
+        mode = _resolve_mode(None)
+    except ValueError as exc:
+        return {"mode": "invalid", "reason": "LMCACHE_MP_TRANSFER_MODE", "error": str(exc)}
+    spec = dd.get_device_spec(device_type)
+    if mode is MPTransferMode.AUTO:
+        if spec is None:
+            return {"mode": "engine_driven", "reason": "auto: no spec for the device", "error": ""}
+        mode = spec.default_mp_transfer_mode()
+        reason = f"auto: {type(spec).__name__}.default_mp_transfer_mode()"
+    else:
+        reason = "LMCACHE_MP_TRANSFER_MODE"
+    error = ""
+    if mode is MPTransferMode.LMCACHE_DRIVEN:
+        try:
+            from lmcache.v1.platform.kv_wrap import resolve_kv_wrapper_factory
+
+            resolve_kv_wrapper_factory(device_type)
+        except Exception as exc:
+            error = (
+                f"MP transfer mode 'lmcache_driven' is not supported for device type "
+                f"{device_type!r}: {exc}"
+            )
+    return {"mode": str(mode.value), "reason": reason, "error": error}
+
+
+def detect() -> dict[str, Any]:
+    """What LMCache selects in this process's environment (imports lmcache; call once)."""
+    out: dict[str, Any] = {
+        "lmcache": None,
+        "outcome": "error",
+        "backend": None,
+        "device_type": "",
+        "kvactors": False,
+        "error": "",
+        "registry": [],
+        "transfer_mode": {"mode": "unknown", "reason": "", "error": ""},
+        "env": {k: os.environ[k] for k in ("LMCACHE_DEVICE_BACKEND", "DEVICE_TYPE",
+                                           "LMCACHE_MP_TRANSFER_MODE") if k in os.environ},
+    }  # fmt: skip
+    with contextlib.suppress(importlib.metadata.PackageNotFoundError):
+        out["lmcache"] = importlib.metadata.version("lmcache")
+    try:
+        import lmcache  # noqa: F401  (runs LMCache's device detection)
+        from lmcache.v1.platform import _device_detect as dd
+
+        _, device_type, backend = dd._detect_device()
+    except Exception as exc:
+        out["error"] = _error_text(exc)
+        dd = sys.modules.get(_DETECT_MODULE)
+        if dd is not None:
+            with contextlib.suppress(Exception):
+                out["registry"] = _registry(dd)
+        return out
+    out["registry"] = _registry(dd)
+    out["device_type"] = str(device_type)
+    if backend is None:
+        out["outcome"] = "stub"
+    else:
+        out["outcome"] = "selected"
+        out["backend"] = str(backend)
+        out["kvactors"] = any(
+            r["backend"] == backend and r["kvactors"] for r in out["registry"]
+        )
+    out["transfer_mode"] = _transfer_mode(dd, str(device_type))
+    return out
+
+
+@contextlib.contextmanager
+def _maybe_fake(kind: str | None) -> Iterator[None]:
+    if kind is None:
+        yield
+        return
+    from kvactors.testing import fake_vendor
+
+    with fake_vendor(kind):
+        yield
+
+
+def main(argv: list[str] | None = None) -> int:
+    """Print :func:`detect`'s answer as one JSON line; exit 0 even when detection raised."""
+    ap = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+    ap.add_argument("--fake", choices=("mlu", "musa"), default=None,
+                    help="install kvactors' fake vendor module first")  # fmt: skip
+    args = ap.parse_args(argv)
+    os.environ.setdefault("LMCACHE_TRACK_USAGE", "false")
+    with _maybe_fake(args.fake):
+        result = detect()
+    sys.stdout.flush()
+    print(json.dumps(result))
+    return 0
+
+
+if __name__ == "__main__":
+    sys.exit(main())
