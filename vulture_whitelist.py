@@ -29,6 +29,7 @@ _.pin_memory_backend  # DeviceSpec: LMCache's host buffer allocation
 _.ipc_wrapper_cls  # DeviceSpec: LMCache-driven (IPC handle) mode
 _.event_ipc_backend  # DeviceSpec: LMCache-driven (IPC handle) mode
 _.create_cache_context  # DeviceSpec: LMCache's MP server per registered cache
+_.refused_ops  # KvactorsMluOps: read at import to install the refusing legacy ops LMCache calls
 
 # ---- the interpreter and the standard library read these --------------------------------
 _.__cause__  # exception chaining: tracebacks and `raise ... from` readers
@@ -75,6 +76,11 @@ _.inject_error  # FakeVendor.inject_error: sticky device errors for users' fault
 _.use_after_free  # ManualBackend counter users assert on (own-until-done rule)
 _.sync_waiters  # ManualBackend counter users assert on (syncs blocked on the device)
 _.closed_under_work  # ManualBackend counter users assert on (close-after-sync rule)
+
+# ---- public fake API (kvactors.testing) that vendors' tests read ---------------------------
+_.launches  # OpCounts field: serialised by name into the vendor bench rows (msgspec.to_builtins)
+_.alloc_bytes  # OpCounts field: serialised by name into the vendor bench rows
+_.host_device_copies  # OpCounts property: H2D + D2H, for vendors' per-call budget checks
 
 # ---- PENDING: reached only by tests today, in areas other engineers own on 2026-11-30; ---
 # the lead wires or deletes each after merging, then removes its entry here.

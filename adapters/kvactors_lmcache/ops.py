@@ -503,12 +503,6 @@ class KvactorsMluOps(KvactorsDeviceOps):
             "reshape_and_cache_back_flash",
         }
     )
-    multi_layer_kv_transfer = _mlu_legacy("multi_layer_kv_transfer")
-    multi_layer_kv_transfer_unilateral = _mlu_legacy("multi_layer_kv_transfer_unilateral")
-    single_layer_kv_transfer = _mlu_legacy("single_layer_kv_transfer")
-    single_layer_kv_transfer_sgl = _mlu_legacy("single_layer_kv_transfer_sgl")
-    load_and_reshape_flash = _mlu_legacy("load_and_reshape_flash")
-    reshape_and_cache_back_flash = _mlu_legacy("reshape_and_cache_back_flash")
 
     def tensor_from_ptr(
         self,
@@ -541,6 +535,10 @@ class KvactorsMluOps(KvactorsDeviceOps):
             backend="mlu",
         )
 
+
+# LMCache calls the inherited legacy ops by name; on MLU each one refuses (see refused_ops).
+for _op in KvactorsMluOps.refused_ops:
+    setattr(KvactorsMluOps, _op, _mlu_legacy(_op))
 
 _OPS_BY_BACKEND: dict[str, type[KvactorsDeviceOps]] = {
     "cpu": KvactorsCpuOps,

@@ -153,7 +153,6 @@ class MusaCapabilities(msgspec.Struct, frozen=True, kw_only=True):
     memory_ipc: bool
     event_ipc: bool
     handle_opt_in: bool
-    native_opt_in: bool
     block_transfer: bool = True
     problems: tuple[str, ...] = ()
 
@@ -215,5 +214,5 @@ def probe_capabilities(module: object, env: Mapping[str, str]) -> MusaCapabiliti
         problems.append(f"{HANDLE_TRANSFER_ENV} is not set (handle mode is opt-in)")
     return MusaCapabilities(
         memory_ipc=not mem, event_ipc=not ev, handle_opt_in=opt_in,
-        native_opt_in=env_flag(env, NATIVE_TRANSFER_ENV), problems=tuple(problems),
+        problems=tuple(problems),
     )
