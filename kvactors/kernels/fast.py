@@ -23,7 +23,7 @@ hardware.
 from __future__ import annotations
 
 import threading
-from typing import TYPE_CHECKING
+from typing import TYPE_CHECKING, Any
 
 import torch
 
@@ -102,6 +102,7 @@ def run_fast(
     copy: Callable[[torch.Tensor, torch.Tensor], None] | None = None,
     scratch: ScratchCache | None = None,
     staged: bool | None = None,
+    memo: dict[Any, torch.Tensor] | None = None,
 ) -> None:
     """Execute a validated plan with the fast kernels.
 
@@ -114,6 +115,8 @@ def run_fast(
         scratch: Staging buffer cache for the staged path (default: one per thread).
         staged: Force (``True``) or forbid (``False``) the staged path; ``None`` stages
             exactly when the paged tensors are not on the CPU.
+        memo: Index tensors of this plan kept between calls (see ``KernelContext``); a
+            reused plan passes the same dict every time.
 
     Raises:
         TransferValidationError: The operands are not the ones the plan was made for, or
@@ -131,7 +134,7 @@ def run_fast(
     use_staging = (not plan.on_host) if staged is None else staged
     if not use_staging and not plan.on_host:
         raise TransferValidationError("device tensors need the staged path", field="staged")
-    ctx = KernelContext(plan, units)
+    ctx = KernelContext(plan, units, memo)
     raw_objs = [raw(o) for o in objs]
     if not use_staging:
         d2h = plan.direction is Direction.D2H
