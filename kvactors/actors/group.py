@@ -39,6 +39,8 @@ class DeviceStatistics(msgspec.Struct, frozen=True, kw_only=True):
     events_pending: int
     stream_syncs: int = 0
     sync_wait_seconds: float = 0.0
+    records_withdrawn: int = 0
+    streams_retired: int = 0
 
 
 class DeviceActors:
@@ -117,4 +119,6 @@ class DeviceActors:
             events_pending=self.events.pending,
             stream_syncs=sum(s.syncs for s in self.streams.all()),
             sync_wait_seconds=sum(s.sync_seconds for s in self.streams.all()),
+            records_withdrawn=self.completions.withdrawn + self.events.withdrawn,
+            streams_retired=self.streams.retired,
         )

@@ -11,6 +11,12 @@ stream, so no record becomes drainable before every earlier piece of work on the
 A failure reported by the device is a failure: a launch that fails answers with
 :class:`~kvactors.errors.TransferFailedError`; a record whose sync failed is withdrawn (never
 published) and breaks the actor, since a stream with a sticky error cannot order anything.
+
+Stopping lets the lane finish what is queued (bounded); a record whose publish job did not run
+by then is withdrawn and counted (``Outbox.withdrawn``), so every record is either published
+or failed, and none holds back the records behind it. ``on_idle`` (set by the directory) is
+called on the loop whenever the actor holds nothing, which is when a borrowed-stream actor
+may be retired.
 """
 
 from __future__ import annotations
@@ -21,7 +27,7 @@ import time
 from typing import TYPE_CHECKING, Any, final
 
 from kvactors.actors.lane import Lane
-from kvactors.actors.mailbox import DEFERRED, Actor, Envelope, unreachable
+from kvactors.actors.mailbox import DEFERRED, Actor, ActorState, Envelope, unreachable
 from kvactors.errors import DeviceOpError, KvactorsError, TransferFailedError
 from kvactors.protocols.stream import (
     EventRecord,
@@ -82,6 +88,9 @@ class StreamActor(Actor[StreamRequest]):
         self._device = f"{backend.kind}:{index}"
         self.sync_seconds = 0.0
         self.syncs = 0
+        self._records: set[tuple[Outbox[Any], int]] = set()
+        #: Called on the loop when the actor holds nothing (see the module docstring).
+        self.on_idle: Callable[[], None] | None = None
 
     def _synchronize(self) -> None:
         # Runs on the lane thread (the only writer of these counters).
@@ -98,9 +107,25 @@ class StreamActor(Actor[StreamRequest]):
         super().start()
 
     async def on_stop(self, closed: Any) -> None:
-        """Let the lane finish queued work (bounded), then end its threads."""
+        """Let the lane finish queued work (bounded), then end its threads; withdraw every
+        record whose publish did not run."""
         loop = asyncio.get_running_loop()
-        await loop.run_in_executor(None, self.lane.stop, self._stop_timeout)
+        try:
+            await loop.run_in_executor(None, self.lane.stop, self._stop_timeout)
+        finally:
+            for outbox, seq in list(self._records):
+                outbox.withdraw(seq)
+            self._records.clear()
+
+    def _signal(self) -> None:
+        super()._signal()
+        hook = self.on_idle
+        if hook is not None and self.idle():
+            hook()
+
+    def idle(self) -> bool:
+        """Whether the actor holds nothing: no envelope queued, no reply outstanding."""
+        return self.state is ActorState.RUNNING and self.pending == 0 and not self._busy
 
     def _post(self) -> Callable[..., None]:
         loop = self._loop
@@ -174,6 +199,8 @@ class StreamActor(Actor[StreamRequest]):
     def _record(self, env: Envelope[StreamRequest], outbox: Outbox[Any], record: Any) -> None:
         post = self._post()
         seq = outbox.reserve()
+        mine = (outbox, seq)
+        self._records.add(mine)
         settle = self.defer(env)
 
         def publish() -> None:
@@ -181,9 +208,11 @@ class StreamActor(Actor[StreamRequest]):
                 self._synchronize()
             except BaseException as exc:
                 outbox.withdraw(seq)
+                self._records.discard(mine)
                 post(settle, _sync_failed(exc, self._device), None)
                 return
             outbox.publish(seq, record)
+            self._records.discard(mine)
             post(settle, None, None)
 
         self.lane.submit(publish)
