@@ -11,7 +11,11 @@ Three parts, each a ratio measured inside one run (absolute GB/s on shared hosts
   ``--device`` (message hop, actors, lane thread, completion) against a raw contiguous copy of
   the same bytes between that device and the host, interleaved;
 * **messaging** (:func:`kvactors.bench_messaging.run_messaging_bench`): the runtime's hops
-  against bare asyncio/threading floors.
+  against bare asyncio/threading floors;
+* **per call** (:func:`kvactors.bench_percall.run_percall_bench`): what one transfer call
+  costs through ``Runtime.transfer`` and through LMCache's DeviceOps call of the
+  ``kvactors_cpu`` plugin, against the single torch call of the same bytes and LMCache's torch
+  path, 1 and 4 concurrent callers, p50 and p99 (written to ``percall.png`` too).
 
 Kernel figures are host-side (the paged pools are CPU memory), so they are measured once
 whatever ``--device`` says; the runtime figures follow ``--device``.
@@ -30,6 +34,7 @@ from typing import TYPE_CHECKING, Any
 import msgspec
 import torch
 
+from kvactors.bench_percall import PercallReport
 from kvactors.bench_transfer import LAYOUTS, BenchRow, BenchWorkload, run_transfer_bench
 
 if TYPE_CHECKING:
@@ -53,6 +58,7 @@ class BenchConfig(msgspec.Struct, frozen=True, kw_only=True):
     include_lmcache: bool = True
     messaging: bool = True
     runtime: bool = True
+    percall: bool = True
     seed: int = 0
 
 
@@ -76,6 +82,7 @@ class BenchReport(msgspec.Struct, kw_only=True):
     transfer: list[BenchRow]
     runtime: list[RuntimeRow]
     messaging: dict[str, float] | None
+    percall: PercallReport | None = None
     seconds: float = 0.0
 
 
@@ -194,8 +201,14 @@ def run_bench(cfg: BenchConfig, *, progress: Callable[[str], None] | None = None
         m = run_messaging_bench(n=300, reps=5) if cfg.quick else run_messaging_bench()
         messaging = msgspec.to_builtins(m)
         step("messaging")
+    percall = None
+    if cfg.percall:
+        from kvactors.bench_percall import run_percall_bench
+
+        percall = run_percall_bench(quick=cfg.quick, seed=cfg.seed)
+        step("per call")
     return BenchReport(meta=meta, transfer=rows, runtime=runtime, messaging=messaging,
-                       seconds=time.perf_counter() - t0)
+                       percall=percall, seconds=time.perf_counter() - t0)
 
 
 def add_arguments(ap: argparse.ArgumentParser) -> None:
@@ -218,6 +231,7 @@ def add_arguments(ap: argparse.ArgumentParser) -> None:
     ap.add_argument("--no-lmcache", action="store_true", help="skip LMCache's torch path")
     ap.add_argument("--no-messaging", action="store_true", help="skip the messaging figures")
     ap.add_argument("--no-runtime", action="store_true", help="skip the through-runtime figures")
+    ap.add_argument("--no-percall", action="store_true", help="skip the per-call figures")
     ap.add_argument("--no-plot", action="store_true", help="write the JSON only")
 
 
@@ -232,10 +246,10 @@ def run(args: argparse.Namespace) -> int:
         layouts=tuple(args.layouts) if args.layouts else LAYOUTS,
         directions=tuple(args.directions), threads=threads, reps=args.reps,
         include_lmcache=not args.no_lmcache, messaging=not args.no_messaging,
-        runtime=not args.no_runtime,
+        runtime=not args.no_runtime, percall=not args.no_percall,
     )
     n_steps = (len(cfg.layouts) * len(cfg.directions) * len(threads) + int(cfg.runtime)
-               + int(cfg.messaging))
+               + int(cfg.messaging) + int(cfg.percall))
     bar = _Progress(n_steps)
     try:
         report = run_bench(cfg, progress=bar.step)
@@ -256,6 +270,10 @@ def run(args: argparse.Namespace) -> int:
         print(f"messaging: ask {m['ask_us']:.2f} us (bare {m['bare_ask_us']:.2f}, ratio "
               f"{m['ask_ratio']:.2f}); blocking call {m['blocking_us']:.2f} us (bare "
               f"{m['bare_thread_us']:.2f}, ratio {m['blocking_ratio']:.2f})")
+    if report.percall is not None:
+        from kvactors.bench_percall import format_percall
+
+        print(format_percall(report.percall))
     print(f"wrote {json_path}", end="")
     if not args.no_plot:
         from kvactors._bench_plot import plot
@@ -263,5 +281,11 @@ def run(args: argparse.Namespace) -> int:
         png = os.path.join(args.out, "bench.png")
         plot(report, png)
         print(f" and {png}", end="")
+        if report.percall is not None:
+            from kvactors.bench_percall import plot_percall
+
+            png = os.path.join(args.out, "percall.png")
+            plot_percall(report.percall, png)
+            print(f" and {png}", end="")
     print(f" in {report.seconds:.1f}s")
     return 0

@@ -46,7 +46,15 @@ if TYPE_CHECKING:
 
     from kvactors.runtime import Runtime
 
-__all__ = ("MODELS", "PercallReport", "PercallRow", "format_percall", "main", "run_percall_bench")
+__all__ = (
+    "MODELS",
+    "PercallReport",
+    "PercallRow",
+    "format_percall",
+    "main",
+    "plot_percall",
+    "run_percall_bench",
+)
 
 MODELS: dict[str, tuple[int, int, int]] = {"small": (8, 4, 64), "8b": (32, 8, 128)}
 """Model sizes: ``(layers, KV heads, head size)``; MLA uses one head of ``head*4.5``."""
@@ -251,6 +259,7 @@ def _row(case: _Case, model: str, layout: str, direction: Direction, callers: in
     p99 = {n: _pct(v, 0.99) * 1e6 for n, v in times.items()}
     cps = rates if rates is not None else {n: 1e6 / v for n, v in p50.items()}
     vs = {n: (cps["torch"] / cps[n]) for n in cps if n != "torch"}
+    # op time over LMCache torch-path time (below 1: the op is faster).
     ovl = cps["lmcache"] / cps["op"] if "op" in cps and "lmcache" in cps else None
     return PercallRow(model=model, layout=layout,
                       direction="gather" if direction is Direction.D2H else "scatter",
@@ -259,28 +268,30 @@ def _row(case: _Case, model: str, layout: str, direction: Direction, callers: in
 
 
 def _planning(rt: Runtime, case: _Case, reps: int) -> tuple[float, float, float]:
+    """Median warm planning (the runtime's plan cache, a repeated request), cold planning
+    (full validation) and ``Runtime.ping``, in microseconds."""
+    from kvactors.plan_cache import PlanCache
     from kvactors.plans import plan_transfer
 
     req = case.request(0, Direction.D2H)
     paged, objs = case.paged, case.objects[0]
-    cached = getattr(rt, "plan", None)
+    cache = PlanCache("cpu", 0)
     warm: list[float] = []
     cold: list[float] = []
     for _ in range(reps):
         t0 = time.perf_counter()
         plan_transfer(req, paged, objs, device_type="cpu", device_index=0)
         cold.append(time.perf_counter() - t0)
-        if cached is not None:
-            t0 = time.perf_counter()
-            cached(req, paged, objs)
-            warm.append(time.perf_counter() - t0)
+        t0 = time.perf_counter()
+        cache.lookup(req, paged, objs)
+        warm.append(time.perf_counter() - t0)
     pings: list[float] = []
     for _ in range(reps):
         t0 = time.perf_counter()
         rt.ping()
         pings.append(time.perf_counter() - t0)
     med = statistics.median
-    return (med(warm) * 1e6 if warm else med(cold) * 1e6), med(cold) * 1e6, med(pings) * 1e6
+    return med(warm) * 1e6, med(cold) * 1e6, med(pings) * 1e6
 
 
 def run_percall_bench(
@@ -334,7 +345,7 @@ def run_percall_bench(
 def format_percall(report: PercallReport) -> str:
     """The report as a text table (p50 latencies in us, ratios vs the single torch call)."""
     head = (f"{'model':<6}{'layout':<8}{'dir':<8}{'call':>5}{'torch':>9}{'runtime':>9}"
-            f"{'op':>9}{'lmcache':>9}{'rt/t':>7}{'op/t':>7}{'op p99/p50':>11}{'lmc/op':>8}")
+            f"{'op':>9}{'lmcache':>9}{'rt/t':>7}{'op/t':>7}{'op p99/p50':>11}{'op/lmc':>8}")
     lines = ["per-call p50 (us); ratios are time per call vs the single torch call", head]
     for r in report.rows:
         def g(d: dict[str, float], k: str, fmt: str = "9.0f") -> str:
@@ -352,6 +363,43 @@ def format_percall(report: PercallReport) -> str:
     return "\n".join(lines)
 
 
+def plot_percall(report: PercallReport, path: str) -> None:
+    """Write the per-call figure (time per call relative to the single torch call, per case
+    and contender; p50 bars, p99 ticks) to ``path`` (PNG; needs matplotlib)."""
+    try:
+        import matplotlib
+    except ImportError as exc:
+        raise ImportError("the bench plot needs matplotlib: pip install 'kvactors[bench]'") from exc
+    matplotlib.use("Agg")
+    import matplotlib.pyplot as plt
+
+    rows = report.rows
+    names = [n for n in ("runtime", "op", "lmcache") if any(n in r.vs_torch for r in rows)]
+    colors = {"runtime": "#1f77b4", "op": "#2ca02c", "lmcache": "#d62728"}
+    labels = {"runtime": "Runtime.transfer", "op": "LMCache op (kvactors_cpu)",
+              "lmcache": "LMCache torch path"}
+    fig, ax = plt.subplots(figsize=(max(8.0, 0.55 * len(rows) + 2), 5), dpi=110)
+    width = 0.8 / max(len(names), 1)
+    for i, n in enumerate(names):
+        xs = [x + (i - (len(names) - 1) / 2) * width for x in range(len(rows))]
+        ax.bar(xs, [r.vs_torch.get(n, 0.0) for r in rows], width, color=colors[n], label=labels[n])
+        p99 = [r.p99_us[n] / r.p50_us["torch"] if n in r.p99_us else 0.0 for r in rows]
+        ax.scatter(xs, p99, marker="_", color="black", s=40, zorder=3)
+    ax.axhline(1.0, color="#7f7f7f", lw=1, label="one torch call")
+    ax.set_xticks(range(len(rows)), [f"{r.model} {r.layout}\n{r.direction} x{r.callers}"
+                                     for r in rows], fontsize=7, rotation=0)
+    ax.set_ylabel("time per call / single torch call (p50; ticks: p99)")
+    ax.set_yscale("log")
+    ax.set_title(f"per-call cost, 1 chunk of {_TOKENS} tokens, bf16, 1 torch thread; warm "
+                 f"planning {report.plan_warm_us:.0f} us, ping {report.ping_us:.0f} us",
+                 fontsize=9)
+    ax.legend(fontsize=8, ncols=4, loc="upper left")
+    ax.grid(axis="y", alpha=0.3)
+    fig.tight_layout()
+    fig.savefig(path)
+    plt.close(fig)
+
+
 def main(argv: Sequence[str] | None = None) -> int:
     """``python -m kvactors.bench_percall [--quick] [--json FILE]``."""
     ap = argparse.ArgumentParser(description=__doc__.splitlines()[0] if __doc__ else None)
@@ -363,6 +411,7 @@ def main(argv: Sequence[str] | None = None) -> int:
     ap.add_argument("--callers", nargs="+", type=int, default=[1, 4])
     ap.add_argument("--reps", type=int, default=None)
     ap.add_argument("--json", default=None, metavar="FILE")
+    ap.add_argument("--plot", default=None, metavar="PNG")
     args = ap.parse_args(argv)
     report = run_percall_bench(quick=args.quick, models=args.models, layouts=args.layouts,
                                directions=args.directions, callers=args.callers, reps=args.reps)
@@ -370,6 +419,8 @@ def main(argv: Sequence[str] | None = None) -> int:
     if args.json:
         with open(args.json, "w") as f:
             json.dump(msgspec.to_builtins(report), f, indent=2)
+    if args.plot:
+        plot_percall(report, args.plot)
     return 0
 
 

@@ -4,18 +4,18 @@ Theory of operation. :func:`~kvactors.plans.plan_transfer` reads metadata only, 
 is a function of the request and of every operand's metadata: its storage (base address and
 offset), data pointer, shape, stride, dtype and device, plus the operand structure (a list of
 layers, ``[[K...], [V...]]``, one tensor). :class:`PlanCache` keys a validated plan by the
-request and an *operand fingerprint* holding exactly those facts, plus each tensor's version
-counter (``t._version``, bumped by every in-place write, ``set_`` and ``resize_``), and the
-device the runtime serves. A lookup recomputes the fingerprint from the operands it is given
-and reuses the plan only when the fingerprint is equal, so a stale plan cannot be used: any
-change of any of those facts is a different key, which re-validates. Failed validations are
-never cached (every bad call raises afresh).
+encoded request and an *operand fingerprint* holding exactly those facts, and keeps with it
+each tensor's version counter (``t._version``, bumped by every in-place write, ``set_`` and
+``resize_``). A lookup recomputes the fingerprint and the versions from the operands it is
+given and reuses the plan only when both are equal, so a stale plan cannot be used: any change
+of any of those facts re-validates. Failed validations are never cached (every bad call
+raises afresh).
 
-The version counter also moves when kvactors itself writes an operand (a gather writes the
-chunks, a scatter the paged memory). After a transfer ran, :meth:`PlanCache.settle` takes the
-operands' fingerprint again and, if it differs from the planned one in version counters only,
-files the plan under the new fingerprint as well, so the next identical call hits. A change of
-anything else in between (another ``set_``, a new pointer) is never filed.
+The version counters also move when kvactors itself writes an operand (a gather writes the
+chunks, a scatter the paged memory). After a transfer ran, :meth:`PlanCache.settle` re-reads
+the versions of the same tensors and stores them with the entry, so the next identical call
+hits. Only versions are re-read: the rest of the key is what was validated, so the entry can
+only ever match operands whose metadata is exactly the validated metadata.
 
 The cache is bounded (least recently used entries go first) and takes a lock only around the
 dictionary, never around validation.
@@ -41,29 +41,41 @@ _Tensor = torch.Tensor
 _encode = msgspec.msgpack.Encoder().encode
 
 
+class _Entry:
+    __slots__ = ("memo", "plan", "versions")
+
+    def __init__(self, plan: TransferPlan, versions: tuple[int, ...]) -> None:
+        self.plan = plan
+        self.versions = versions
+        self.memo: dict[Any, Any] = {}
+
+
 class PlanTicket:
-    """What a lookup saw: the key it used and the operand tensors, so that :meth:`PlanCache.settle`
-    can re-read their version counters after the transfer ran (held for one call only), and
+    """What a lookup saw (held for one call only): its key, the operand tensors, so that
+    :meth:`PlanCache.settle` can re-read their version counters after the transfer ran, and
     the plan's kernel memo (index tensors kept with the plan, see ``run_fast``)."""
 
-    __slots__ = ("key", "memo", "tensors")
+    __slots__ = ("entry", "key", "memo", "tensors", "versions")
 
-    def __init__(self, key: tuple[Any, ...], tensors: list[torch.Tensor]) -> None:
+    def __init__(
+        self, key: tuple[Any, ...], tensors: list[torch.Tensor], versions: tuple[int, ...]
+    ) -> None:
         self.key = key
         self.tensors = tensors
-        self.memo: dict[Any, torch.Tensor] = {}
+        self.versions = versions
+        self.entry: _Entry | None = None
+        self.memo: dict[Any, Any] = {}
 
 
 def _walk(value: object, depth: int, meta: list[Any], tensors: list[torch.Tensor]) -> bool:
     if isinstance(value, _Tensor):
         tensors.append(value)
-        meta.append(
-            (value.data_ptr(), value.storage_offset(), value.shape, value.stride(),
-             value.dtype, value.device)
-        )
+        meta += (value.data_ptr(), value.storage_offset(), value.shape, value.stride(),
+                 value.dtype, value.device)
         return True
     if depth < 3 and isinstance(value, (list, tuple)):
-        meta.append(("[" if isinstance(value, list) else "(", len(value)))
+        meta.append("[" if isinstance(value, list) else "(")
+        meta.append(len(value))
         return all(_walk(v, depth + 1, meta, tensors) for v in value)
     return False
 
@@ -77,7 +89,7 @@ def fingerprint(value: object) -> tuple[tuple[Any, ...], tuple[int, ...]] | None
     tensors: list[torch.Tensor] = []
     if not _walk(value, 0, meta, tensors):
         return None
-    return tuple(meta), tuple(t._version for t in tensors)
+    return tuple(meta), tuple([t._version for t in tensors])
 
 
 class PlanCache:
@@ -95,9 +107,7 @@ class PlanCache:
         self.device_type = device_type
         self.device_index = device_index
         self.capacity = capacity
-        self._plans: collections.OrderedDict[
-            Any, tuple[TransferPlan, dict[Any, torch.Tensor]]
-        ] = collections.OrderedDict()
+        self._plans: collections.OrderedDict[Any, _Entry] = collections.OrderedDict()
         self._lock = threading.Lock()
         self.hits = 0
         self.misses = 0
@@ -119,11 +129,11 @@ class PlanCache:
         if ticket is not None:
             with self._lock:
                 entry = self._plans.get(ticket.key)
-                if entry is not None:
+                if entry is not None and entry.versions == ticket.versions:
                     self._plans.move_to_end(ticket.key)
                     self.hits += 1
-                    ticket.memo = entry[1]
-                    return entry[0], ticket
+                    ticket.entry, ticket.memo = entry, entry.memo
+                    return entry.plan, ticket
         plan = plan_transfer(
             request,
             paged,
@@ -134,22 +144,22 @@ class PlanCache:
         with self._lock:
             self.misses += 1
             if ticket is not None:
-                self._put(ticket.key, (plan, ticket.memo))
+                entry = _Entry(plan, ticket.versions)
+                ticket.entry, ticket.memo = entry, entry.memo
+                self._plans[ticket.key] = entry
+                self._plans.move_to_end(ticket.key)
+                while len(self._plans) > self.capacity:
+                    self._plans.popitem(last=False)
         return plan, ticket
 
     def settle(self, plan: TransferPlan, ticket: PlanTicket | None) -> None:
-        """After ``plan`` ran: file it again under the operands' current version counters.
+        """After ``plan`` ran: keep the operands' current version counters with its entry.
 
         Only the versions are re-read: every other fact in the key is the validated one, so
         the entry can only ever match operands whose metadata equals what was validated."""
-        if ticket is None:
+        if ticket is None or ticket.entry is None:
             return
-        versions = tuple(t._version for t in ticket.tensors)
-        wire, meta, before = ticket.key
-        if versions != before:
-            with self._lock:
-                self._plans.pop(ticket.key, None)  # those versions are gone for good
-                self._put((wire, meta, versions), (plan, ticket.memo))
+        ticket.entry.versions = tuple([t._version for t in ticket.tensors])
 
     def clear(self) -> None:
         """Forget every plan."""
@@ -163,7 +173,7 @@ class PlanCache:
             return None
         meta: list[Any] = []
         tensors: list[torch.Tensor] = []
-        if not _walk((paged, objects), 0, meta, tensors):
+        if not _walk(paged, 0, meta, tensors) or not _walk(objects, 1, meta, tensors):
             return None
         try:
             # The encoded request, not the Struct: ``True == 1`` and ``1.0 == 1`` compare equal,
@@ -171,11 +181,5 @@ class PlanCache:
             wire = _encode(request)
         except (TypeError, ValueError, OverflowError):  # not wire-safe: validate every time
             return None
-        versions = tuple(t._version for t in tensors)
-        return PlanTicket((wire, tuple(meta), versions), tensors)
-
-    def _put(self, key: Any, entry: tuple[TransferPlan, dict[Any, torch.Tensor]]) -> None:
-        self._plans[key] = entry
-        self._plans.move_to_end(key)
-        while len(self._plans) > self.capacity:
-            self._plans.popitem(last=False)
+        meta.append(wire)
+        return PlanTicket(tuple(meta), tensors, tuple([t._version for t in tensors]))

@@ -220,7 +220,10 @@ class GatherActor(Actor[GatherRequest]):
             ok = False
             try:
                 backend = self.backend
-                backend.launch(lane.stream, lambda: run_fast(plan, paged, objects, memo=memo))
+                backend.launch(
+                    lane.stream,
+                    lambda: run_fast(plan, paged, objects, memo=memo, checked=memo is not None),
+                )
                 backend.record_marker(lane.stream).synchronize()
                 ok = True
             except BaseException as exc:

@@ -54,12 +54,12 @@ class KernelContext:
         self,
         plan: TransferPlan,
         units: list[torch.Tensor],
-        memo: dict[Any, torch.Tensor] | None = None,
+        memo: dict[Any, Any] | None = None,
     ) -> None:
         self.plan = plan
         self._given = units
         self._units: list[torch.Tensor] | None = None
-        self._memo: dict[Any, torch.Tensor] = {} if memo is None else memo
+        self._memo: dict[Any, Any] = {} if memo is None else memo
         first = raw(units[0])
         self.device = first.device
         shape = plan.request.shape
