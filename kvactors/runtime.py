@@ -321,12 +321,19 @@ class Runtime:
         objects: Sequence[torch.Tensor],
         *,
         stream_handle: int = 0,
+        complete: bool = True,
         timeout: float | None = None,
     ) -> TransferDone:
-        """Gather or scatter per ``request``; returns once the device completed the copy.
+        """Gather or scatter per ``request``; returns once the device completed the copy, or
+        with ``complete=False`` once the copies are enqueued in order on the stream.
 
         On CPU, when nothing is queued before it, the copy runs on the calling thread (see
-        the module docstring); ``timeout`` bounds only the wait of a queued call.
+        the module docstring; CPU work is complete when enqueued); ``timeout`` bounds only the
+        wait of a queued call. With ``complete=False`` the runtime still owns the operands
+        and fences still wait until the device completed; synchronize the stream (or take a
+        fence) before reading or reusing the host chunks. A device failure after such a
+        return is logged and counted in ``statistics().transfers_failed``, and the stream's
+        next synchronize raises it.
 
         Raises ``TransferValidationError`` (a ``ValueError``) or ``OperandTypeError`` (a
         ``TypeError``) before any memory is touched, ``TransferFailedError`` if the copy failed.
@@ -344,7 +351,9 @@ class Runtime:
                 done = actors.gather.run_inline(tid, request, paged, objects, stream.lane)
                 if done is not None:
                     return done
-        msg = Transfer(transfer_id=tid, request=request, stream_handle=stream_handle)
+        msg = Transfer(
+            transfer_id=tid, request=request, stream_handle=stream_handle, complete=complete
+        )
         result: TransferDone = self._ask(_gather, msg, TransferOperands(paged, objects), timeout)
         return result
 
@@ -355,6 +364,7 @@ class Runtime:
         objects: Sequence[torch.Tensor],
         *,
         stream_handle: int = 0,
+        complete: bool = True,
         timeout: float | None = None,
     ) -> asyncio.Future[TransferDone]:
         """Asyncio twin of :meth:`transfer`: submitted now, awaited later.
@@ -363,7 +373,8 @@ class Runtime:
         program order reach the mailbox in that order (a fence issued after a store waits for
         it even if the store's future has not been awaited yet).
         """
-        msg = Transfer(transfer_id=next(self._ids), request=request, stream_handle=stream_handle)
+        msg = Transfer(transfer_id=next(self._ids), request=request, stream_handle=stream_handle,
+                       complete=complete)
         return self._aask(_gather, msg, TransferOperands(paged, objects), timeout)
 
     def fence(self, block_ids: Iterable[int], *, timeout: float | None = None) -> Fenced:

@@ -28,6 +28,7 @@ from __future__ import annotations
 
 import contextlib
 import itertools
+import logging
 import threading
 from typing import TYPE_CHECKING, Any, final
 
@@ -59,6 +60,8 @@ if TYPE_CHECKING:
     from kvactors.plans import TransferRequest
 
 __all__ = ("GatherActor", "TransferOperands")
+
+_log = logging.getLogger(__name__)
 
 
 @final
@@ -171,17 +174,31 @@ class GatherActor(Actor[GatherRequest]):
         with self._shared:
             self._ledger.begin(tid, plan.touched_blocks)
         settle = self.defer(env)
+        answer = TransferDone(transfer_id=tid, nbytes=plan.nbytes, blocks=blocks)
+
+        def on_enqueued() -> None:
+            # Answer now; the lease stays with the stream and the blocks stay in the ledger
+            # until the device completed (own until done, fence before reuse).
+            settle(None, answer)
 
         def on_done(exc: BaseException | None, _value: Any) -> None:
             released = self._finish(tid, exc is None, plan.nbytes)
             if exc is not None:
-                settle(exc, None)
+                if msg.complete or not settled_early():
+                    settle(exc, None)
+                else:
+                    _log.error("transfer %d failed after it was enqueued: %s", tid, exc)
             else:
-                settle(None, TransferDone(transfer_id=tid, nbytes=plan.nbytes, blocks=blocks))
+                settle(None, answer)
             self._release(released)
 
+        def settled_early() -> bool:
+            return env not in self._deferred
+
+        work = Work(kernel, keepalive=(paged, objects),
+                    on_enqueued=None if msg.complete else on_enqueued)
         try:
-            stream.ask_into(_Callback(on_done), launch, Work(kernel, keepalive=(paged, objects)))
+            stream.ask_into(_Callback(on_done), launch, work)
         except Exception as exc:
             on_done(exc, None)
         return DEFERRED

@@ -51,13 +51,21 @@ __all__ = ("StreamActor", "Work")
 
 @final
 class Work:
-    """The operand bundle of a :class:`Launch`: the device work and what it must keep alive."""
+    """The operand bundle of a :class:`Launch`: the device work, what it must keep alive, and
+    optionally ``on_enqueued``, called on the loop once the work is enqueued on the stream
+    (before it completed; the Launch itself is answered at completion)."""
 
-    __slots__ = ("fn", "keepalive")
+    __slots__ = ("fn", "keepalive", "on_enqueued")
 
-    def __init__(self, fn: Callable[[], None], keepalive: Any = None) -> None:
+    def __init__(
+        self,
+        fn: Callable[[], None],
+        keepalive: Any = None,
+        on_enqueued: Callable[[], None] | None = None,
+    ) -> None:
         self.fn = fn
         self.keepalive = keepalive
+        self.on_enqueued = on_enqueued
 
 
 class StreamActor(Actor[StreamRequest]):
@@ -170,6 +178,9 @@ class StreamActor(Actor[StreamRequest]):
             else:
                 post(settle, _failed(err, tid, device), None)
 
+        enqueued = work.on_enqueued
+        work.on_enqueued = None
+
         def launch() -> None:
             lease = work
             try:
@@ -180,6 +191,8 @@ class StreamActor(Actor[StreamRequest]):
             except BaseException as exc:
                 done(exc)
                 return
+            if enqueued is not None:
+                post(enqueued)
             if marker.query() and lane.reaper_idle():
                 # Already complete (CPU work is, when launched) and nothing earlier is still
                 # watched: answer from here, skipping a hop through the reaper. The

@@ -153,3 +153,41 @@ async def _join(t: threading.Thread) -> None:
 
     await asyncio.to_thread(t.join, 10)
     assert not t.is_alive()
+
+
+def test_enqueued_return_keeps_operands_owned_and_blocks_fenced_until_done() -> None:
+    import gc
+
+    backend = ManualBackend()  # launched work runs only when released
+    with Runtime(backend) as rt:
+        paged, objs = _operands()
+        done = rt.transfer(_request(), paged, objs, complete=False)
+        assert done.blocks == 2
+        assert backend.queued() == 1  # returned with the copy enqueued, not run
+        assert rt.statistics().inflight == 1  # still in the ledger: fences wait for it
+        del paged, objs
+        gc.collect()
+        backend.release()
+        rt.synchronize()
+        assert backend.use_after_free == 0  # the runtime kept the operands until done
+        assert rt.fence((1, 4)).waited_for == 0
+        assert rt.statistics().transfers_ok == 1
+
+
+def test_complete_mode_returns_only_after_the_device_ran() -> None:
+    backend = ManualBackend()
+    with Runtime(backend) as rt:
+        paged, objs = _operands()
+        returned = threading.Event()
+
+        def caller() -> None:
+            rt.transfer(_request(), paged, objs)
+            returned.set()
+
+        t = threading.Thread(target=caller)
+        t.start()
+        assert backend.wait_for(lambda b: b.queued() == 1)
+        assert not returned.is_set()
+        backend.release()
+        t.join(10)
+        assert returned.is_set()
