@@ -129,12 +129,14 @@ async def test_fence_waits_for_an_inline_transfer_in_flight() -> None:
 
         t = threading.Thread(target=caller)
         t.start()
-        assert await _wait(backend, lambda b: b.queued() == 1)
-        fence = dev.gather.ask_nowait(Fence(block_ids=(4,)))
-        assert not fence.done(), "a fence taken during an inline transfer did not wait for it"
-        untouched = dev.gather.ask_nowait(Fence(block_ids=(2,)))
-        assert untouched.done()
-        backend.release()
+        try:
+            assert await _wait(backend, lambda b: b.queued() == 1)
+            fence = dev.gather.ask_nowait(Fence(block_ids=(4,)))
+            assert not fence.done(), "a fence taken during an inline transfer did not wait"
+            untouched = dev.gather.ask_nowait(Fence(block_ids=(2,)))
+            assert untouched.done()
+        finally:
+            backend.release()  # never leave the caller blocked, even when the check failed
         await _join(t)
         answer = await fence
         assert isinstance(answer, Fenced)
