@@ -205,7 +205,9 @@ def run_bench(cfg: BenchConfig, *, progress: Callable[[str], None] | None = None
     if cfg.percall:
         from kvactors.bench_percall import run_percall_bench
 
-        percall = run_percall_bench(quick=cfg.quick, seed=cfg.seed)
+        kinds = ("nhd", "hnd", "mla", "kv_list")
+        percall = run_percall_bench(quick=cfg.quick, seed=cfg.seed, reps=cfg.reps,
+                                    layouts=[x for x in cfg.layouts if x in kinds] or ["nhd"])
         step("per call")
     return BenchReport(meta=meta, transfer=rows, runtime=runtime, messaging=messaging,
                        percall=percall, seconds=time.perf_counter() - t0)
