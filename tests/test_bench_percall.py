@@ -3,12 +3,15 @@
 from __future__ import annotations
 
 import json
-from pathlib import Path
+from typing import TYPE_CHECKING
 
 import msgspec
 import pytest
 
 from kvactors.bench_percall import format_percall, main, run_percall_bench
+
+if TYPE_CHECKING:
+    from pathlib import Path
 
 
 def test_percall_rows_compare_every_contender_with_the_single_torch_call() -> None:
@@ -23,7 +26,8 @@ def test_percall_rows_compare_every_contender_with_the_single_torch_call() -> No
             r.calls_per_s["torch"] / r.calls_per_s["runtime"]
         )
         assert r.p99_us["runtime"] >= r.p50_us["runtime"] > 0
-    assert report.plan_cold_us > 0 and report.plan_warm_us > 0
+    assert report.plan_cold_us > 0
+    assert report.plan_warm_us > 0
     assert "planning: warm" in format_percall(report)
 
 
