@@ -8,6 +8,18 @@ queued in the target actor's mailbox there, and the calling thread sleeps on a l
 reply future settles, so a call costs one hop each way and never a coroutine or executor task.
 Asyncio users call the ``a*`` twins, which await the same replies from their own loop.
 
+No idle hops. A blocking :meth:`Runtime.transfer` on a device whose work is complete when
+launched (CPU) runs on the calling thread when nothing can be ordered before it: no message
+of this runtime is in transit (``_in_transit`` counts every ask and tell from the moment it
+is sent until it reached its actor's mailbox), the GatherActor and the StreamActor have
+nothing queued, and the stream's lane holds nothing (``Lane.claim_inline``). Then the
+GatherActor's own transfer code (``GatherActor.run_inline``) validates or reuses the plan,
+enters the block ledger, runs the kernel and leaves the ledger on the caller's thread: no
+hop, no wake-up, and concurrent callers run in parallel as their torch calls would. Anything
+sent before it by the same thread is still in transit or queued, so the transfer takes the
+mailbox route behind it; anything sent after it waits in the lane for the inline work to end.
+``Runtime(inline=False)`` keeps every call on the mailbox route.
+
 Every blocking call has a deadline (``default_timeout`` unless given). ``close`` stops the
 actors down their graph with a bounded grace period; whatever is still pending then fails with
 :class:`~kvactors.errors.ActorClosedError`, and a call made after ``close`` fails at once.
@@ -52,6 +64,20 @@ T = TypeVar("T")
 _GRACE = 2.0
 
 
+def _completes_on_launch(backend: Backend) -> bool:
+    """Whether ``backend`` does launched work at once on the launching thread (the CPU
+    backend's own ``launch``), so a caller can run it without waiting on a device."""
+    from kvactors.devices.cpu import CpuBackend
+
+    cls = type(backend)
+    return (
+        isinstance(backend, CpuBackend)
+        and cls.launch is CpuBackend.launch
+        and cls.record_marker is CpuBackend.record_marker
+        and cls.synchronize is CpuBackend.synchronize
+    )
+
+
 def resolve_backend(backend: str | Backend) -> Backend:
     """A backend instance for a kind name (``cpu``, ``mlu``, ``musa``, ``cuda``) or itself."""
     if isinstance(backend, Backend):
@@ -78,8 +104,13 @@ class Runtime:
         default_timeout: float = 60.0,
         stop_timeout: float = 10.0,
         observer: RuntimeObserver | None = None,
+        inline: bool | None = None,
     ) -> None:
         self.backend = resolve_backend(backend)
+        #: Whether blocking transfers may run on the caller's thread when nothing is queued
+        #: (default: on CPU, whose work is complete when launched).
+        self.inline = _completes_on_launch(self.backend) if inline is None else inline
+        self._in_transit = 0
         self.device_index = device_index
         self.default_timeout = default_timeout
         self._capacity = capacity
@@ -226,6 +257,7 @@ class Runtime:
         reply = ReplyLock()
         with self._lock:
             self._outstanding.add(reply)
+            self._in_transit += 1
         observers = self._observers
         call = Call(msg, operands, stream_handle) if observers.active else None
 
@@ -237,6 +269,8 @@ class Runtime:
                 pick(actors).ask_into(reply, msg, operands)
             except BaseException as exc:
                 reply.set_exception(exc)
+            finally:
+                self._arrived()
 
         loop.call_soon_threadsafe(submit)
         try:
@@ -259,6 +293,7 @@ class Runtime:
         reply = ReplyLock()
         with self._lock:
             self._outstanding.add(reply)
+            self._in_transit += 1
 
         def submit() -> None:
             actor = None
@@ -268,11 +303,13 @@ class Runtime:
             except MailboxFullError:
                 assert actor is not None
                 task = loop.create_task(actor.tell(msg))
-                task.add_done_callback(lambda f: settle_slot(f, reply))
+                task.add_done_callback(lambda f: self._queued_late(f, reply))
                 return
             except BaseException as exc:
                 reply.set_exception(exc)
+                self._arrived()
                 return
+            self._arrived()
             reply.set_result(None)
 
         loop.call_soon_threadsafe(submit)
@@ -292,6 +329,8 @@ class Runtime:
         loop, actors = self._running()
         t = self.default_timeout if timeout is None else timeout
         cf: concurrent.futures.Future[Any] = concurrent.futures.Future()
+        with self._lock:
+            self._in_transit += 1
         observers = self._observers
         call = Call(msg, operands, getattr(msg, "stream_handle", 0)) if observers.active else None
 
@@ -306,12 +345,24 @@ class Runtime:
                 if not cf.done():
                     cf.set_exception(exc)
                 return
+            finally:
+                self._arrived()
             if call is not None:
                 fut.add_done_callback(lambda f: _finished(observers, call, f))
             fut.add_done_callback(lambda f: settle_concurrent(f, cf))
 
         loop.call_soon_threadsafe(submit)
         return asyncio.wrap_future(cf)
+
+    def _queued_late(self, task: asyncio.Future[Any], reply: ReplyLock) -> None:
+        self._arrived()
+        settle_slot(task, reply)
+
+    def _arrived(self) -> None:
+        # On the loop: a message sent through the facade reached its actor's mailbox (it is
+        # queued there, dispatched, or refused), so mailbox and lane state now show it.
+        with self._lock:
+            self._in_transit -= 1
 
     # ---- transfers -----------------------------------------------------------------
 
@@ -322,14 +373,39 @@ class Runtime:
         objects: Sequence[torch.Tensor],
         *,
         stream_handle: int = 0,
+        complete: bool = True,
         timeout: float | None = None,
     ) -> TransferDone:
-        """Gather or scatter per ``request``; returns once the device completed the copy.
+        """Gather or scatter per ``request``; returns once the device completed the copy, or
+        with ``complete=False`` once the copies are enqueued in order on the stream.
+
+        On CPU, when nothing is queued before it, the copy runs on the calling thread (see
+        the module docstring; CPU work is complete when enqueued); ``timeout`` bounds only the
+        wait of a queued call. With ``complete=False`` the runtime still owns the operands
+        and fences still wait until the device completed; synchronize the stream (or take a
+        fence) before reading or reusing the host chunks. A device failure after such a
+        return is logged and counted in ``statistics().transfers_failed``, and the stream's
+        next synchronize raises it.
 
         Raises ``TransferValidationError`` (a ``ValueError``) or ``OperandTypeError`` (a
         ``TypeError``) before any memory is touched, ``TransferFailedError`` if the copy failed.
         """
-        msg = Transfer(transfer_id=next(self._ids), request=request, stream_handle=stream_handle)
+        tid = next(self._ids)
+        if self.inline and not self._observers.active:  # observed calls go through mailboxes
+            _, actors = self._running()
+            stream = actors.streams.peek(stream_handle)
+            if (
+                stream is not None
+                and not self._in_transit
+                and actors.gather.queued == 0
+                and stream.queued == 0
+            ):
+                done = actors.gather.run_inline(tid, request, paged, objects, stream.lane)
+                if done is not None:
+                    return done
+        msg = Transfer(
+            transfer_id=tid, request=request, stream_handle=stream_handle, complete=complete
+        )
         result: TransferDone = self._ask(
             _gather, msg, TransferOperands(paged, objects), timeout, stream_handle
         )
@@ -342,6 +418,7 @@ class Runtime:
         objects: Sequence[torch.Tensor],
         *,
         stream_handle: int = 0,
+        complete: bool = True,
         timeout: float | None = None,
     ) -> asyncio.Future[TransferDone]:
         """Asyncio twin of :meth:`transfer`: submitted now, awaited later.
@@ -350,7 +427,8 @@ class Runtime:
         program order reach the mailbox in that order (a fence issued after a store waits for
         it even if the store's future has not been awaited yet).
         """
-        msg = Transfer(transfer_id=next(self._ids), request=request, stream_handle=stream_handle)
+        msg = Transfer(transfer_id=next(self._ids), request=request, stream_handle=stream_handle,
+                       complete=complete)
         return self._aask(_gather, msg, TransferOperands(paged, objects), timeout)
 
     def fence(self, block_ids: Iterable[int], *, timeout: float | None = None) -> Fenced:
@@ -385,18 +463,37 @@ class Runtime:
         self._tell(_stream(stream_handle), RecordCompletion(kind=kind, payload=bytes(payload)))
 
     def drain_completions(self) -> list[tuple[str, bytes]]:
-        """Return and clear the published completion records, in submission order."""
-        _, actors = self._running()
-        return actors.completions.drain()
+        """Return and clear the published completion records, in submission order.
+
+        Also after :meth:`close`: records published before or during the close stay
+        drainable (a record the close could not publish is withdrawn and counted in
+        :attr:`records_withdrawn`)."""
+        return self._outboxes().completions.drain()
 
     def record_event(self, stream_handle: int, record: EventRecord) -> None:
         """Queue an event record; it is drainable once all earlier work on the stream ran."""
         self._tell(_stream(stream_handle), RecordEvent(record=record))
 
     def drain_events(self) -> list[EventRecord]:
-        """Return and clear the published event records, in submission order."""
-        _, actors = self._running()
-        return actors.events.drain()
+        """Return and clear the published event records, in submission order (also after
+        :meth:`close`, like :meth:`drain_completions`)."""
+        return self._outboxes().events.drain()
+
+    @property
+    def records_withdrawn(self) -> int:
+        """Completion and event records never published: their stream failed, or the
+        runtime closed before the stream ran that far. Every record is either drainable or
+        counted here."""
+        actors = self._actors
+        if actors is None:
+            return 0
+        return actors.completions.withdrawn + actors.events.withdrawn
+
+    def _outboxes(self) -> DeviceActors:
+        actors = self._actors
+        if actors is not None and (self._closed or self._loop is not None):
+            return actors
+        return self._running()[1]
 
     # ---- memory and IPC ------------------------------------------------------------
 

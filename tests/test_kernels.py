@@ -306,3 +306,16 @@ def test_hot_path_allocates_nothing_chunk_sized(
     assert scratch.allocations == (1 if staged else 0)
     assert biggest < chunk // 16, (biggest, chunk)
     assert py_bytes < chunk // 16, (py_bytes, chunk)
+
+
+@pytest.mark.parametrize("fmt", [NHD, MLA, KVFormat.TWO_X_NL_X_NB_BS_NH_HS])
+@pytest.mark.parametrize("direction", [0, 1])
+def test_reused_plan_with_memo_matches_the_reference(fmt: KVFormat, direction: int) -> None:
+    """A reused plan (memo kept between calls: the one-call rows path) moves exactly the bytes
+    the reference moves, on every call, partial segments included."""
+    for ids in ([5, 1, 7, 0, 2, 4], [5, 1, 7, 0]):  # full objects; then a partial second one
+        memo: dict[Any, Any] = {}
+        for _ in range(2):
+            both(mk(fmt), direction, ids, memo=memo)
+        if len(ids) == 6 and fmt is not HND:
+            assert memo.get("rows_host"), "the one-call rows path did not run"

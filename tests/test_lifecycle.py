@@ -102,11 +102,11 @@ class _AsksItself(Actor[int]):
 
     def __init__(self) -> None:
         super().__init__("self-asker")
-        self.queued: asyncio.Future[Any] | None = None
+        self.second: asyncio.Future[Any] | None = None
 
     def receive(self, env: Envelope[int]) -> Any:
         if env.msg == 1:
-            self.queued = self.ask_nowait(2)
+            self.second = self.ask_nowait(2)
         return env.msg
 
 
@@ -114,7 +114,7 @@ async def test_actor_stop_fails_queued_asks() -> None:
     actor = _AsksItself()
     actor.start()
     assert await actor.ask(1) == 1  # handled at once; its ask of 2 waits in the FIFO
-    queued = actor.queued
+    queued = actor.second
     assert queued is not None
     assert not queued.done()
     await actor.stop(graceful=False)

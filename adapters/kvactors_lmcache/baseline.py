@@ -101,3 +101,40 @@ def lmcache_musa_ops(
         "lmcache.v1.platform.devices.musa.device_ops", "MusaDeviceOps", request, paged,
         objects, device,
     )
+
+
+_OPS: list[Any] = []
+
+
+def kvactors_op_transfer(
+    request: TransferRequest, paged: Any, objects: Sequence[torch.Tensor]
+) -> Callable[[], None]:
+    """A zero-argument callable making LMCache's DeviceOps call of the ``kvactors_cpu`` plugin
+    (``multi_layer_block_kv_transfer`` with LMCache's native argument types) for ``request``.
+
+    One ops instance per process, shared by every caller, as LMCache shares its resolved ops.
+    """
+    import torch
+    from lmcache import lmcache_native as native
+
+    from kvactors_lmcache.ops import KvactorsCpuOps
+
+    if not _OPS:
+        _OPS.append(KvactorsCpuOps())
+    ops = _OPS[0]
+    shape = request.shape
+    sd = native.PageBufferShapeDesc()
+    for f in ("kv_size", "nl", "nb", "bs", "nh", "hs", "element_size", "block_stride_elems"):
+        setattr(sd, f, getattr(shape, f))
+    sd.dtype = objects[0].dtype
+    fmt = native.EngineKVFormat(int(request.fmt))
+    direction = native.TransferDirection(int(request.direction))
+    ids, cpu = list(request.block_ids), torch.device("cpu")
+    objs = list(objects)
+
+    def run() -> None:
+        ops.multi_layer_block_kv_transfer(
+            paged, objs, ids, cpu, direction, sd, request.chunk_size, fmt, request.skip_blocks
+        )
+
+    return run

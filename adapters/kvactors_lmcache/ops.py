@@ -4,11 +4,15 @@ Theory of operation. LMCache's engine-driven worker calls ``multi_layer_block_kv
 from its own threads (the caller thread for retrieve, up to 4 commit threads for async
 stores), resolved per KV tensor device type. Each call is converted (``convert``) into a
 :class:`kvactors.plans.TransferRequest` and handed to the process-wide runtime of that
-(backend, device index), whose blocking facade is thread-safe and returns only once the copy
-has completed. On accelerators the calling thread's *current* stream handle goes with the
-request, so the copy is ordered after the work the caller already queued there (LMCache's
-async store waits an event on its copy stream first); on CPU the handle is 0 and the call is
-complete on return, as LMCache requires (it never synchronizes a CPU device).
+(backend, device index), whose facade is thread-safe. On accelerators the calling thread's
+*current* stream handle goes with the request, so the copy is ordered after the work the
+caller already queued there (LMCache's async store waits an event on its copy stream first),
+and the call returns once the copies are enqueued in order on that stream, as LMCache's own
+MLU/MUSA ops do (LMCache synchronizes before it reads or reuses host chunks); the runtime owns
+the operands and fences wait until the device completed. ``complete_on_return=True`` (or
+``KVACTORS_LMCACHE_COMPLETE_ON_RETURN=1``) makes accelerator calls wait for completion
+instead. On CPU the handle is 0 and the call is complete on return, as LMCache requires (it
+never synchronizes a CPU device).
 
 Tensor mode only: ``lmcache_objects_ptrs`` carries a string annotation containing
 ``Tensor``, which is how LMCache 0.5.6 picks the tensor calling convention. Raw pointers are
@@ -24,6 +28,7 @@ tensor after returning.
 from __future__ import annotations
 
 import ctypes
+import os
 import threading
 import time
 from collections import Counter
@@ -134,8 +139,19 @@ class KvactorsDeviceOps(DeviceOps):
     #: Whether transfers carry the caller's current stream (accelerators) or handle 0.
     uses_streams: ClassVar[bool] = True
 
-    def __init__(self, *, runtime_factory: RuntimeFactory | None = None) -> None:
+    def __init__(
+        self,
+        *,
+        runtime_factory: RuntimeFactory | None = None,
+        complete_on_return: bool | None = None,
+    ) -> None:
         super().__init__()
+        if complete_on_return is None:
+            complete_on_return = (not self.uses_streams) or os.environ.get(
+                "KVACTORS_LMCACHE_COMPLETE_ON_RETURN", ""
+            ).strip().lower() in ("1", "true", "yes", "on")
+        #: Whether a transfer returns only once the device completed it (always on CPU).
+        self.complete_on_return = complete_on_return
         self._runtime_factory = runtime_factory or _default_runtime_factory
         self._lock = threading.Lock()
         self._runtimes: dict[int, Runtime] = {}
@@ -206,8 +222,9 @@ class KvactorsDeviceOps(DeviceOps):
     ) -> None:
         """Gather (D2H) or scatter (H2D) whole blocks through the kvactors runtime.
 
-        Complete on return; on accelerators also ordered after the work the calling thread
-        queued on its current stream.
+        On CPU complete on return. On accelerators ordered after the work the calling thread
+        queued on its current stream, and returning once the copies are enqueued there
+        (complete on return with ``complete_on_return``).
 
         Raises:
             TypeError: raw-pointer operands, or malformed operand structure.
@@ -234,6 +251,7 @@ class KvactorsDeviceOps(DeviceOps):
             paged_buffer_ptrs_tensor,
             objects,
             stream_handle=self._stream_handle(rt, index),
+            complete=self.complete_on_return,
         )
         key = f"{self.kvactors_backend}:{'H2D' if request.direction == 0 else 'D2H'}"
         with _counts_lock:

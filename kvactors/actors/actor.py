@@ -190,6 +190,11 @@ class Actor(Generic[M]):
         return self._state
 
     @property
+    def queued(self) -> int:
+        """Envelopes waiting in the FIFO (a length read, safe from any thread)."""
+        return len(self._fifo) if self._state is ActorState.RUNNING else -1
+
+    @property
     def pending(self) -> int:
         """Envelopes queued plus replies taken over and not settled (counted by the bound)."""
         return len(self._fifo) + len(self._deferred)

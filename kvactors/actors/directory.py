@@ -1,13 +1,34 @@
-"""The directory of a device's StreamActors, one per stream handle, made on first use."""
+"""The directory of a device's StreamActors, one per stream handle, made on first use and
+retired when idle.
+
+Theory of operation. Handle 0 is the device's default stream and its actor lives as long as
+the runtime. A nonzero handle borrows a caller's stream; its actor (a lane thread, a reaper
+thread and a wrapper of the caller's stream) is made on the first message for that handle.
+Once such an actor holds nothing (its ``on_idle`` hook fires on the loop), the directory puts
+it on an idle list, least recently used first. An idle actor that gets a message is simply
+used again; otherwise it is retired, stopped and forgotten, when more than ``max_idle`` actors
+are idle, or ``idle_seconds`` after it went idle. Retiring an idle actor changes no order: all
+its work ran and all its records are published, and a later message for the same handle
+makes a new actor on the same caller stream. So however many short-lived caller streams come
+and go, at most ``max_idle`` borrowed-stream actors (and their threads and wrappers) outlive
+their work, plus the ones with work in flight.
+
+Listeners added with :meth:`StreamDirectory.on_retire` hear the handle of every retired actor
+(the GatherActor drops its staging buffers for that stream then).
+"""
 
 from __future__ import annotations
 
+import asyncio
+import collections
 from typing import TYPE_CHECKING
 
 from kvactors.actors.stream import StreamActor
 from kvactors.errors import ActorClosedError
 
 if TYPE_CHECKING:
+    from collections.abc import Callable
+
     from kvactors.actors.outbox import Outbox
     from kvactors.devices.base import Backend
     from kvactors.protocols.stream import EventRecord
@@ -28,15 +49,27 @@ class StreamDirectory:
         events: Outbox[EventRecord],
         capacity: int,
         stop_timeout: float,
+        max_idle: int = 8,
+        idle_seconds: float = 30.0,
     ) -> None:
         self.backend = backend
         self.index = index
         self.completions = completions
         self.events = events
+        self.max_idle = max_idle
+        self.idle_seconds = idle_seconds
         self._capacity = capacity
         self._stop_timeout = stop_timeout
         self._actors: dict[int, StreamActor] = {}
+        self._idle: collections.OrderedDict[int, asyncio.TimerHandle | None] = (
+            collections.OrderedDict()
+        )
+        self._retiring: set[asyncio.Task[None]] = set()
+        self._listeners: list[Callable[[int], None]] = []
         self._closed = False
+        self.retired = 0
+        #: Lanes of retired actors whose threads did not end within the stop timeout.
+        self.retired_lanes_abandoned = 0
 
     def get(self, handle: int) -> StreamActor:
         """The StreamActor for ``handle``, started on first use (call on the event loop)."""
@@ -56,18 +89,73 @@ class StreamDirectory:
                 stop_timeout=self._stop_timeout,
             )
             actor.start()
+            if handle != 0:
+                actor.on_idle = lambda: self._went_idle(handle)
             self._actors[handle] = actor
+        else:
+            timer = self._idle.pop(handle, None)
+            if timer is not None:
+                timer.cancel()
         return actor
 
+    def peek(self, handle: int) -> StreamActor | None:
+        """The StreamActor of ``handle`` if one runs (any thread; never creates one)."""
+        return self._actors.get(handle)
+
     def all(self) -> list[StreamActor]:
-        """Every StreamActor made so far."""
+        """Every StreamActor running now."""
         return list(self._actors.values())
 
+    def on_retire(self, listener: Callable[[int], None]) -> None:
+        """Call ``listener(handle)`` on the loop whenever an idle actor is retired."""
+        self._listeners.append(listener)
+
     async def stop(self, *, timeout: float | None) -> None:
-        """Stop every StreamActor (graceful, bounded)."""
+        """Stop every StreamActor (graceful, bounded), retiring ones included."""
         self._closed = True
+        for timer in self._idle.values():
+            if timer is not None:
+                timer.cancel()
+        self._idle.clear()
         for actor in list(self._actors.values()):
             await actor.stop(graceful=True, timeout=timeout)
+        if self._retiring:
+            await asyncio.wait(set(self._retiring), timeout=timeout)
+
+    # ---- retirement (on the loop) ------------------------------------------------------
+
+    def _went_idle(self, handle: int) -> None:
+        if self._closed or handle in self._idle or handle not in self._actors:
+            return
+        loop = asyncio.get_running_loop()
+        self._idle[handle] = loop.call_later(self.idle_seconds, self._retire, handle)
+        while len(self._idle) > self.max_idle:
+            oldest = next(iter(self._idle))
+            self._retire(oldest)
+
+    def _retire(self, handle: int) -> None:
+        timer = self._idle.pop(handle, None)
+        if timer is not None:
+            timer.cancel()
+        actor = self._actors.get(handle)
+        if actor is None or self._closed:
+            return
+        if not actor.idle() or actor.lane.inline:  # used again meanwhile: keep it
+            return
+        del self._actors[handle]
+        self.retired += 1
+        task = asyncio.get_running_loop().create_task(
+            actor.stop(graceful=True, timeout=self._stop_timeout), name=f"retire:{actor.name}"
+        )
+        self._retiring.add(task)
+        task.add_done_callback(self._retiring.discard)
+        task.add_done_callback(lambda _t: self._count_abandoned(actor))
+        for listener in self._listeners:
+            listener(handle)
+
+    def _count_abandoned(self, actor: StreamActor) -> None:
+        # A retired actor leaves all(): keep its abandoned lanes counted (Runtime.close raises).
+        self.retired_lanes_abandoned += actor.lanes_abandoned
 
     def _name(self, handle: int) -> str:
         return f"stream:{self.backend.kind}:{self.index}:{handle:#x}"

@@ -9,19 +9,35 @@ blocks it touches and leaves it when the StreamActor answers, that is, after the
 completed the copy (or failed). A ``Fence`` snapshots the transfers in flight on its blocks
 and is answered when the last of them left the ledger (rule 4, fence before reuse). A failed
 transfer answers its ask with the failure: it is never reported as done.
+
+Plans are validated once: a :class:`~kvactors.plan_cache.PlanCache` reuses the plan of a
+request whose operands have not changed (same metadata and version counters) and validates
+anything else.
+
+No idle hop. :meth:`GatherActor.run_inline` is the same transfer run on the caller's thread,
+for a blocking caller on a device whose work is complete when launched (CPU), when the
+runtime has no message in transit and the stream's lane is idle (``Lane.claim_inline``): it
+validates (or reuses) the plan, enters the ledger, runs the kernel, leaves the ledger, all on
+the calling thread. The ledger and the counters are therefore shared with the loop under
+``_shared``, a lock held only around their updates; fences released by an inline transfer
+are settled on the loop, in the actor's turn. A transfer entered in the ledger before a
+``Fence`` was handled is waited for by that fence, whichever thread runs it.
 """
 
 from __future__ import annotations
 
+import contextlib
 import itertools
+import logging
+import threading
 from typing import TYPE_CHECKING, Any, final
 
 from kvactors.actors.actor import DEFERRED, Actor, Envelope, unreachable
 from kvactors.actors.stream import Work
-from kvactors.errors import OperandTypeError
+from kvactors.errors import KvactorsError, OperandTypeError, TransferFailedError
 from kvactors.kernels.fast import ScratchCache, run_fast
 from kvactors.ordering import BlockLedger
-from kvactors.plans import plan_transfer
+from kvactors.plan_cache import PlanCache
 from kvactors.protocols.gather import (
     Fence,
     Fenced,
@@ -39,9 +55,13 @@ if TYPE_CHECKING:
     import torch
 
     from kvactors.actors.directory import StreamDirectory
+    from kvactors.actors.lane import Lane
     from kvactors.devices.base import Backend
+    from kvactors.plans import TransferRequest
 
 __all__ = ("GatherActor", "TransferOperands")
+
+_log = logging.getLogger(__name__)
 
 
 @final
@@ -99,9 +119,12 @@ class GatherActor(Actor[GatherRequest]):
         self.index = index
         self._streams = streams
         self._ledger = BlockLedger()
+        self._shared = threading.Lock()  # ledger and counters: loop and inline callers
+        self.plans = PlanCache(backend.kind, index)
         self._fences: dict[int, tuple[Callable[..., None], tuple[int, ...], int]] = {}
         self._fence_ids = itertools.count()
         self._scratch: dict[int, ScratchCache] = {}
+        streams.on_retire(self._forget_stream)
         self.bytes_moved = 0
         self.transfers_ok = 0
         self.transfers_failed = 0
@@ -109,7 +132,8 @@ class GatherActor(Actor[GatherRequest]):
     @property
     def inflight(self) -> int:
         """Transfers planned and not yet completed."""
-        return self._ledger.inflight
+        with self._shared:
+            return self._ledger.inflight
 
     def receive(self, env: Envelope[GatherRequest]) -> Any:
         """Dispatch one message."""
@@ -134,51 +158,127 @@ class GatherActor(Actor[GatherRequest]):
             )
         # Device layout rules first (MLU vLLM layouts, MUSA format set): metadata only.
         request, paged, objects = self.backend.prepare_transfer(msg.request, ops.paged, ops.objects)
-        plan = plan_transfer(
-            request,
-            paged,
-            objects,
-            device_type=self.backend.kind,
-            device_index=self.index,
-        )
+        plan, ticket = self.plans.lookup(request, paged, objects)
         stream = self._streams.get(msg.stream_handle)
         scratch = self._scratch.get(msg.stream_handle)
         if scratch is None:
             scratch = self._scratch[msg.stream_handle] = ScratchCache()
-        copy = self.backend.copy_
+        copy, plans = self.backend.copy_, self.plans
+        memo = None if ticket is None else ticket.memo
 
         def torch_kernel() -> None:
-            run_fast(plan, paged, objects, copy=copy, scratch=scratch)
+            run_fast(plan, paged, objects, copy=copy, scratch=scratch, memo=memo)
 
         # The backend may put an opted-in native transfer first (it may decline).
-        kernel = self.backend.transfer_kernel(plan, paged, objects, torch_kernel)
+        chosen = self.backend.transfer_kernel(plan, paged, objects, torch_kernel)
+
+        def kernel() -> None:
+            chosen()
+            plans.settle(plan, ticket)
 
         launch = Launch(transfer_id=msg.transfer_id, nbytes=plan.nbytes)
         tid = msg.transfer_id
         blocks = len(plan.touched_blocks)
-        self._ledger.begin(tid, plan.touched_blocks)
+        with self._shared:
+            self._ledger.begin(tid, plan.touched_blocks)
         settle = self.defer(env)
+        answer = TransferDone(transfer_id=tid, nbytes=plan.nbytes, blocks=blocks)
+
+        def on_enqueued() -> None:
+            # Answer now; the lease stays with the stream and the blocks stay in the ledger
+            # until the device completed (own until done, fence before reuse).
+            settle(None, answer)
 
         def on_done(exc: BaseException | None, _value: Any) -> None:
-            released = self._ledger.finish(tid)
+            released = self._finish(tid, exc is None, plan.nbytes)
             if exc is not None:
-                self.transfers_failed += 1
-                settle(exc, None)
+                if msg.complete or not settled_early():
+                    settle(exc, None)
+                else:
+                    _log.error("transfer %d failed after it was enqueued: %s", tid, exc)
             else:
-                self.transfers_ok += 1
-                self.bytes_moved += plan.nbytes
-                settle(None, TransferDone(transfer_id=tid, nbytes=plan.nbytes, blocks=blocks))
+                settle(None, answer)
             self._release(released)
 
+        def settled_early() -> bool:
+            return env not in self._deferred
+
+        work = Work(kernel, keepalive=(paged, objects),
+                    on_enqueued=None if msg.complete else on_enqueued)
         try:
-            stream.ask_into(_Callback(on_done), launch, Work(kernel, keepalive=(paged, objects)))
+            stream.ask_into(_Callback(on_done), launch, work)
         except Exception as exc:
             on_done(exc, None)
         return DEFERRED
 
+    def _finish(self, tid: int, ok: bool, nbytes: int) -> list[int]:
+        with self._shared:
+            released = self._ledger.finish(tid)
+            if ok:
+                self.transfers_ok += 1
+                self.bytes_moved += nbytes
+            else:
+                self.transfers_failed += 1
+        return released
+
+    def run_inline(
+        self,
+        transfer_id: int,
+        request: TransferRequest,
+        paged: Any,
+        objects: Sequence[torch.Tensor],
+        lane: Lane,
+    ) -> TransferDone | None:
+        """Run a transfer on the calling thread (module docstring), or return ``None`` without
+        touching anything when ``lane`` is not idle (then send a ``Transfer`` instead).
+
+        Validation errors raise before anything is claimed or copied; a failed copy raises
+        :class:`~kvactors.errors.TransferFailedError`.
+        """
+        request, paged, objects = self.backend.prepare_transfer(request, paged, objects)
+        plan, ticket = self.plans.lookup(request, paged, objects)
+        memo = None if ticket is None else ticket.memo
+        kernel = self.backend.transfer_kernel(
+            plan, paged, objects,
+            lambda: run_fast(plan, paged, objects, memo=memo, checked=memo is not None),
+        )
+        if not lane.claim_inline():
+            return None
+        try:
+            with self._shared:
+                self._ledger.begin(transfer_id, plan.touched_blocks)
+            ok = False
+            try:
+                backend = self.backend
+                backend.launch(lane.stream, kernel)
+                backend.record_marker(lane.stream).synchronize()
+                ok = True
+            except BaseException as exc:
+                failure = _inline_failed(exc, transfer_id, f"{backend.kind}:{self.index}")
+                if failure is exc:
+                    raise
+                raise failure from exc
+            finally:
+                released = self._finish(transfer_id, ok, plan.nbytes)
+                if released and self._loop is not None:
+                    # A closed loop means the runtime stopped, and its stop failed the fences.
+                    with contextlib.suppress(RuntimeError):
+                        self._loop.call_soon_threadsafe(self._release, released)
+        finally:
+            lane.end_inline()
+        self.plans.settle(plan, ticket)
+        return TransferDone(
+            transfer_id=transfer_id, nbytes=plan.nbytes, blocks=len(plan.touched_blocks)
+        )
+
+    def _forget_stream(self, handle: int) -> None:
+        # The stream's actor retired idle: no work of it is left, its staging buffers go.
+        self._scratch.pop(handle, None)
+
     def _fence(self, env: Envelope[GatherRequest], msg: Fence) -> Any:
         fid = next(self._fence_ids)
-        waits = self._ledger.fence(fid, msg.block_ids)
+        with self._shared:
+            waits = self._ledger.fence(fid, msg.block_ids)
         if waits == 0:
             return Fenced(block_ids=msg.block_ids, waited_for=0)
         self._fences[fid] = (self.defer(env), msg.block_ids, waits)
@@ -188,3 +288,10 @@ class GatherActor(Actor[GatherRequest]):
         for fid in fence_ids:
             settle, block_ids, waits = self._fences.pop(fid)
             settle(None, Fenced(block_ids=block_ids, waited_for=waits))
+
+
+def _inline_failed(err: BaseException, transfer_id: int, device: str) -> BaseException:
+    if isinstance(err, KvactorsError):
+        return err
+    return TransferFailedError(str(err) or type(err).__name__, transfer_id=transfer_id,
+                               device=device)

@@ -43,6 +43,8 @@ class DeviceStatistics(msgspec.Struct, frozen=True, kw_only=True):
     """Stream lanes whose threads did not end within the stop timeout (may still run)."""
     ipc_owners_opened: int = 0
     ipc_owners_closed: int = 0
+    records_withdrawn: int = 0
+    streams_retired: int = 0
 
 
 class DeviceActors:
@@ -101,7 +103,8 @@ class DeviceActors:
     @property
     def lanes_abandoned(self) -> int:
         """Stream lanes whose threads did not end within the stop timeout."""
-        return sum(s.lanes_abandoned for s in self.streams.all())
+        streams = self.streams
+        return streams.retired_lanes_abandoned + sum(s.lanes_abandoned for s in streams.all())
 
     async def __aenter__(self) -> DeviceActors:
         self.start()
@@ -129,4 +132,6 @@ class DeviceActors:
             lanes_abandoned=self.lanes_abandoned,
             ipc_owners_opened=self.ipc.owners_opened,
             ipc_owners_closed=self.ipc.owners_closed,
+            records_withdrawn=self.completions.withdrawn + self.events.withdrawn,
+            streams_retired=self.streams.retired,
         )

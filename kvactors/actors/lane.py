@@ -42,6 +42,10 @@ class Lane:
         self._submitted = 0
         self._completed = 0
         self._watching = 0
+        self._inline = 0
+        self._held_back = 0
+        self._inline_done = threading.Condition(self._lock)
+        self._closed = False
         self._thread = threading.Thread(target=self._run, name=f"lane:{name}", daemon=True)
         self._reaper = threading.Thread(target=self._reap, name=f"reap:{name}", daemon=True)
         self._bind_error: BaseException | None = None
@@ -69,6 +73,34 @@ class Lane:
             self._submitted += 1
         self._jobs.put(job)
 
+    def claim_inline(self) -> bool:
+        """Claim the idle lane for one job run on the caller's thread (module docstring);
+        ``False`` when anything is queued or watched, or the lane is stopping."""
+        with self._lock:
+            if self._closed or self._submitted != self._completed:
+                return False
+            self._inline += 1
+            return True
+
+    def end_inline(self) -> None:
+        """End a claim taken with :meth:`claim_inline`."""
+        with self._lock:
+            self._inline -= 1
+            if self._inline == 0:
+                self._inline_done.notify_all()
+
+    @property
+    def inline(self) -> int:
+        """Inline claims held now."""
+        with self._lock:
+            return self._inline
+
+    @property
+    def held_back(self) -> int:
+        """Jobs (0 or 1) the lane thread holds back until inline work ends."""
+        with self._lock:
+            return self._held_back
+
     def reaper_idle(self) -> bool:
         """Whether the reaper holds no lease (so a completed launch may answer directly)."""
         with self._lock:
@@ -91,6 +123,8 @@ class Lane:
 
     def stop(self, timeout: float | None) -> bool:
         """Let queued jobs finish, then end both threads; False if they did not end in time."""
+        with self._lock:
+            self._closed = True
         self._jobs.put(_STOP)
         self._thread.join(timeout)
         if self._thread.is_alive():
@@ -110,6 +144,12 @@ class Lane:
             self._bind_error = exc
         while True:
             job = self._jobs.get()
+            if self._inline:
+                with self._lock:  # jobs queued behind inline work wait for it to end
+                    self._held_back += 1
+                    while self._inline:
+                        self._inline_done.wait()
+                    self._held_back -= 1
             if job is _STOP:
                 return
             try:

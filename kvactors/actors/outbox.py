@@ -17,26 +17,46 @@ class Outbox(Generic[R]):
 
     Sequence numbers are reserved on the event loop in mailbox order; lane threads publish
     after their stream synchronized; LMCache's threads drain the published prefix.
+
+    Every reserved slot is settled exactly once: published, or withdrawn (its stream failed,
+    or the runtime closed before the stream ran that far; ``withdrawn`` counts those). The
+    first settle wins, so a lane thread abandoned at close that reaches its publish after the
+    slot was withdrawn publishes nothing.
     """
 
     def __init__(self) -> None:
         self._lock = threading.Lock()
         self._order: PublishOrder[R] = PublishOrder()
+        self._open: set[int] = set()
+        self.published = 0
+        self.withdrawn = 0
 
     def reserve(self) -> int:
         """Reserve the next slot (submission order)."""
         with self._lock:
-            return self._order.submit()
+            seq = self._order.submit()
+            self._open.add(seq)
+            return seq
 
-    def publish(self, seq: int, record: R) -> None:
-        """Make slot ``seq`` drainable."""
+    def publish(self, seq: int, record: R) -> bool:
+        """Make slot ``seq`` drainable; ``False`` if it was already settled (nothing done)."""
         with self._lock:
+            if seq not in self._open:
+                return False
+            self._open.discard(seq)
             self._order.publish(seq, record)
+            self.published += 1
+            return True
 
-    def withdraw(self, seq: int) -> None:
-        """Give up slot ``seq`` (its stream failed)."""
+    def withdraw(self, seq: int) -> bool:
+        """Give up slot ``seq``; ``False`` if it was already settled (nothing done)."""
         with self._lock:
+            if seq not in self._open:
+                return False
+            self._open.discard(seq)
             self._order.withdraw(seq)
+            self.withdrawn += 1
+            return True
 
     def drain(self) -> list[R]:
         """Return and forget the published prefix, in submission order."""

@@ -11,6 +11,12 @@ stream, so no record becomes drainable before every earlier piece of work on the
 A failure reported by the device is a failure: a launch that fails answers with
 :class:`~kvactors.errors.TransferFailedError`; a record whose sync failed is withdrawn (never
 published) and breaks the actor, since a stream with a sticky error cannot order anything.
+
+Stopping lets the lane finish what is queued (bounded); a record whose publish job did not run
+by then is withdrawn and counted (``Outbox.withdrawn``), so every record is either published
+or failed, and none holds back the records behind it. ``on_idle`` (set by the directory) is
+called on the loop whenever the actor holds nothing, which is when a borrowed-stream actor
+may be retired.
 """
 
 from __future__ import annotations
@@ -21,9 +27,14 @@ import logging
 import time
 from typing import TYPE_CHECKING, Any, final
 
-from kvactors.actors.actor import DEFERRED, Actor, Envelope, unreachable
+from kvactors.actors.actor import DEFERRED, Actor, ActorState, Envelope, unreachable
 from kvactors.actors.lane import Lane
-from kvactors.errors import DeviceOpError, OperandTypeError, TransferFailedError, translate
+from kvactors.errors import (
+    DeviceOpError,
+    OperandTypeError,
+    TransferFailedError,
+    translate,
+)
 from kvactors.protocols.stream import (
     EventRecord,
     Launch,
@@ -48,13 +59,21 @@ _log = logging.getLogger("kvactors.actors.stream")
 
 @final
 class Work:
-    """The operand bundle of a :class:`Launch`: the device work and what it must keep alive."""
+    """The operand bundle of a :class:`Launch`: the device work, what it must keep alive, and
+    optionally ``on_enqueued``, called on the loop once the work is enqueued on the stream
+    (before it completed; the Launch itself is answered at completion)."""
 
-    __slots__ = ("fn", "keepalive")
+    __slots__ = ("fn", "keepalive", "on_enqueued")
 
-    def __init__(self, fn: Callable[[], None], keepalive: Any = None) -> None:
+    def __init__(
+        self,
+        fn: Callable[[], None],
+        keepalive: Any = None,
+        on_enqueued: Callable[[], None] | None = None,
+    ) -> None:
         self.fn = fn
         self.keepalive = keepalive
+        self.on_enqueued = on_enqueued
 
 
 class StreamActor(Actor[StreamRequest]):
@@ -86,6 +105,9 @@ class StreamActor(Actor[StreamRequest]):
         self.sync_seconds = 0.0
         self.syncs = 0
         self.lanes_abandoned = 0
+        self._records: set[tuple[Outbox[Any], int]] = set()
+        #: Called on the loop when the actor holds nothing (see the module docstring).
+        self.on_idle: Callable[[], None] | None = None
 
     def _synchronize(self) -> None:
         # Runs on the lane thread (the only writer of these counters).
@@ -102,14 +124,30 @@ class StreamActor(Actor[StreamRequest]):
         super().start()
 
     async def on_stop(self, closed: Any) -> None:
-        """Let the lane finish queued work (bounded), then end its threads."""
+        """Let the lane finish queued work (bounded), then end its threads; withdraw every
+        record whose publish did not run."""
         loop = asyncio.get_running_loop()
-        if not await loop.run_in_executor(None, self.lane.stop, self._stop_timeout):
-            # The threads stay alive as daemons and may still touch device memory: say so, count
-            # it (DeviceStatistics.lanes_abandoned) and let Runtime.close() raise it.
-            self.lanes_abandoned += 1
-            _log.error("%s: lane threads did not end within %ss; abandoned", self.name,
-                       self._stop_timeout, extra={"actor": self.name, "device": self._device})
+        try:
+            if not await loop.run_in_executor(None, self.lane.stop, self._stop_timeout):
+                # The threads stay alive as daemons and may still touch device memory: say so,
+                # count it (DeviceStatistics.lanes_abandoned) and let Runtime.close() raise it.
+                self.lanes_abandoned += 1
+                _log.error("%s: lane threads did not end within %ss; abandoned", self.name,
+                           self._stop_timeout, extra={"actor": self.name, "device": self._device})
+        finally:
+            for outbox, seq in list(self._records):
+                outbox.withdraw(seq)
+            self._records.clear()
+
+    def _signal(self) -> None:
+        super()._signal()
+        hook = self.on_idle
+        if hook is not None and self.idle():
+            hook()
+
+    def idle(self) -> bool:
+        """Whether the actor holds nothing: no envelope queued, no reply outstanding."""
+        return self.state is ActorState.RUNNING and self.pending == 0 and not self._busy
 
     def _post(self) -> Callable[..., None]:
         loop = self._loop
@@ -156,6 +194,9 @@ class StreamActor(Actor[StreamRequest]):
             else:
                 post(settle, _failed(err, tid, device), None)
 
+        enqueued = work.on_enqueued
+        work.on_enqueued = None
+
         def launch() -> None:
             lease = work
             try:
@@ -166,6 +207,8 @@ class StreamActor(Actor[StreamRequest]):
             except BaseException as exc:
                 done(exc)
                 return
+            if enqueued is not None:
+                post(enqueued)
             if marker.query() and lane.reaper_idle():
                 # Already complete (CPU work is, when launched) and nothing earlier is still
                 # watched: answer from here, skipping a hop through the reaper. The
@@ -185,6 +228,8 @@ class StreamActor(Actor[StreamRequest]):
     def _record(self, env: Envelope[StreamRequest], outbox: Outbox[Any], record: Any) -> None:
         post = self._post()
         seq = outbox.reserve()
+        mine = (outbox, seq)
+        self._records.add(mine)
         settle = self.defer(env)
 
         def publish() -> None:
@@ -192,9 +237,11 @@ class StreamActor(Actor[StreamRequest]):
                 self._synchronize()
             except BaseException as exc:
                 outbox.withdraw(seq)
+                self._records.discard(mine)
                 post(settle, _sync_failed(exc, self._device), None)
                 return
             outbox.publish(seq, record)
+            self._records.discard(mine)
             post(settle, None, None)
 
         self.lane.submit(publish)

@@ -5,7 +5,13 @@ made for into the strided views every fast path needs: the paged tensors as same
 views, the stacked ``[L, P, B, S, H, D]`` view when the plan found one, and the "rows" view
 (every block plane of every layer one row of ``BS*NH*HS`` elements) when the plan found the
 stacked memory tight. Building these costs a few microseconds and allocates nothing but the
-tiny index tensors.
+tiny index tensors; only the views a path uses are built (the per-tensor integer views only
+when a per-layer path needs them).
+
+The index tensors (block ids, row numbers) depend on the plan alone, so a caller that reuses
+a plan can pass a *memo* dict kept with it: the tensors are built on the first call and read
+from the memo afterwards (they are never written by a kernel, so sharing them between calls
+and threads is safe).
 """
 
 from __future__ import annotations
@@ -28,37 +34,65 @@ class KernelContext:
     """The views of one fast-kernel call (see the module docstring)."""
 
     __slots__ = (
+        "_first",
+        "_given",
+        "_memo",
         "_plane_views",
+        "_stacked",
         "_stacked_void",
         "_unit_views",
+        "_units",
         "bpo",
         "device",
         "nl",
         "plan",
         "planes",
         "rows",
-        "stacked",
-        "units",
     )
 
-    def __init__(self, plan: TransferPlan, units: list[torch.Tensor]) -> None:
+    def __init__(
+        self,
+        plan: TransferPlan,
+        units: list[torch.Tensor],
+        memo: dict[Any, Any] | None = None,
+    ) -> None:
         self.plan = plan
-        self.units = [raw(t) for t in units]
-        self.device = units[0].device
+        self._given = units
+        self._units: list[torch.Tensor] | None = None
+        self._memo: dict[Any, Any] = {} if memo is None else memo
+        first = raw(units[0])
+        self.device = first.device
         shape = plan.request.shape
         self.nl = shape.nl
         self.planes = plan.spec.planes
         self.bpo = plan.request.chunk_size // shape.bs
-        self.stacked = None if plan.stacked is None else stacked_view(plan.stacked, self.units[0])
+        self._first = first
+        self._stacked: tuple[torch.Tensor | None] | None = None
         g = plan.rows
         self.rows = (
             None
             if g is None
-            else self.units[0].as_strided((g.nrows, g.piece), (g.row_stride, 1), g.storage_offset)
+            else first.as_strided((g.nrows, g.piece), (g.row_stride, 1), g.storage_offset)
         )
         self._plane_views: list[tuple[torch.Tensor, int]] | None = None
         self._unit_views: list[tuple[torch.Tensor, int, range]] | None = None
         self._stacked_void: tuple[np.ndarray[Any, np.dtype[np.void]] | None] | None = None
+
+    @property
+    def stacked(self) -> torch.Tensor | None:
+        """The ``[L, P, B, S, H, D]`` view over every paged tensor, or ``None`` when the plan
+        found none (built on first use)."""
+        if self._stacked is None:
+            sv = self.plan.stacked
+            self._stacked = (None if sv is None else stacked_view(sv, self._first),)
+        return self._stacked[0]
+
+    @property
+    def units(self) -> list[torch.Tensor]:
+        """The paged tensors as same-width integer views (built on first use)."""
+        if self._units is None:
+            self._units = [raw(t) for t in self._given]
+        return self._units
 
     def stacked_void(self) -> np.ndarray[Any, np.dtype[np.void]] | None:
         """:attr:`stacked` as the numpy ``[L, P, B, S, H]`` array of ``HS`` runs
@@ -92,18 +126,33 @@ class KernelContext:
             ]
         return self._unit_views
 
-    def ids(self, seg: Segment) -> torch.Tensor:
-        """The segment's block ids as an int64 tensor on the paged device."""
-        return torch.tensor(
-            self.plan.request.block_ids[seg.start : seg.stop], dtype=torch.int64, device=self.device
-        )
+    def ids(self, seg: Segment, device: torch.device | None = None) -> torch.Tensor:
+        """The segment's block ids as an int64 tensor on ``device`` (default: the paged
+        device); memoised."""
+        dev = self.device if device is None else device
+        key = ("ids", seg.start, seg.stop, str(dev))
+        t = self._memo.get(key)
+        if t is None:
+            t = torch.tensor(
+                self.plan.request.block_ids[seg.start : seg.stop], dtype=torch.int64, device=dev
+            )
+            self._memo[key] = t
+        return t
 
-    def row_index(self, ids: torch.Tensor) -> torch.Tensor:
-        """Row numbers ``[P*NL, n]`` of the blocks ``ids`` in :attr:`rows`, plane-major."""
-        g = self.plan.rows
-        assert g is not None
-        base = torch.tensor(g.plane_layer_rows, dtype=torch.int64, device=ids.device)
-        return base.view(-1, 1) + ids.view(1, -1) * g.block_rows
+    def row_index(self, seg: Segment, device: torch.device | None = None) -> torch.Tensor:
+        """Row numbers ``[P*NL, n]`` of the segment's blocks in :attr:`rows`, plane-major;
+        memoised."""
+        dev = self.device if device is None else device
+        key = ("rows", seg.start, seg.stop, str(dev))
+        t = self._memo.get(key)
+        if t is None:
+            g = self.plan.rows
+            assert g is not None
+            ids = self.ids(seg, dev)
+            base = torch.tensor(g.plane_layer_rows, dtype=torch.int64, device=dev)
+            t = base.view(-1, 1) + ids.view(1, -1) * g.block_rows
+            self._memo[key] = t
+        return t
 
     def target_view(self, obj: torch.Tensor) -> torch.Tensor:
         """A (raw) host chunk or staging buffer as ``[P, L, J, S, H, D]``."""

@@ -41,6 +41,7 @@ if TYPE_CHECKING:
 __all__ = ("gather_segment", "numpy_usable", "scatter_segment")
 
 _NUMPY: bool | None = None
+_CPU = torch.device("cpu")
 
 
 def numpy_usable() -> bool:
@@ -62,9 +63,8 @@ def gather_segment(
     n, j0 = seg.count, seg.slot0
     if use_numpy and ctx.rows is None and _stacked_runs(ctx, seg, target, gather=True):
         return
-    ids = ctx.ids(seg)
     if ctx.rows is not None:
-        idx = ctx.row_index(ids)
+        idx = ctx.row_index(seg)
         if n == ctx.bpo:
             torch.index_select(ctx.rows, 0, idx.view(-1), out=target.view(idx.numel(), -1))
         else:
@@ -72,6 +72,7 @@ def gather_segment(
             for i in range(idx.size(0)):
                 torch.index_select(ctx.rows, 0, idx[i], out=tv[i, j0 : j0 + n])
         return
+    ids = ctx.ids(seg)
     if ctx.plan.tight:
         tv = ctx.plane_rows(target)[:, j0 : j0 + n]
         for plane, i in ctx.plane_views():
@@ -98,7 +99,7 @@ def scatter_segment(
     if use_numpy and ctx.rows is not None:
         rows = void_view(ctx.rows)
         assert rows is not None  # rows are unit-stride by construction
-        idx = ctx.row_index(torch.tensor(block_ids, dtype=torch.int64))
+        idx = ctx.row_index(seg, _CPU)
         if n == ctx.bpo:
             rows[idx.view(-1).numpy()] = void_view(source.view(idx.numel(), -1))
         else:
@@ -110,7 +111,7 @@ def scatter_segment(
         return
     if use_numpy and ctx.plan.tight and ctx.stacked is None:
         sv = ctx.plane_rows(source)[:, j0 : j0 + n]
-        ids_np = torch.tensor(block_ids, dtype=torch.int64).numpy()
+        ids_np = ctx.ids(seg, _CPU).numpy()
         for plane, i in ctx.plane_views():
             plane.numpy()[ids_np] = sv[i].numpy()
         return
@@ -122,7 +123,7 @@ def scatter_segment(
     for cu, layer, planes in ctx.unit_views():
         src = ov[layer, planes.start : planes.stop]
         if use_numpy:
-            ids_np = torch.tensor(block_ids, dtype=torch.int64).numpy()
+            ids_np = ctx.ids(seg, _CPU).numpy()
             cu.numpy()[:, ids_np] = src.numpy()
         elif cu.device.type != "cpu":
             cu.index_copy_(1, ctx.ids(seg), src)

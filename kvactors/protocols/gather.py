@@ -23,12 +23,15 @@ class Transfer(Message, frozen=True):
     """Gather (D2H, store) or scatter (H2D, retrieve) per ``request``.
 
     The paged tensors and host chunks ride in the operand bundle. ``stream_handle`` 0 is the
-    device's default stream; nonzero borrows the caller's stream.
+    device's default stream; nonzero borrows the caller's stream. ``complete`` False answers
+    once the copies are enqueued on the stream instead of once they completed (the operands
+    stay owned and the blocks fenced until completion either way).
     """
 
     transfer_id: int
     request: TransferRequest
     stream_handle: int = 0
+    complete: bool = True
 
 
 class Fence(Message, frozen=True):

@@ -226,8 +226,12 @@ class _RecordingRuntime:
 
         self.backend = _Backend()
 
-    def transfer(self, request: Any, paged: Any, objects: Any, *, stream_handle: int = 0) -> None:
-        self.calls.append({"request": request, "paged": paged, "stream_handle": stream_handle})
+    def transfer(
+        self, request: Any, paged: Any, objects: Any, *, stream_handle: int = 0,
+        complete: bool = True,
+    ) -> None:
+        self.calls.append({"request": request, "paged": paged, "stream_handle": stream_handle,
+                           "complete": complete})
 
     def record_completion(self, handle: int, kind: str, payload: bytes) -> None:
         self.completions.append((handle, kind, payload))
@@ -249,6 +253,12 @@ def test_accelerator_ops_pass_the_calling_threads_current_stream() -> None:
     )  # fmt: skip
     (call,) = rts[("musa", 1)].calls
     assert call["stream_handle"] == 0x5001
+    assert call["complete"] is False  # returns once enqueued on the caller's stream
+    KvactorsMusaOps(runtime_factory=factory, complete_on_return=True).multi_layer_block_kv_transfer(
+        _layers(4), _objs(2), [0, 1, 2, 3], "musa:1", n.TransferDirection.D2H, _desc(), CHUNK,
+        n.EngineKVFormat.NL_X_TWO_NB_BS_NH_HS, 0,
+    )  # fmt: skip
+    assert rts[("musa", 1)].calls[1]["complete"] is True  # the caller's choice
     req = call["request"]
     assert (req.fmt, req.direction, req.block_ids, req.chunk_size) == (1, 1, (0, 1, 2, 3), CHUNK)
     assert req.shape.dtype == "bfloat16"

@@ -6,6 +6,7 @@ from typing import Any
 
 import msgspec
 
+from kvactors.cli.bench.percall import PercallReport
 from kvactors.cli.bench.transfer import BenchRow
 
 __all__ = ("BenchReport", "RuntimeRow")
@@ -32,4 +33,5 @@ class BenchReport(msgspec.Struct, kw_only=True):
     runtime: list[RuntimeRow]
     messaging: dict[str, float] | None
     vendor: list[dict[str, Any]] | None = None
+    percall: PercallReport | None = None
     seconds: float = 0.0

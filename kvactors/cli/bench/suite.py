@@ -14,7 +14,11 @@ Three parts, each a ratio measured inside one run (absolute GB/s on shared hosts
   against bare asyncio/threading floors;
 * **vendor** (:func:`kvactors.cli.bench.vendor.run_vendor_bench`): on the fake MLU and MUSA,
   kvactors next to LMCache's own backend per layout and direction: device operations per
-  call (launches, copies, host syncs, allocations) and host time per call.
+  call (launches, copies, host syncs, allocations) and host time per call;
+* **per call** (:func:`kvactors.cli.bench.percall.run_percall_bench`): what one transfer call
+  costs through ``Runtime.transfer`` and through LMCache's DeviceOps call of the
+  ``kvactors_cpu`` plugin, against the single torch call of the same bytes and LMCache's torch
+  path, 1 and 4 concurrent callers, p50 and p99 (written to ``percall.png`` too).
 
 Kernel figures are host-side (the paged pools are CPU memory), so they are measured once
 whatever ``--device`` says; the runtime figures follow ``--device``.
@@ -59,6 +63,7 @@ class BenchConfig(msgspec.Struct, frozen=True, kw_only=True):
     messaging: bool = True
     runtime: bool = True
     vendor: bool = True
+    percall: bool = True
     seed: int = 0
 
 
@@ -186,8 +191,16 @@ def run_bench(cfg: BenchConfig, *, progress: Callable[[str], None] | None = None
         vreps = cfg.reps if cfg.reps is not None else (5 if cfg.quick else 30)
         vendor = [dataclasses.asdict(r) for r in run_vendor_bench(reps=vreps)]
         step("vendor")
+    percall = None
+    if cfg.percall:
+        from kvactors.cli.bench.percall import run_percall_bench
+
+        kinds = ("nhd", "hnd", "mla", "kv_list")
+        percall = run_percall_bench(quick=cfg.quick, seed=cfg.seed, reps=cfg.reps,
+                                    layouts=[x for x in cfg.layouts if x in kinds] or ["nhd"])
+        step("per call")
     return BenchReport(meta=meta, transfer=rows, runtime=runtime, messaging=messaging,
-                       vendor=vendor, seconds=time.perf_counter() - t0)
+                       vendor=vendor, percall=percall, seconds=time.perf_counter() - t0)
 
 
 def add_arguments(ap: argparse.ArgumentParser) -> None:
@@ -212,6 +225,7 @@ def add_arguments(ap: argparse.ArgumentParser) -> None:
     ap.add_argument("--no-runtime", action="store_true", help="skip the through-runtime figures")
     ap.add_argument("--no-vendor", action="store_true",
                     help="skip kvactors vs LMCache's own MLU/MUSA ops on the fake vendors")
+    ap.add_argument("--no-percall", action="store_true", help="skip the per-call figures")
     ap.add_argument("--no-plot", action="store_true", help="write the JSON only")
 
 
@@ -227,9 +241,10 @@ def run(args: argparse.Namespace) -> int:
         directions=tuple(args.directions), threads=threads, reps=args.reps,
         include_lmcache=not args.no_lmcache, messaging=not args.no_messaging,
         runtime=not args.no_runtime, vendor=not args.no_vendor,
+        percall=not args.no_percall,
     )
     n_steps = (len(cfg.layouts) * len(cfg.directions) * len(threads) + int(cfg.runtime)
-               + int(cfg.messaging) + int(cfg.vendor))
+               + int(cfg.messaging) + int(cfg.vendor) + int(cfg.percall))
     bar = _Progress(n_steps)
     try:
         report = run_bench(cfg, progress=bar.step)
@@ -256,6 +271,10 @@ def run(args: argparse.Namespace) -> int:
         print(format_vendor_table(
             [VendorRow(**{**d, "violations": tuple(d["violations"])}) for d in report.vendor]
         ))
+    if report.percall is not None:
+        from kvactors.cli.bench.percall import format_percall
+
+        print(format_percall(report.percall))
     print(f"wrote {json_path}", end="")
     if not args.no_plot:
         from kvactors.cli.bench._plot import plot
@@ -263,5 +282,11 @@ def run(args: argparse.Namespace) -> int:
         png = os.path.join(args.out, "bench.png")
         plot(report, png)
         print(f" and {png}", end="")
+        if report.percall is not None:
+            from kvactors.cli.bench.percall import plot_percall
+
+            png = os.path.join(args.out, "percall.png")
+            plot_percall(report.percall, png)
+            print(f" and {png}", end="")
     print(f" in {report.seconds:.1f}s")
     return 0

@@ -1,0 +1,185 @@
+"""Validated plans, reused while their operands have not changed (pure, thread-safe).
+
+Theory of operation. :func:`~kvactors.plans.plan_transfer` reads metadata only, so its answer
+is a function of the request and of every operand's metadata: its storage (base address and
+offset), data pointer, shape, stride, dtype and device, plus the operand structure (a list of
+layers, ``[[K...], [V...]]``, one tensor). :class:`PlanCache` keys a validated plan by the
+encoded request and an *operand fingerprint* holding exactly those facts, and keeps with it
+each tensor's version counter (``t._version``, bumped by every in-place write, ``set_`` and
+``resize_``). A lookup recomputes the fingerprint and the versions from the operands it is
+given and reuses the plan only when both are equal, so a stale plan cannot be used: any change
+of any of those facts re-validates. Failed validations are never cached (every bad call
+raises afresh).
+
+The version counters also move when kvactors itself writes an operand (a gather writes the
+chunks, a scatter the paged memory). After a transfer ran, :meth:`PlanCache.settle` re-reads
+the versions of the same tensors and stores them with the entry, so the next identical call
+hits. Only versions are re-read: the rest of the key is what was validated, so the entry can
+only ever match operands whose metadata is exactly the validated metadata.
+
+The cache is bounded (least recently used entries go first) and takes a lock only around the
+dictionary, never around validation.
+"""
+
+from __future__ import annotations
+
+import collections
+import threading
+from typing import TYPE_CHECKING, Any
+
+import msgspec
+import torch
+
+from kvactors.plans import TransferRequest, plan_transfer
+
+if TYPE_CHECKING:
+    from kvactors.plans import TransferPlan
+
+__all__ = ("PlanCache", "PlanTicket", "fingerprint")
+
+_Tensor = torch.Tensor
+_encode = msgspec.msgpack.Encoder().encode
+
+
+class _Entry:
+    __slots__ = ("memo", "plan", "versions")
+
+    def __init__(self, plan: TransferPlan, versions: tuple[int, ...]) -> None:
+        self.plan = plan
+        self.versions = versions
+        self.memo: dict[Any, Any] = {}
+
+
+class PlanTicket:
+    """What a lookup saw (held for one call only): its key, the operand tensors, so that
+    :meth:`PlanCache.settle` can re-read their version counters after the transfer ran, and
+    the plan's kernel memo (index tensors kept with the plan, see ``run_fast``)."""
+
+    __slots__ = ("entry", "key", "memo", "tensors", "versions")
+
+    def __init__(
+        self, key: tuple[Any, ...], tensors: list[torch.Tensor], versions: tuple[int, ...]
+    ) -> None:
+        self.key = key
+        self.tensors = tensors
+        self.versions = versions
+        self.entry: _Entry | None = None
+        self.memo: dict[Any, Any] = {}
+
+
+def _walk(value: object, depth: int, meta: list[Any], tensors: list[torch.Tensor]) -> bool:
+    if isinstance(value, _Tensor):
+        tensors.append(value)
+        meta += (value.data_ptr(), value.storage_offset(), value.shape, value.stride(),
+                 value.dtype, value.device)
+        return True
+    if depth < 3 and isinstance(value, (list, tuple)):
+        meta.append("[" if isinstance(value, list) else "(")
+        meta.append(len(value))
+        return all(_walk(v, depth + 1, meta, tensors) for v in value)
+    return False
+
+
+def fingerprint(value: object) -> tuple[tuple[Any, ...], tuple[int, ...]] | None:
+    """``(metadata, versions)`` of a tensor or a nested (at most 3 deep) list or tuple of
+    tensors: structure, and per tensor data pointer, storage offset, shape, stride, dtype,
+    device; then every tensor's version counter. ``None`` for anything else (such operands
+    are validated every time)."""
+    meta: list[Any] = []
+    tensors: list[torch.Tensor] = []
+    if not _walk(value, 0, meta, tensors):
+        return None
+    return tuple(meta), tuple([t._version for t in tensors])
+
+
+class PlanCache:
+    """Validated plans by (request, operand fingerprint); see the module docstring.
+
+    Args:
+        device_type: The device type the runtime serves (passed to ``plan_transfer``).
+        device_index: Its index.
+        capacity: Most plans kept (least recently used go first).
+    """
+
+    def __init__(self, device_type: str, device_index: int | None, capacity: int = 256) -> None:
+        if capacity <= 0:
+            raise ValueError(f"plan cache capacity must be positive, got {capacity}")
+        self.device_type = device_type
+        self.device_index = device_index
+        self.capacity = capacity
+        self._plans: collections.OrderedDict[Any, _Entry] = collections.OrderedDict()
+        self._lock = threading.Lock()
+        self.hits = 0
+        self.misses = 0
+
+    def __len__(self) -> int:
+        return len(self._plans)
+
+    def plan(self, request: TransferRequest, paged: object, objects: object) -> TransferPlan:
+        """The plan for this request and these operands (see :meth:`lookup`)."""
+        return self.lookup(request, paged, objects)[0]
+
+    def lookup(
+        self, request: TransferRequest, paged: object, objects: object
+    ) -> tuple[TransferPlan, PlanTicket | None]:
+        """The plan for this request and these operands: reused if validated before for
+        identical operands, else validated now (raising exactly as ``plan_transfer``), and
+        the ticket to :meth:`settle` once the transfer ran."""
+        ticket = self._ticket(request, paged, objects)
+        if ticket is not None:
+            with self._lock:
+                entry = self._plans.get(ticket.key)
+                if entry is not None and entry.versions == ticket.versions:
+                    self._plans.move_to_end(ticket.key)
+                    self.hits += 1
+                    ticket.entry, ticket.memo = entry, entry.memo
+                    return entry.plan, ticket
+        plan = plan_transfer(
+            request,
+            paged,
+            objects,
+            device_type=self.device_type,
+            device_index=self.device_index,
+        )
+        with self._lock:
+            self.misses += 1
+            if ticket is not None:
+                entry = _Entry(plan, ticket.versions)
+                ticket.entry, ticket.memo = entry, entry.memo
+                self._plans[ticket.key] = entry
+                self._plans.move_to_end(ticket.key)
+                while len(self._plans) > self.capacity:
+                    self._plans.popitem(last=False)
+        return plan, ticket
+
+    def settle(self, plan: TransferPlan, ticket: PlanTicket | None) -> None:
+        """After ``plan`` ran: keep the operands' current version counters with its entry.
+
+        Only the versions are re-read: every other fact in the key is the validated one, so
+        the entry can only ever match operands whose metadata equals what was validated."""
+        if ticket is None or ticket.entry is None:
+            return
+        ticket.entry.versions = tuple([t._version for t in ticket.tensors])
+
+    def clear(self) -> None:
+        """Forget every plan."""
+        with self._lock:
+            self._plans.clear()
+
+    def _ticket(
+        self, request: TransferRequest, paged: object, objects: object
+    ) -> PlanTicket | None:
+        if type(request) is not TransferRequest:
+            return None
+        meta: list[Any] = []
+        tensors: list[torch.Tensor] = []
+        if not _walk(paged, 0, meta, tensors) or not _walk(objects, 1, meta, tensors):
+            return None
+        try:
+            # The encoded request, not the Struct: ``True == 1`` and ``1.0 == 1`` compare equal,
+            # but a bool or float field must fail validation, never hit a cached int's plan.
+            wire = _encode(request)
+        except (TypeError, ValueError, OverflowError):  # not wire-safe: validate every time
+            return None
+        meta.append(wire)
+        return PlanTicket(tuple(meta), tensors, tuple([t._version for t in tensors]))

@@ -1,0 +1,216 @@
+"""Plans validated once: an unchanged request reuses its plan; every change re-validates."""
+
+from __future__ import annotations
+
+from typing import TYPE_CHECKING, Any
+
+import pytest
+import torch
+
+from kvactors.errors import KvactorsError, TransferValidationError
+from kvactors.kernels.fast import run_fast
+from kvactors.layouts import Direction, KVFormat, ShapeDesc
+from kvactors.plan_cache import PlanCache
+from kvactors.plans import TransferRequest
+from kvactors.runtime import Runtime
+
+if TYPE_CHECKING:
+    from collections.abc import Callable
+
+NL, NB, BS, NH, HS = 2, 8, 4, 2, 8
+T = 2 * BS
+FMT = KVFormat.NL_X_TWO_NB_BS_NH_HS
+
+
+def _request(**kw: Any) -> TransferRequest:
+    shape = ShapeDesc(kv_size=2, nl=NL, nb=NB, bs=BS, nh=NH, hs=HS, element_size=2,
+                      dtype="bfloat16")
+    args: dict[str, Any] = {"fmt": int(FMT), "direction": int(Direction.D2H),
+                            "block_ids": (3, 5), "chunk_size": T, "shape": shape}
+    args.update(kw)
+    return TransferRequest(**args)
+
+
+def _operands() -> tuple[list[torch.Tensor], list[torch.Tensor]]:
+    base = torch.randn(NL, 2, NB, BS, NH, HS).to(torch.bfloat16)
+    return list(base.unbind(0)), [torch.zeros(2, NL, T, NH * HS, dtype=torch.bfloat16)]
+
+
+def _planned(cache: PlanCache, req: TransferRequest, paged: Any, objs: Any) -> bool:
+    """Whether this lookup validated (a miss) rather than reused a plan."""
+    before = cache.misses
+    cache.plan(req, paged, objs)
+    return cache.misses == before + 1
+
+
+def test_unchanged_request_reuses_its_plan() -> None:
+    cache = PlanCache("cpu", 0)
+    paged, objs = _operands()
+    req = _request()
+    assert _planned(cache, req, paged, objs)
+    assert not _planned(cache, req, paged, objs)
+    # New list objects holding the same tensors are the same operands.
+    assert not _planned(cache, _request(), list(paged), list(objs))
+    assert cache.hits == 2
+
+
+def _swap_object(paged: list[torch.Tensor], objs: list[torch.Tensor]) -> tuple[Any, Any]:
+    return paged, [torch.zeros_like(objs[0])]  # another data pointer and storage
+
+
+def _set_storage(paged: list[torch.Tensor], objs: list[torch.Tensor]) -> tuple[Any, Any]:
+    objs[0].set_(torch.zeros_like(objs[0]).untyped_storage(), 0, objs[0].shape, objs[0].stride())
+    return paged, objs
+
+
+def _write_in_place(paged: list[torch.Tensor], objs: list[torch.Tensor]) -> tuple[Any, Any]:
+    paged[1].add_(1)  # version counter moves; nothing else
+    return paged, objs
+
+
+def _offset_view(paged: list[torch.Tensor], objs: list[torch.Tensor]) -> tuple[Any, Any]:
+    big = torch.zeros(objs[0].numel() + 8, dtype=objs[0].dtype)
+    return paged, [big[8:].view(objs[0].shape)]  # another storage offset
+
+
+def _own_storages(paged: list[torch.Tensor], objs: list[torch.Tensor]) -> tuple[Any, Any]:
+    # The same memory, pointers, shapes and strides, but each layer its own storage at offset
+    # 0 instead of views at offsets of one allocation: the stacked plan no longer applies.
+    own = [torch.from_numpy(p.view(torch.int16).numpy()).view(p.dtype) for p in paged]
+    assert [t.data_ptr() for t in own] == [p.data_ptr() for p in paged]
+    return own, objs
+
+
+def _strides(paged: list[torch.Tensor], objs: list[torch.Tensor]) -> tuple[Any, Any]:
+    # Same shape and pointer, transposed block/token strides: must fail validation afresh.
+    p0 = paged[0]
+    st = list(p0.stride())
+    st[2], st[3] = st[3], st[2]
+    return [p0.as_strided(p0.shape, st), *paged[1:]], objs
+
+
+def _shape(paged: list[torch.Tensor], objs: list[torch.Tensor]) -> tuple[Any, Any]:
+    return [p[:, : NB - 1] for p in paged], objs
+
+
+def _dtype(paged: list[torch.Tensor], objs: list[torch.Tensor]) -> tuple[Any, Any]:
+    return [p.view(torch.float16) for p in paged], [o.view(torch.float16) for o in objs]
+
+
+def _device(paged: list[torch.Tensor], objs: list[torch.Tensor]) -> tuple[Any, Any]:
+    return [torch.empty(p.shape, dtype=p.dtype, device="meta") for p in paged], objs
+
+
+def _structure(paged: list[torch.Tensor], objs: list[torch.Tensor]) -> tuple[Any, Any]:
+    return tuple(paged), objs
+
+
+CHANGES: dict[str, Callable[[list[torch.Tensor], list[torch.Tensor]], tuple[Any, Any]]] = {
+    "data pointer and storage": _swap_object,
+    "storage (set_)": _set_storage,
+    "version (in-place write)": _write_in_place,
+    "storage offset": _offset_view,
+    "storage offset, same pointers": _own_storages,
+    "stride": _strides,
+    "shape": _shape,
+    "dtype": _dtype,
+    "device": _device,
+    "structure": _structure,
+}
+
+
+REFUSED = ("stride", "shape", "dtype", "device")
+
+
+@pytest.mark.parametrize("change", list(CHANGES))
+def test_every_change_of_an_operand_revalidates(change: str) -> None:
+    cache = PlanCache("cpu", 0)
+    paged, objs = _operands()
+    req = _request()
+    cache.plan(req, paged, objs)
+    assert not _planned(cache, req, paged, objs)
+    new_paged, new_objs = CHANGES[change](paged, objs)
+    if change in REFUSED:
+        # Operands the plan is not valid for are refused every time, never served stale.
+        for _ in range(2):
+            with pytest.raises(KvactorsError):
+                cache.plan(req, new_paged, new_objs)
+    else:
+        assert _planned(cache, req, new_paged, new_objs)
+        assert not _planned(cache, req, new_paged, new_objs)
+
+
+@pytest.mark.parametrize(
+    "change",
+    [
+        {"block_ids": (3, 6)},
+        {"direction": int(Direction.H2D)},
+        {"skip_blocks": 1},
+        {"chunk_size": 2 * T},
+    ],
+)
+def test_every_change_of_the_request_revalidates(change: dict[str, Any]) -> None:
+    cache = PlanCache("cpu", 0)
+    paged, objs = _operands()
+    cache.plan(_request(), paged, objs)
+    try:
+        planned = _planned(cache, _request(**change), paged, objs)
+    except KvactorsError:
+        planned = True  # validated, and refused
+    assert planned
+
+
+def test_bool_or_float_fields_never_hit_an_int_request_plan() -> None:
+    cache = PlanCache("cpu", 0)
+    paged, objs = _operands()
+    cache.plan(_request(), paged, objs)
+    with pytest.raises(KvactorsError):
+        cache.plan(_request(direction=True), paged, objs)  # True == 1, but not an int
+    with pytest.raises(KvactorsError):
+        cache.plan(_request(block_ids=(3.0, 5)), paged, objs)
+
+
+def test_failed_validation_is_never_cached() -> None:
+    cache = PlanCache("cpu", 0)
+    paged, objs = _operands()
+    bad = _request(block_ids=(3, NB))
+    for _ in range(2):
+        with pytest.raises(TransferValidationError):
+            cache.plan(bad, paged, objs)
+    assert len(cache) == 0
+
+
+def test_a_plan_that_ran_is_reused_after_its_own_write() -> None:
+    cache = PlanCache("cpu", 0)
+    paged, objs = _operands()
+    req = _request()
+    plan, ticket = cache.lookup(req, paged, objs)
+    run_fast(plan, paged, objs)  # writes the chunk: its version counter moves
+    cache.settle(plan, ticket)
+    assert not _planned(cache, req, paged, objs)
+    objs[0].zero_()  # somebody else's write
+    assert _planned(cache, req, paged, objs)
+
+
+def test_cache_is_bounded() -> None:
+    cache = PlanCache("cpu", 0, capacity=3)
+    paged, objs = _operands()
+    for b in range(NB - 1):
+        cache.plan(_request(block_ids=(b, b + 1)), paged, objs)
+    assert len(cache) == 3
+
+
+def test_runtime_transfers_reuse_plans() -> None:
+    paged, objs = _operands()
+    req = _request()
+    with Runtime("cpu") as rt:
+        rt.transfer(req, paged, objs)
+        plans = rt._actors.gather.plans if rt._actors is not None else None
+        assert plans is not None
+        misses = plans.misses
+        for _ in range(3):
+            rt.transfer(req, paged, objs)
+        assert plans.misses == misses
+        objs[0].fill_(0)
+        rt.transfer(req, paged, objs)
+        assert plans.misses == misses + 1
