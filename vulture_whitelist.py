@@ -77,21 +77,14 @@ _.use_after_free  # ManualBackend counter users assert on (own-until-done rule)
 _.sync_waiters  # ManualBackend counter users assert on (syncs blocked on the device)
 _.closed_under_work  # ManualBackend counter users assert on (close-after-sync rule)
 
+# ---- reached through entry points, serialisation or after close -----------------------------
+_.kvactors_op_transfer  # adapter baseline.py: entry point kvactors_op of kvactors.baselines (bench)
+_.calls_per_s  # PercallRow field: serialised by name into percall.json (msgspec.to_builtins)
+_.records_withdrawn  # Runtime property: readable after close(), when statistics() is not
+_.held_back  # Lane: the only observable of a job held behind inline work (inline-order test)
+
 # ---- public fake API (kvactors.testing) that vendors' tests read ---------------------------
 _.launches  # OpCounts field: serialised by name into the vendor bench rows (msgspec.to_builtins)
+_.allocations  # OpCounts field: serialised by name into the vendor bench rows
 _.alloc_bytes  # OpCounts field: serialised by name into the vendor bench rows
 _.host_device_copies  # OpCounts property: H2D + D2H, for vendors' per-call budget checks
-
-# ---- PENDING: reached only by tests today, in areas other engineers own on 2026-11-30; ---
-# the lead wires or deletes each after merging, then removes its entry here.
-_.owners_opened  # kvactors/actors/ipc_owner.py:59,89 (i12a): counter nothing reports
-_.owner_id  # kvactors/protocols/ipc.py:35 (i12a): Opened.owner_id, dropped by Runtime.open_ipc
-_.pointer_transfer  # kvactors/devices/mlu.py:108 (i12a): refusal nothing calls
-_.native_kernels  # kvactors/devices/mlu.py:130 (i12a): refusal nothing calls
-_.kv_layout  # kvactors/devices/mlu_layouts.py:51 (i12a): being wired (vLLM-MLU layouts)
-_.run_transfer  # kvactors/devices/musa.py:297 (i12a): being wired (MUSA native fallback)
-_.pointer_tables  # kvactors/devices/musa_context.py:72,113 (i12a)
-_.staging_view  # kvactors/devices/musa_context.py:84 (i12a)
-_.block_transfer  # kvactors/devices/musa_contract.py:157 (i12a): capability field unread
-_.allocations  # kvactors/kernels/fast.py:56,65 (i11): ScratchCache counter only tests read
-_.busy  # kvactors/ordering.py:99 (i11 area): only tests call it

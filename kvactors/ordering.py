@@ -96,10 +96,6 @@ class BlockLedger:
                 self._fences_on.setdefault(t, set()).add(fence_id)
         return len(waits)
 
-    def busy(self, blocks: Iterable[int]) -> bool:
-        """Whether any transfer is in flight on any of ``blocks``."""
-        return any(b in self._inflight_on for b in blocks)
-
 
 class PublishOrder(Generic[R]):
     """Records published in any order, drained in submission order (published prefix only)."""

@@ -35,7 +35,7 @@ CASES = [
     (codec.GATHER_REPLIES, gather.Pong(seq=9)),
     (codec.IPC_REQUESTS, ipc.OpenHandle(context_id=1, handle=_handle)),
     (codec.IPC_REQUESTS, ipc.CloseContext(context_id=1, stream_handles=(0, 5))),
-    (codec.IPC_REPLIES, ipc.Opened(context_id=1, owner_id=2)),
+    (codec.IPC_REPLIES, ipc.Opened(context_id=1)),
     (codec.IPC_REPLIES, ipc.ContextClosed(context_id=1, owners_closed=1)),
 ]
 

@@ -135,6 +135,11 @@ class GatherActor(Actor[GatherRequest]):
         with self._shared:
             return self._ledger.inflight
 
+    @property
+    def scratch_allocations(self) -> int:
+        """Staging buffers ever allocated by this device's staged kernels (flat when warm)."""
+        return sum(c.allocations for c in list(self._scratch.values()))
+
     def receive(self, env: Envelope[GatherRequest]) -> Any:
         """Dispatch one message."""
         msg = env.msg

@@ -43,8 +43,20 @@ class DeviceStatistics(msgspec.Struct, frozen=True, kw_only=True):
     """Stream lanes whose threads did not end within the stop timeout (may still run)."""
     ipc_owners_opened: int = 0
     ipc_owners_closed: int = 0
+    records_published: int = 0
+    """Completion and event records made drainable (after their stream ran)."""
     records_withdrawn: int = 0
+    """Records never published: their stream failed, or the runtime closed first."""
     streams_retired: int = 0
+    """Idle borrowed-stream actors stopped and forgotten (bounded threads under churn)."""
+    scratch_allocations: int = 0
+    """Staging buffers ever allocated for staged (device) transfers; flat in steady state."""
+    plans_validated: int = 0
+    """Transfers validated in full (plan cache misses); the rest reused a validated plan."""
+    native_transfers: int = 0
+    """Transfers an opted-in native kernel moved."""
+    native_declined: int = 0
+    """Transfers an opted-in native kernel declined (the torch kernel moved them)."""
 
 
 class DeviceActors:
@@ -117,6 +129,8 @@ class DeviceActors:
         """Snapshot every actor of this device."""
         streams = [s.statistics() for s in self.streams.all()]
         actors = (self.gather.statistics(), self.ipc.statistics(), *streams)
+        slot = getattr(self.backend, "native", None)  # MLU/MUSA: kvactors.devices.native
+        native = getattr(slot, "counters", None)
         return DeviceStatistics(
             device=self.device,
             actors=actors,
@@ -132,6 +146,11 @@ class DeviceActors:
             lanes_abandoned=self.lanes_abandoned,
             ipc_owners_opened=self.ipc.owners_opened,
             ipc_owners_closed=self.ipc.owners_closed,
+            records_published=self.completions.published + self.events.published,
             records_withdrawn=self.completions.withdrawn + self.events.withdrawn,
             streams_retired=self.streams.retired,
+            scratch_allocations=self.gather.scratch_allocations,
+            plans_validated=self.gather.plans.misses,
+            native_transfers=native.native_transfers if native is not None else 0,
+            native_declined=native.native_declined if native is not None else 0,
         )

@@ -99,7 +99,7 @@ class IPCOwnerActor(Actor[IPCRequest]):
         view = owner.tensor
         self._views.setdefault(ctx, {})[oid] = view
         self.owners_opened += 1
-        return Opened(context_id=ctx, owner_id=oid), view
+        return Opened(context_id=ctx), view
 
     def _close(self, env: Envelope[IPCRequest], msg: CloseContext) -> Any:
         ctx = msg.context_id

@@ -104,11 +104,6 @@ class Backend(abc.ABC):
     def device(self, index: int) -> torch.device:
         """The torch device for ``index`` (validated against the devices present)."""
 
-    def is_device_tensor(self, t: torch.Tensor, index: int) -> bool:
-        """Whether ``t`` lives on this backend's device ``index``."""
-        d = t.device
-        return d.type == self.kind and (d.index or 0) == index
-
     # Streams: every verb below runs on a StreamActor lane thread.
 
     @abc.abstractmethod

@@ -80,10 +80,6 @@ class CpuBackend(Backend):
             raise InvalidPointerError(f"cpu has only device 0, got {index}", field="device")
         return torch.device("cpu")
 
-    def is_device_tensor(self, t: torch.Tensor, index: int) -> bool:
-        """Whether ``t`` is a CPU tensor."""
-        return t.device.type == "cpu" and index == 0
-
     def bind_thread(self, index: int, stream: StreamLike) -> None:
         """Nothing to bind on CPU."""
 

@@ -153,7 +153,6 @@ class MusaCapabilities(msgspec.Struct, frozen=True, kw_only=True):
     memory_ipc: bool
     event_ipc: bool
     handle_opt_in: bool
-    block_transfer: bool = True
     problems: tuple[str, ...] = ()
 
     @property

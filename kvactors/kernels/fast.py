@@ -46,7 +46,8 @@ class ScratchCache:
     """Reusable staging buffers, keyed by device, shape and dtype.
 
     Not thread-safe, and meant for one stream: see the module docstring. ``allocations``
-    counts the buffers ever allocated (a test hook: it stays flat on a warm hot path).
+    counts the buffers ever allocated (``DeviceStatistics.scratch_allocations``: it stays
+    flat on a warm hot path).
     """
 
     __slots__ = ("_buffers", "allocations")

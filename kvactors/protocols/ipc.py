@@ -58,7 +58,6 @@ class Opened(Message, frozen=True):
     """Reply to :class:`OpenHandle` (the view rides beside it in-process)."""
 
     context_id: int
-    owner_id: int
 
 
 class ContextClosed(Message, frozen=True):

@@ -14,11 +14,11 @@ import torch
 from kvactors.actors.group import DeviceActors
 from kvactors.actors.lane import Lane
 from kvactors.devices.cpu import CpuBackend
+from kvactors.devices.manual import ManualBackend
 from kvactors.layouts import Direction, KVFormat, ShapeDesc
 from kvactors.plans import TransferRequest
 from kvactors.protocols.gather import Fence, Fenced
 from kvactors.runtime import Runtime
-from kvactors.devices.manual import ManualBackend
 
 NL, NB, BS, NH, HS = 2, 8, 4, 2, 8
 T = 2 * BS

@@ -12,10 +12,10 @@ import threading
 
 import torch
 
+from kvactors.devices.manual import ManualBackend
 from kvactors.layouts import Direction, KVFormat, ShapeDesc
 from kvactors.plans import TransferRequest
 from kvactors.runtime import Runtime
-from kvactors.testing.manual import ManualBackend
 
 
 def _lane_threads() -> list[threading.Thread]:

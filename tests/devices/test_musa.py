@@ -10,7 +10,6 @@ import torch
 
 from kvactors.devices.base import IPCHandle
 from kvactors.devices.musa import MusaBackend
-from kvactors.devices.musa_context import MusaCacheContext
 from kvactors.devices.musa_contract import (
     check_format,
     check_pointer_tensor,
@@ -119,49 +118,6 @@ def test_contract_layouts_dtypes_pointers() -> None:
         check_pointer_tensor(torch.tensor([1, 2, 3]), 9, 2)
     with pytest.raises(OperandTypeError):
         check_pointer_tensor(torch.tensor([1.0, 2.0]), 1, 2)
-
-
-class _Recorder:
-    def __init__(self, log: list[str], name: str, fail: bool = False) -> None:
-        self.log, self.name, self.fail, self.closed = log, name, fail, False
-
-    @property
-    def tensor(self) -> torch.Tensor:
-        raise AssertionError
-
-    def close(self) -> None:
-        self.log.append(self.name)
-        self.closed = True
-        if self.fail:
-            raise IPCError("close failed")
-
-
-def test_cache_context_close_order(fake_musa: FakeVendor) -> None:
-    log: list[str] = []
-
-    class SpyBackend(MusaBackend):
-        def synchronize(self, stream: object) -> None:  # type: ignore[override]
-            log.append("sync")
-            raise DeviceOpError("sync failed", device="musa:0", op="synchronize")
-
-    b = SpyBackend()
-    k = [fake_musa.to_device(torch.zeros(4)) for _ in range(2)]
-    v = [fake_musa.to_device(torch.zeros(4)) for _ in range(2)]
-    ctx = MusaCacheContext(b, b.new_stream(0), 0, [k, v], staging_nbytes=64,
-                           owners=[_Recorder(log, "first", fail=True), _Recorder(log, "second")])
-    ptrs = ctx.pointer_tables[1]
-    b.module.synchronize()
-    assert fake_musa.peek(ptrs).tolist() == [t.data_ptr() for t in v]
-    assert ctx.staging_view(torch.float16, (4, 2)).shape == (4, 2)
-    with pytest.raises(TransferValidationError):
-        ctx.staging_view(torch.float32, (32,))
-    with pytest.raises(DeviceOpError):
-        ctx.close()
-    assert log == ["sync", "first", "second"]
-    assert ctx.pointer_tables == []
-    assert ctx.groups == []
-    ctx.close()
-    assert log == ["sync", "first", "second"]
 
 
 NL, NB, BS, NH, HS = 2, 8, 4, 2, 8
