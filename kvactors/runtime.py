@@ -586,10 +586,11 @@ _runtimes: dict[tuple[str, int], Runtime] = {}
 _runtimes_lock = threading.Lock()
 
 
-def get_runtime(backend: str = "cpu", device_index: int = 0) -> Runtime:
-    """The process-wide runtime for ``(backend, device_index)``, started on first use and
-    closed at interpreter exit."""
-    key = (backend, device_index)
+def get_runtime(backend: str | Backend = "cpu", device_index: int = 0) -> Runtime:
+    """The process-wide runtime for ``(backend kind, device_index)``, started on first use and
+    closed at interpreter exit. A :class:`Backend` instance is used only when no runtime of its
+    kind and index runs yet."""
+    key = (backend if isinstance(backend, str) else backend.kind, device_index)
     with _runtimes_lock:
         rt = _runtimes.get(key)
         if rt is None or rt.closed:

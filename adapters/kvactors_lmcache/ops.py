@@ -28,12 +28,13 @@ tensor after returning.
 from __future__ import annotations
 
 import ctypes
+import importlib.util
 import os
 import threading
 import time
 from collections import Counter
 from collections.abc import Callable
-from typing import TYPE_CHECKING, Any, ClassVar
+from typing import TYPE_CHECKING, Any, ClassVar, Literal
 
 import torch
 from lmcache.v1.platform.base.device_ops import DeviceOps
@@ -123,7 +124,31 @@ def transfer_counts() -> dict[str, int]:
 def _default_runtime_factory(backend: str, device_index: int) -> Runtime:
     from kvactors.runtime import get_runtime
 
+    if backend == "mlu":
+        from kvactors.devices.mlu import MluBackend
+
+        return get_runtime(MluBackend(layout_source=mlu_layout_source()), device_index)
     return get_runtime(backend=backend, device_index=device_index)
+
+
+def mlu_layout_source() -> Literal["resolved"] | None:
+    """Where format 1 (NHD) reaching the MLU plugin comes from, when the worker did not say.
+
+    ``KVACTORS_MLU_LAYOUT_SOURCE`` wins (``None`` here lets the backend read it). Otherwise:
+    LMCache 0.5.7 (the release that ships its own MLU backend, ``lmcache.v1.platform.devices.mlu``)
+    maps vLLM-MLU's legacy layout answer to HND itself, so format 1 is an explicitly resolved
+    NHD: ``"resolved"``. LMCache 0.5.6 passes the legacy answer through, so format 1 stays
+    ambiguous and is refused until the worker declares it (``None``).
+    """
+    from kvactors.devices.mlu_layouts import LAYOUT_SOURCE_ENV
+
+    if os.environ.get(LAYOUT_SOURCE_ENV, "").strip():
+        return None
+    try:
+        own_mlu = importlib.util.find_spec("lmcache.v1.platform.devices.mlu") is not None
+    except (ImportError, ValueError):
+        own_mlu = False
+    return "resolved" if own_mlu else None
 
 
 class KvactorsDeviceOps(DeviceOps):

@@ -83,8 +83,49 @@ def test_mlu_plugin_legacy_nhd_answer(
             assert all(bool((o == -1.0).all()) for o in objs)
             return
         ops.multi_layer_block_kv_transfer(*args)
+        fake.synchronize()  # the op returns once enqueued; LMCache syncs before reading chunks
         for got, want in zip(objs, _hnd_chunks(cpu), strict=True):
             assert torch.equal(got.view(want.shape), want)
+
+
+def test_mlu_plugin_default_layout_source_follows_the_installed_lmcache(
+    monkeypatch: pytest.MonkeyPatch,
+) -> None:
+    """With no declaration, format 1 is real NHD under LMCache 0.5.7 (it maps vLLM-MLU's legacy
+    answer to HND itself) and moves bit-exact; under 0.5.6 it stays ambiguous and is refused."""
+    import importlib.util
+
+    import lmcache.lmcache_native as native
+
+    import kvactors.runtime as kruntime
+    from kvactors.devices.mlu_layouts import LAYOUT_SOURCE_ENV
+    from kvactors_lmcache.ops import KvactorsMluOps
+
+    monkeypatch.delenv(LAYOUT_SOURCE_ENV, raising=False)
+    monkeypatch.setattr(kruntime, "_runtimes", {})  # the plugin's own default runtime, fresh
+    resolves_legacy = importlib.util.find_spec("lmcache.v1.platform.devices.mlu") is not None
+    cpu = [torch.randn(2, NB, BS, NH, HS) for _ in range(NL)]  # real NHD memory
+    with fake_vendor("mlu") as fake:
+        fmt, paged, desc, chunk = _lmcache_request([fake.to_device(t) for t in cpu], "NHD")
+        assert int(fmt) == 1
+        objs = [torch.full((2, NL, chunk, NH * HS), -1.0) for _ in range(2)]
+        ops = KvactorsMluOps()
+        args = (paged, objs, IDS, "mlu:0", native.TransferDirection.D2H, desc, chunk, fmt, 0)
+        try:
+            if not resolves_legacy:
+                with pytest.raises(ValueError, match="ambiguous"):
+                    ops.multi_layer_block_kv_transfer(*args)
+                assert all(bool((o == -1.0).all()) for o in objs)
+                return
+            ops.multi_layer_block_kv_transfer(*args)
+            fake.synchronize()
+            for c, got in enumerate(objs):
+                ids = IDS[c * BPC:(c + 1) * BPC]
+                want = torch.stack([t[:, ids].reshape(2, BPC * BS, NH * HS) for t in cpu], dim=1)
+                assert torch.equal(got, want)
+        finally:
+            for rt in kruntime._runtimes.values():
+                rt.close()
 
 
 def test_musa_plugin_refuses_hnd_before_touching_memory() -> None:
