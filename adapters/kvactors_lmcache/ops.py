@@ -580,8 +580,10 @@ class KvactorsMluOps(KvactorsDeviceOps):
 
 
 # LMCache calls the inherited legacy ops by name; on MLU each one refuses (see refused_ops).
+# Only ops this LMCache still has are replaced (0.5.7 removed two of them).
 for _op in KvactorsMluOps.refused_ops:
-    setattr(KvactorsMluOps, _op, _mlu_legacy(_op))
+    if hasattr(DeviceOps, _op):
+        setattr(KvactorsMluOps, _op, _mlu_legacy(_op))
 
 _OPS_BY_BACKEND: dict[str, type[KvactorsDeviceOps]] = {
     "cpu": KvactorsCpuOps,
