@@ -140,7 +140,7 @@ def mlu_layout_source() -> Literal["resolved"] | None:
     NHD: ``"resolved"``. LMCache 0.5.6 passes the legacy answer through, so format 1 stays
     ambiguous and is refused until the worker declares it (``None``).
     """
-    from kvactors.devices.mlu_layouts import LAYOUT_SOURCE_ENV
+    from kvactors.devices.mlu.layouts import LAYOUT_SOURCE_ENV
 
     if os.environ.get(LAYOUT_SOURCE_ENV, "").strip():
         return None
