@@ -30,6 +30,7 @@ from typing import TYPE_CHECKING, Any
 import msgspec
 import torch
 
+from kvactors.errors import InvalidSettingError
 from kvactors.plans import TransferRequest, plan_transfer
 
 if TYPE_CHECKING:
@@ -103,7 +104,9 @@ class PlanCache:
 
     def __init__(self, device_type: str, device_index: int | None, capacity: int = 256) -> None:
         if capacity <= 0:
-            raise ValueError(f"plan cache capacity must be positive, got {capacity}")
+            raise InvalidSettingError(
+                f"plan cache capacity must be positive, got {capacity}", setting="capacity"
+            )
         self.device_type = device_type
         self.device_index = device_index
         self.capacity = capacity

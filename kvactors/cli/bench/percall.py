@@ -38,6 +38,7 @@ from typing import TYPE_CHECKING, Any
 import msgspec
 import torch
 
+from kvactors.errors import MissingDependencyError
 from kvactors.layouts import FORMAT_SPECS, Direction, KVFormat, ShapeDesc
 from kvactors.plans import TransferRequest
 
@@ -370,7 +371,9 @@ def plot_percall(report: PercallReport, path: str) -> None:
     try:
         import matplotlib
     except ImportError as exc:
-        raise ImportError("the bench plot needs matplotlib: pip install 'kvactors[bench]'") from exc
+        raise MissingDependencyError(
+            "the bench plot needs matplotlib: pip install 'kvactors[bench]'", package="matplotlib"
+        ) from exc
     matplotlib.use("Agg")
     import matplotlib.pyplot as plt
 
