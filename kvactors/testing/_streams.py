@@ -38,6 +38,7 @@ from kvactors.testing._owner import Owner
 from kvactors.testing._worker import Marker
 
 if TYPE_CHECKING:
+    from collections.abc import Callable
     from types import TracebackType
 
     import torch
@@ -142,7 +143,7 @@ class FakeStream:
         """(lowest, highest) priority, as the vendors report it."""
         return (0, -1)
 
-    def enqueue(self, fn: Any) -> None:
+    def enqueue(self, fn: Callable[[], object]) -> None:
         """Enqueue device work on this stream (used by the fake's tensor ops)."""
         self.worker.submit(fn)
 
