@@ -289,7 +289,7 @@ class KvactorsMusaSpec(KvactorsSpecBase):
                 "the LMCache-driven (handle) path is disabled; set "
                 f"{MUSA_HANDLE_ENV}=1 with TorchMUSA memory and event IPC, or use the "
                 "engine_driven MP transfer mode",
-                backend="kvactors_musa",
+                backend=PLUGIN_MUSA,
             )
         from kvactors_lmcache.handle import create_musa_cache_context
 
