@@ -46,7 +46,7 @@ if TYPE_CHECKING:
     from multiprocessing.connection import Connection
 
     from kvactors.devices.base import IPCHandle
-    from kvactors.devices.cpu_shm import SharedTensor
+    from kvactors.devices.cpu.shm import SharedTensor
 
 NL, NB, BS, NH, HS = 2, 16, 4, 2, 8
 CHUNK = 2 * BS

@@ -1,9 +1,13 @@
 """errors.py's promise, kept: every exception kvactors raises on purpose is a kvactors error.
 
-A source scan (AST) over ``kvactors/`` (the public fakes in ``kvactors/testing`` imitate vendor
-errors and are excluded): every ``raise Name(...)`` names a class of ``kvactors.errors``;
-``AssertionError`` marks an invariant (``unreachable``), ``SystemExit`` a ``__main__`` exit.
-Re-raising a caught or stored exception (``raise``, ``raise exc``) is not a new raise.
+A source scan (AST) over ``kvactors/`` and the LMCache adapter ``adapters/kvactors_lmcache/``
+(the public fakes in ``kvactors/testing`` imitate vendor errors and are excluded): every
+``raise Name(...)`` names a class of ``kvactors.errors``, or a factory annotated to return one
+(``def refuse(...) -> OperandTypeError``, which mypy holds to it); ``AssertionError`` marks an
+invariant (``unreachable``), ``SystemExit`` a ``__main__`` exit. Re-raising a caught or stored
+exception (``raise``, ``raise exc``) is not a new raise. The adapter's errors keep their
+builtin bases, so LMCache callers catching ``ValueError``/``TypeError``/``NotImplementedError``
+still catch them.
 """
 
 from __future__ import annotations
@@ -30,13 +34,36 @@ def _raised_names(source: str) -> list[tuple[int, str]]:
     return out
 
 
-def test_every_raise_in_kvactors_names_a_kvactors_error() -> None:
+def _error_factories(source: str) -> set[str]:
+    """Functions annotated to return a kvactors error (``-> OperandTypeError``)."""
+    out = set()
+    for node in ast.walk(ast.parse(source)):
+        if isinstance(node, ast.FunctionDef) and node.returns is not None:
+            ret = node.returns
+            name = ret.id if isinstance(ret, ast.Name) else getattr(ret, "attr", "?")
+            if name in ALLOWED:
+                out.add(node.name)
+    return out
+
+
+def _bare_raises(source: str) -> list[tuple[int, str]]:
+    allowed = ALLOWED | _error_factories(source)
+    return [(ln, n) for ln, n in _raised_names(source)
+            if n not in allowed and not n.startswith("_")]
+
+
+SCANNED = [
+    *(p for p in sorted((ROOT / "kvactors").rglob("*.py"))
+      if "testing" not in p.relative_to(ROOT / "kvactors").parts),
+    *sorted((ROOT / "adapters" / "kvactors_lmcache").rglob("*.py")),
+]
+
+
+def test_every_raise_in_kvactors_and_the_adapter_names_a_kvactors_error() -> None:
+    assert any(p.parent.name == "kvactors_lmcache" for p in SCANNED)
     bad = {}
-    for path in sorted((ROOT / "kvactors").rglob("*.py")):
-        if "testing" in path.relative_to(ROOT / "kvactors").parts:
-            continue
-        hits = [(ln, n) for ln, n in _raised_names(path.read_text())
-                if n not in ALLOWED and not n.startswith("_")]
+    for path in SCANNED:
+        hits = _bare_raises(path.read_text())
         if hits:
             bad[str(path.relative_to(ROOT))] = hits
     assert not bad, f"raise a kvactors.errors class instead: {bad}"
@@ -46,6 +73,42 @@ def test_the_scan_sees_a_bare_builtin_raise() -> None:
     src = ("def f(x):\n    if x:\n        raise ValueError('no')\n"
            "    raise errors.InvalidSettingError('no', setting='x')\n")
     assert sorted(_raised_names(src)) == [(3, "ValueError"), (4, "InvalidSettingError")]
+    assert _bare_raises(src) == [(3, "ValueError")]
+
+
+def test_the_scan_accepts_a_factory_only_when_it_returns_a_kvactors_error() -> None:
+    src = ("def refuse(p: int) -> OperandTypeError:\n    return OperandTypeError('no')\n"
+           "def other(p: int) -> ValueError:\n    return ValueError('no')\n"
+           "def f(p):\n    raise refuse(p)\n\ndef g(p):\n    raise other(p)\n")
+    assert _bare_raises(src) == [(9, "other")]
+
+
+@pytest.mark.parametrize(
+    ("make", "builtin"),
+    [
+        ("stream_ptr", TypeError),
+        ("alignments", ValueError),
+        ("host_pointer", ValueError),
+        ("ops_class", ValueError),
+    ],
+)
+def test_the_adapter_s_errors_keep_their_builtin_compatibility(make: str, builtin: type) -> None:
+    pytest.importorskip("lmcache")
+    from kvactors_lmcache import ops
+
+    calls = {
+        "stream_ptr": lambda: ops.KvactorsDeviceOps.record_completion_on_stream(
+            object.__new__(ops.KvactorsDeviceOps), "0", "k", b""  # type: ignore[arg-type]
+        ),
+        "alignments": lambda: ops.KvactorsDeviceOps.lmcache_memcpy_async(
+            object.__new__(ops.KvactorsDeviceOps), 1, 2, 8, 0, 0, 3
+        ),
+        "host_pointer": lambda: ops._host_bytes(0, 8),
+        "ops_class": lambda: ops.ops_class_for("tpu"),
+    }
+    with pytest.raises(builtin) as info:
+        calls[make]()
+    assert isinstance(info.value, errors.KvactorsError)
 
 
 @pytest.mark.parametrize("name", errors.__all__)

@@ -26,6 +26,7 @@ MODULES = [
     "kvactors.actors.group",
     "kvactors.devices.base",
     "kvactors.devices.cpu",
+    "kvactors.devices.cpu.backend",
     "kvactors.testing",
     "kvactors.devices.manual",
 ]

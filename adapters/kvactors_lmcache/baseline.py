@@ -58,13 +58,15 @@ def _vendor_ops_transfer(
 
     from lmcache import lmcache_native as native
 
+    from kvactors.errors import MissingDependencyError
+
     try:
         ops = getattr(importlib.import_module(module), cls)()
     except (ImportError, AttributeError) as exc:
         import lmcache
 
-        raise ImportError(
-            f"lmcache {getattr(lmcache, '__version__', '?')} has no {cls}"
+        raise MissingDependencyError(
+            f"lmcache {getattr(lmcache, '__version__', '?')} has no {cls}", package="lmcache"
         ) from exc
     shape = request.shape
     sd = native.PageBufferShapeDesc()

@@ -39,7 +39,13 @@ from typing import TYPE_CHECKING, Any, ClassVar, Literal
 import torch
 from lmcache.v1.platform.base.device_ops import DeviceOps
 
-from kvactors.errors import OperandTypeError, UnsupportedOperationError
+from kvactors.errors import (
+    InvalidPointerError,
+    InvalidSettingError,
+    OperandTypeError,
+    TransferValidationError,
+    UnsupportedOperationError,
+)
 from kvactors_lmcache import convert
 
 if TYPE_CHECKING:
@@ -140,7 +146,7 @@ def mlu_layout_source() -> Literal["resolved"] | None:
     NHD: ``"resolved"``. LMCache 0.5.6 passes the legacy answer through, so format 1 stays
     ambiguous and is refused until the worker declares it (``None``).
     """
-    from kvactors.devices.mlu_layouts import LAYOUT_SOURCE_ENV
+    from kvactors.devices.mlu.layouts import LAYOUT_SOURCE_ENV
 
     if os.environ.get(LAYOUT_SOURCE_ENV, "").strip():
         return None
@@ -290,7 +296,9 @@ class KvactorsDeviceOps(DeviceOps):
         Handle 0 is the device's default stream (and the only stream on CPU).
         """
         if not isinstance(stream_ptr, int) or isinstance(stream_ptr, bool):
-            raise TypeError(f"stream_ptr must be an int, got {stream_ptr!r}")
+            raise OperandTypeError(
+                f"stream_ptr must be an int, got {stream_ptr!r}", field="stream_ptr"
+            )
         self._home_runtime().record_completion(stream_ptr, str(kind), bytes(payload))
 
     def drain_recorded_completions(self) -> list[tuple[str, bytes]]:
@@ -313,7 +321,9 @@ class KvactorsDeviceOps(DeviceOps):
         the call time (LMCache's torch baseline stamps at call time too).
         """
         if not isinstance(stream_ptr, int) or isinstance(stream_ptr, bool):
-            raise TypeError(f"stream_ptr must be an int, got {stream_ptr!r}")
+            raise OperandTypeError(
+                f"stream_ptr must be an int, got {stream_ptr!r}", field="stream_ptr"
+            )
         from kvactors.protocols.stream import EventRecord
 
         record = EventRecord(
@@ -363,9 +373,13 @@ class KvactorsDeviceOps(DeviceOps):
         measured from ``host_buffer_offset``. Enqueued on the current stream.
         """
         if host_buffer_alignments <= 0 or host_buffer_alignments & (host_buffer_alignments - 1):
-            raise ValueError("host_buffer_alignments must be a power of two")
+            raise TransferValidationError(
+                "host_buffer_alignments must be a power of two", field="host_buffer_alignments"
+            )
         if isinstance(nbytes, bool) or not isinstance(nbytes, int) or nbytes < 0:
-            raise ValueError(f"nbytes must be a non-negative int, got {nbytes!r}")
+            raise TransferValidationError(
+                f"nbytes must be a non-negative int, got {nbytes!r}", field="nbytes"
+            )
         d = int(convert.direction_of(direction))
         if isinstance(dest, torch.Tensor) and isinstance(src, torch.Tensor):
             device_side = dest if d == 0 else src
@@ -374,7 +388,9 @@ class KvactorsDeviceOps(DeviceOps):
             self._copy_bytes(rt, _byte_view(dest)[:nbytes], _byte_view(src)[:nbytes])
             return
         if not all(isinstance(p, int) and not isinstance(p, bool) for p in (dest, src)):
-            raise TypeError("lmcache_memcpy_async: dest and src must both be tensors or ints")
+            raise OperandTypeError(
+                "lmcache_memcpy_async: dest and src must both be tensors or ints", field="dest"
+            )
         if nbytes == 0:
             return
         host, dev_ptr = (src, dest) if d == 0 else (dest, src)
@@ -400,13 +416,13 @@ class KvactorsDeviceOps(DeviceOps):
 
 def _byte_view(t: torch.Tensor) -> torch.Tensor:
     if not t.is_contiguous():
-        raise ValueError("lmcache_memcpy_async needs contiguous tensors")
+        raise TransferValidationError("lmcache_memcpy_async needs contiguous tensors", field="dest")
     return t.reshape(-1).view(torch.uint8)
 
 
 def _host_bytes(ptr: int, nbytes: int) -> torch.Tensor:
     if ptr <= 0:
-        raise ValueError("host pointer must be a positive integer")
+        raise InvalidPointerError("host pointer must be a positive integer", field="host pointer")
     buf = (ctypes.c_uint8 * nbytes).from_address(ptr)
     return torch.frombuffer(buf, dtype=torch.uint8)
 
@@ -597,4 +613,6 @@ def ops_class_for(backend: str) -> type[KvactorsDeviceOps]:
     try:
         return _OPS_BY_BACKEND[backend]
     except KeyError:
-        raise ValueError(f"no kvactors LMCache ops for backend {backend!r}") from None
+        raise InvalidSettingError(
+            f"no kvactors LMCache ops for backend {backend!r}", setting="backend"
+        ) from None

@@ -170,8 +170,11 @@ class KvactorsSpecBase(DeviceSpec):
             handle = getattr(stream, attr, None)
             if isinstance(handle, int) and not isinstance(handle, bool):
                 return handle
-        raise RuntimeError(
-            f"{self.backend_name}: stream {stream!r} exposes no integer native handle"
+        from kvactors.errors import DeviceOpError
+
+        raise DeviceOpError(
+            f"stream {stream!r} exposes no integer native handle",
+            device=str(self.backend_name), op="get_stream_handle",
         )
 
 
@@ -280,10 +283,13 @@ class KvactorsMusaSpec(KvactorsSpecBase):
     def create_cache_context(self, *args: Any, **kwargs: Any) -> BaseCacheContext:
         """Server-side cache context for the handle path (arguments forwarded verbatim)."""
         if not self.is_lmcache_driven_available():
-            raise NotImplementedError(
-                "kvactors_musa: the LMCache-driven (handle) path is disabled; set "
+            from kvactors.errors import UnsupportedOperationError
+
+            raise UnsupportedOperationError(
+                "the LMCache-driven (handle) path is disabled; set "
                 f"{MUSA_HANDLE_ENV}=1 with TorchMUSA memory and event IPC, or use the "
-                "engine_driven MP transfer mode"
+                "engine_driven MP transfer mode",
+                backend=PLUGIN_MUSA,
             )
         from kvactors_lmcache.handle import create_musa_cache_context
 

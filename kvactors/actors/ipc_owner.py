@@ -27,7 +27,7 @@ import itertools
 from typing import TYPE_CHECKING, Any
 
 from kvactors.actors.actor import DEFERRED, Actor, Envelope, unreachable
-from kvactors.errors import IPCError, ProtocolError
+from kvactors.errors import IPCError, ProtocolError, translate
 from kvactors.protocols.ipc import CloseContext, ContextClosed, IPCRequest, Opened, OpenHandle
 from kvactors.protocols.stream import Sync
 
@@ -127,9 +127,11 @@ class IPCOwnerActor(Actor[IPCRequest]):
             later = self._closing.pop(ctx, [])
             for done in (settle, *later):
                 if errors:
-                    exc = IPCError(f"context {ctx} closed with errors: {errors!r}")
-                    exc.__cause__ = errors[0]
-                    done(exc, None)
+                    # The first failure, as the vocabulary maps it: a kvactors error (a
+                    # stream's failed barrier, a live view) as it is; a foreign one (a vendor
+                    # close) becomes an IPCError naming the context and every failure.
+                    done(translate(errors[0], lambda _m: IPCError(
+                        f"context {ctx} closed with errors: {errors!r}")), None)
                 else:
                     done(None, ContextClosed(context_id=ctx, owners_closed=closed))
 

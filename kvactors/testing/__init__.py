@@ -47,9 +47,8 @@ from typing import TYPE_CHECKING, Any
 
 from kvactors.testing._counters import OpCounter, OpCounts
 from kvactors.testing._device import FakeDevice, FakeDeviceError
-from kvactors.testing._events import FakeEvent
 from kvactors.testing._ipc import FakeMUSAIPCTensor, MUSAIPCTensorHandle
-from kvactors.testing._streams import FakeStream
+from kvactors.testing._streams import FakeEvent, FakeStream
 from kvactors.testing._tensor import FakeDeviceTensor
 from kvactors.testing.vendor import FakeKnobs, FakeVendor
 

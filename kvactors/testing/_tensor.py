@@ -36,7 +36,7 @@ from kvactors.testing._device import FakeDevice, parse_fake_device
 if TYPE_CHECKING:
     from collections.abc import Callable
 
-    from kvactors.testing.vendor import FakeVendor
+    from kvactors.testing._owner import Owner
 
 __all__ = ("FakeDeviceTensor", "move_to", "parse_to", "plain", "wrap")
 
@@ -57,7 +57,7 @@ _HOST_READS = frozenset({
 class FakeDeviceTensor(torch.Tensor):
     """A tensor on a fake accelerator (CPU memory; device work runs on fake streams)."""
 
-    _fake_vendor: FakeVendor
+    _fake_vendor: Owner
     _fake_index: int
 
     @property  # type: ignore[override]
@@ -92,7 +92,7 @@ class FakeDeviceTensor(torch.Tensor):
         return _dispatch(func, args, kwargs or {})
 
 
-def wrap(t: torch.Tensor, vendor: FakeVendor, index: int) -> FakeDeviceTensor:
+def wrap(t: torch.Tensor, vendor: Owner, index: int) -> FakeDeviceTensor:
     """View ``t`` (a CPU tensor) as a tensor on fake device ``index`` of ``vendor``."""
     with _NoTF():
         out = torch.Tensor._make_subclass(FakeDeviceTensor, t)
@@ -179,7 +179,7 @@ def parse_to(
 
 def move_to(
     src: torch.Tensor,
-    vendor: FakeVendor,
+    vendor: Owner,
     index: int,
     dtype: torch.dtype | None,
     non_blocking: bool,
@@ -207,7 +207,7 @@ def move_to(
     return dev
 
 
-def _wrap_all(out: Any, vendor: FakeVendor, index: int) -> Any:
+def _wrap_all(out: Any, vendor: Owner, index: int) -> Any:
     def w(x: Any) -> Any:
         if isinstance(x, torch.Tensor) and not isinstance(x, FakeDeviceTensor):
             return wrap(x, vendor, index)
@@ -228,7 +228,7 @@ def _unwrap(tree: Any, *, snapshot_host: bool, keep: tuple[object, ...] = ()) ->
     return pytree.tree_map(u, tree)
 
 
-def _count_uploads(vendor: FakeVendor, tree: Any, keep: tuple[object, ...]) -> None:
+def _count_uploads(vendor: Owner, tree: Any, keep: tuple[object, ...]) -> None:
     """Count host tensors handed to a device kernel as implicit synchronous uploads."""
     for x in pytree.tree_flatten(tree)[0]:
         if (
@@ -251,7 +251,7 @@ def _targets_cpu(args: tuple[Any, ...], kwargs: dict[str, Any]) -> bool:
 
 
 def _host_read(
-    func: Callable[..., Any], args: Any, kwargs: Any, vendor: FakeVendor, index: int
+    func: Callable[..., Any], args: Any, kwargs: Any, vendor: Owner, index: int
 ) -> Any:
     vendor.current_stream(index).synchronize()
     pa, pk = _unwrap((args, kwargs), snapshot_host=False)
@@ -259,7 +259,7 @@ def _host_read(
         return func(*pa, **pk)
 
 
-def _copy(args: tuple[Any, ...], kwargs: dict[str, Any], vendor: FakeVendor, index: int) -> Any:
+def _copy(args: tuple[Any, ...], kwargs: dict[str, Any], vendor: Owner, index: int) -> Any:
     dst, src = args[0], args[1]
     non_blocking = bool(args[2] if len(args) > 2 else kwargs.get("non_blocking", False))
     src_dev, dst_dev = isinstance(src, FakeDeviceTensor), isinstance(dst, FakeDeviceTensor)
@@ -297,7 +297,7 @@ def _copy(args: tuple[Any, ...], kwargs: dict[str, Any], vendor: FakeVendor, ind
 
 
 def _enqueue_mutation(
-    func: Callable[..., Any], args: Any, kwargs: Any, vendor: FakeVendor, index: int
+    func: Callable[..., Any], args: Any, kwargs: Any, vendor: Owner, index: int
 ) -> Any:
     target = kwargs["out"] if kwargs.get("out") is not None else args[0]
     keep = tuple(pytree.tree_flatten(target)[0])
@@ -320,7 +320,7 @@ def _to_meta(x: Any) -> Any:
 
 
 def _compute(
-    func: Callable[..., Any], args: Any, kwargs: Any, vendor: FakeVendor, index: int
+    func: Callable[..., Any], args: Any, kwargs: Any, vendor: Owner, index: int
 ) -> Any:
     margs, mkwargs = pytree.tree_map(_to_meta, (args, kwargs))
     try:

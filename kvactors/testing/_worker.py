@@ -53,7 +53,7 @@ class StreamWorker:
 
     def __init__(self, name: str, *, seed: int, delay: float, jitter: float) -> None:
         self.name = name
-        self._queue: collections.deque[tuple[_Kind, Callable[[], None] | Marker]] = (
+        self._queue: collections.deque[tuple[_Kind, Callable[[], object] | Marker]] = (
             collections.deque()
         )
         self._cv = threading.Condition()
@@ -72,7 +72,7 @@ class StreamWorker:
         """The worker thread (exposed so tests can check it is gone after exit)."""
         return self._thread
 
-    def submit(self, fn: Callable[[], None]) -> None:
+    def submit(self, fn: Callable[[], object]) -> None:
         """Enqueue device work; returns immediately."""
         self._put("work", fn)
 
@@ -84,7 +84,7 @@ class StreamWorker:
         """Enqueue a wait: later work runs only after ``marker`` (of any stream) completed."""
         self._put("barrier", marker)
 
-    def _put(self, kind: _Kind, item: Callable[[], None] | Marker) -> None:
+    def _put(self, kind: _Kind, item: Callable[[], object] | Marker) -> None:
         with self._cv:
             if self._stopping:
                 raise FakeDeviceError(f"{self.name}: stream used after the fake was removed")

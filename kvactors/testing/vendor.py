@@ -23,9 +23,14 @@ import torch
 
 from kvactors.testing._counters import OpCounter, OpCounts, OpTally
 from kvactors.testing._device import FakeDevice, FakeDeviceError, parse_fake_device
-from kvactors.testing._events import FakeEvent
 from kvactors.testing._memory import FakeMemory
-from kvactors.testing._streams import FakeExternalStream, FakeStream, FakeStreamContext
+from kvactors.testing._streams import (
+    FakeEvent,
+    FakeExternalStream,
+    FakeStream,
+    FakeStreamContext,
+    StreamOwner,
+)
 from kvactors.testing._tensor import FakeDeviceTensor, plain, wrap
 from kvactors.testing._worker import StreamWorker
 
@@ -132,7 +137,8 @@ class FakeVendor:
         self._closed = False
         self._initialized = False
         self.torch_devices = False  # set by the installation (claim_device_name)
-        attrs: dict[str, Any] = {"_vendor": self, "__module__": f"torch_{kind}"}
+        owner: StreamOwner = self  # the type checker proves the vendor is what they use
+        attrs: dict[str, Any] = {"_vendor": owner, "__module__": f"torch_{kind}"}
         handle = property(lambda s: s.handle)
         self.Stream: type[FakeStream] = type(
             "Stream", (FakeStream,), {**attrs, f"{kind}_stream": handle}

@@ -12,6 +12,7 @@ from __future__ import annotations
 import asyncio
 import gc
 import weakref
+from typing import TYPE_CHECKING
 
 import pytest
 import torch
@@ -32,6 +33,9 @@ from kvactors.protocols.stream import (
     Sync,
     Synced,
 )
+
+if TYPE_CHECKING:
+    from kvactors.devices.base import IPCHandle, IPCOwner
 
 
 def _directory(backend: ManualBackend) -> StreamDirectory:
@@ -175,6 +179,42 @@ async def test_ipc_close_reports_live_view_and_still_forgets_context() -> None:
         with pytest.raises(IPCError, match="live views"):
             await ipc.ask(CloseContext(context_id=2))
         del view
+    finally:
+        await ipc.stop()
+        await streams.stop(timeout=5.0)
+        shared.close()
+
+
+class _UnmapFails(ManualBackend):
+    """A backend whose IPC owners release their mapping, then report a foreign OS error."""
+
+    def ipc_open(self, handle: IPCHandle) -> IPCOwner:
+        inner = super().ipc_open(handle)
+
+        class Owner:
+            tensor = property(lambda _self: inner.tensor)
+            closed = property(lambda _self: inner.closed)
+
+            def close(self) -> None:
+                inner.close()
+                raise OSError("munmap failed")
+
+        return Owner()
+
+
+async def test_ipc_close_translates_a_foreign_close_error_naming_the_context() -> None:
+    backend = _UnmapFails(auto=True)
+    streams = _directory(backend)
+    ipc = IPCOwnerActor("ipc", backend=backend, streams=streams, capacity=16)
+    ipc.start()
+    shared = backend.alloc_shared((4,), torch.float32)
+    try:
+        assert shared.tensor is not None
+        await ipc.ask(OpenHandle(context_id=7, handle=backend.ipc_export(shared.tensor)))
+        with pytest.raises(IPCError, match="context 7 closed with errors") as info:
+            await ipc.ask(CloseContext(context_id=7))
+        assert isinstance(info.value.__cause__, OSError)
+        assert ipc.open_owners == 0  # forgotten all the same
     finally:
         await ipc.stop()
         await streams.stop(timeout=5.0)

@@ -61,7 +61,7 @@ def test_mlu_plugin_legacy_nhd_answer(
 ) -> None:
     import lmcache.lmcache_native as native
 
-    from kvactors.devices.mlu_layouts import LAYOUT_SOURCE_ENV
+    from kvactors.devices.mlu.layouts import LAYOUT_SOURCE_ENV
     from kvactors.runtime import Runtime
     from kvactors_lmcache.ops import KvactorsMluOps
 
@@ -98,7 +98,7 @@ def test_mlu_plugin_default_layout_source_follows_the_installed_lmcache(
     import lmcache.lmcache_native as native
 
     import kvactors.runtime as kruntime
-    from kvactors.devices.mlu_layouts import LAYOUT_SOURCE_ENV
+    from kvactors.devices.mlu.layouts import LAYOUT_SOURCE_ENV
     from kvactors_lmcache.ops import KvactorsMluOps
 
     monkeypatch.delenv(LAYOUT_SOURCE_ENV, raising=False)

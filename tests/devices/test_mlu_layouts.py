@@ -15,7 +15,7 @@ import pytest
 import torch
 
 from kvactors.devices.mlu import MluBackend
-from kvactors.devices.mlu_layouts import LAYOUT_SOURCE_ENV, layout_source_from_env
+from kvactors.devices.mlu.layouts import LAYOUT_SOURCE_ENV, layout_source_from_env
 from kvactors.errors import OperandTypeError, TransferValidationError
 from kvactors.layouts import KVFormat, ShapeDesc
 from kvactors.plans import TransferRequest

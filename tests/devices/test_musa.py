@@ -10,7 +10,7 @@ import torch
 
 from kvactors.devices.base import IPCHandle
 from kvactors.devices.musa import MusaBackend
-from kvactors.devices.musa_contract import (
+from kvactors.devices.musa.contract import (
     check_format,
     check_pointer_tensor,
     exact_dtype,

@@ -16,8 +16,8 @@ from typing import TYPE_CHECKING, final
 
 import torch
 
-from kvactors.devices import cpu_shm
 from kvactors.devices.base import Backend, IPCHandle, IPCOwner, Probe
+from kvactors.devices.cpu import shm
 from kvactors.errors import InvalidPointerError
 from kvactors.pointers import check_view_request
 
@@ -159,15 +159,15 @@ class CpuBackend(Backend):
 
     def ipc_export(self, t: torch.Tensor) -> IPCHandle:
         """Export a tensor allocated with :meth:`alloc_shared`."""
-        return cpu_shm.export_shared(t)
+        return shm.export_shared(t)
 
     def ipc_open(self, handle: IPCHandle) -> IPCOwner:
         """Attach to an exported segment."""
-        return cpu_shm.open_shared(handle)
+        return shm.open_shared(handle)
 
-    def alloc_shared(self, shape: Sequence[int], dtype: torch.dtype) -> cpu_shm.SharedTensor:
+    def alloc_shared(self, shape: Sequence[int], dtype: torch.dtype) -> shm.SharedTensor:
         """Allocate an exportable CPU tensor in shared memory."""
-        return cpu_shm.alloc_shared(shape, dtype)
+        return shm.alloc_shared(shape, dtype)
 
     def pin(self, t: torch.Tensor) -> torch.Tensor:
         """CPU-only torch cannot pin; the tensor stays pageable."""

@@ -17,7 +17,7 @@ that used its views has been synchronized.
 Transfers. :meth:`MusaBackend.prepare_transfer` refuses, before anything is touched, every
 format LMCache's MUSA MP path refuses (only NHD ``NL_X_TWO_NB_BS_NH_HS`` (1), MLA
 ``NL_X_NB_BS_HS`` (3) and SGLang K/V lists ``TWO_X_NL_X_NB_BS_NH_HS`` (9) are validated;
-:mod:`kvactors.devices.musa_contract`). :meth:`MusaBackend.transfer_kernel` is the two-level
+:mod:`kvactors.devices.musa.contract`). :meth:`MusaBackend.transfer_kernel` is the two-level
 fallback: an optional native transfer (:mod:`kvactors.devices.native`; opt-in
 ``LMCACHE_MUSA_NATIVE_KV_TRANSFER=1``) for eligible plans may decline, then kvactors' torch
 kernel runs.
@@ -36,7 +36,7 @@ from kvactors.devices._ptrview import StorageConstructor, view_from_pointer
 from kvactors.devices._torchlike import TorchLikeBackend
 from kvactors.devices._vendor import device_errors
 from kvactors.devices.base import IPCHandle, Probe
-from kvactors.devices.musa_contract import (
+from kvactors.devices.musa.contract import (
     MUSA_NATIVE_FORMATS,
     NATIVE_TRANSFER_ENV,
     MusaCapabilities,
@@ -218,7 +218,7 @@ class MusaBackend(TorchLikeBackend):
         )
 
     def _ipc_module(self) -> Any:
-        from kvactors.devices.musa_contract import memory_ipc_problem
+        from kvactors.devices.musa.contract import memory_ipc_problem
 
         problem = memory_ipc_problem(self.module)
         if problem:

@@ -12,7 +12,7 @@ before the device filled it, device-apis.md 6.1). MLU addresses are never treate
 pointers: raw-pointer views, LMCache-driven IPC and arbitrary host-memory registration raise
 :class:`~kvactors.errors.UnsupportedOperationError`.
 
-Transfers. :meth:`MluBackend.prepare_transfer` applies :mod:`kvactors.devices.mlu_layouts`
+Transfers. :meth:`MluBackend.prepare_transfer` applies :mod:`kvactors.devices.mlu.layouts`
 before planning: vLLM-MLU's ``[cache, scale, index]`` layer entries are unwrapped, ``(1, NB,
 1, BS, HS)`` MLA caches squeezed, and format 1 (NHD), which cannot be told apart from
 vLLM-MLU's HND memory under a legacy "NHD" answer, is refused unless the layout source was
@@ -31,7 +31,7 @@ import torch
 
 from kvactors.devices._torchlike import TorchLikeBackend
 from kvactors.devices.base import IPCHandle, IPCOwner, Probe
-from kvactors.devices.mlu_layouts import (
+from kvactors.devices.mlu.layouts import (
     LayoutSource,
     layout_source_from_env,
     normalize_mlu_transfer,
@@ -189,7 +189,7 @@ class MluBackend(TorchLikeBackend):
     def prepare_transfer(
         self, request: TransferRequest, paged: Any, objects: Sequence[torch.Tensor]
     ) -> tuple[TransferRequest, Any, Sequence[torch.Tensor]]:
-        """vLLM-MLU layouts (see :mod:`kvactors.devices.mlu_layouts`); metadata and views only.
+        """vLLM-MLU layouts (see :mod:`kvactors.devices.mlu.layouts`); metadata and views only.
 
         Raises:
             TransferValidationError: a format MLU does not take, an undeclared format 1, or a

@@ -1,0 +1,80 @@
+"""What the fake's tensors, streams and events use of the vendor that owns them.
+
+Theory of operation. :class:`~kvactors.testing.vendor.FakeVendor` builds and owns the
+streams, events and device tensors, and they call back into it (the current stream of a
+device, the memory bookkeeping, the operation tally). Typing that back edge with the
+``FakeVendor`` class itself would make the lower modules import the vendor (a cycle, even if
+only for the type checker), so they type their owner with :class:`Owner`, a Protocol of just
+what they use, and ``FakeVendor`` satisfies it structurally. This module imports nothing of
+the fake at run time; ``kvactors.testing._streams`` extends :class:`Owner` with the members
+that name its own classes.
+"""
+
+from __future__ import annotations
+
+from typing import TYPE_CHECKING, Protocol
+
+if TYPE_CHECKING:
+    from collections.abc import Callable
+
+    import torch
+
+    from kvactors.testing._counters import OpTally
+    from kvactors.testing._device import FakeDevice
+    from kvactors.testing._memory import FakeMemory
+
+__all__ = ("CopyKnobs", "Owner", "WorkQueue")
+
+
+class CopyKnobs(Protocol):
+    """The knobs that change how a copy runs (fields of ``FakeKnobs``)."""
+
+    @property
+    def strided_d2h_bug(self) -> bool:
+        """Reproduce torch_mlu's async strided/converting device-to-host bug."""
+
+    @property
+    def pageable_async(self) -> bool:
+        """Let ``non_blocking`` copies with unpinned host memory stay asynchronous."""
+
+
+class WorkQueue(Protocol):
+    """What device tensors need of a stream: enqueue work, wait for it."""
+
+    def enqueue(self, fn: Callable[[], object]) -> None:
+        """Run ``fn`` after the work enqueued so far."""
+
+    def synchronize(self) -> None:
+        """Block until the work enqueued so far ran; raise a sticky error."""
+
+
+class Owner(Protocol):
+    """The vendor as its device tensors (and streams and events) see it."""
+
+    @property
+    def kind(self) -> str:
+        """``"mlu"`` or ``"musa"``."""
+
+    @property
+    def knobs(self) -> CopyKnobs:
+        """The behaviour switches."""
+
+    @property
+    def tally(self) -> OpTally:
+        """The device-operation counters."""
+
+    @property
+    def memory(self) -> FakeMemory:
+        """Which host memory is fake device memory, which is pinned."""
+
+    def device_index(self, device: object) -> int:
+        """The ordinal ``device`` names on this vendor."""
+
+    def current_device(self) -> int:
+        """The calling thread's current device."""
+
+    def make_device(self, index: int) -> torch.device | FakeDevice:
+        """The device object of ordinal ``index``."""
+
+    def current_stream(self, device: object = None) -> WorkQueue:
+        """The calling thread's current stream on ``device``."""
