@@ -9,6 +9,7 @@ import pytest
 import torch
 
 from kvactors.devices.cpu import CpuBackend
+from kvactors.devices.cpu.shm import SEGMENT_PREFIX
 from kvactors.errors import BackendUnavailableError, InvalidPointerError, IPCError
 from kvactors.pointers import required_nbytes
 
@@ -100,7 +101,7 @@ def _open_fds() -> set[str]:
 
 
 def _shm_names() -> set[str]:
-    return {n for n in os.listdir("/dev/shm") if n.startswith("psm_")}
+    return {n for n in os.listdir("/dev/shm") if n.startswith(SEGMENT_PREFIX)}
 
 
 def test_cross_process_export_write_close_leaves_nothing(cpu: CpuBackend) -> None:

@@ -16,6 +16,7 @@ import ctypes
 import mmap
 import os
 import re
+import secrets
 import threading
 from multiprocessing import shared_memory
 from typing import TYPE_CHECKING
@@ -29,9 +30,19 @@ from kvactors.pointers import check_view_request
 if TYPE_CHECKING:
     from collections.abc import Sequence
 
-__all__ = ("SharedTensor", "ShmOwner", "alloc_shared", "export_shared", "open_shared")
+__all__ = (
+    "SEGMENT_PREFIX",
+    "SharedTensor",
+    "ShmOwner",
+    "alloc_shared",
+    "export_shared",
+    "open_shared",
+)
 
 _SEGMENT_NAME = re.compile(r"[A-Za-z0-9_.-]{1,200}")
+
+SEGMENT_PREFIX = "kvactors_"
+"""Prefix of the shared-memory segments kvactors creates (``/dev/shm/kvactors_<pid>_<hex>``)."""
 _registry_lock = threading.Lock()
 _exported: dict[int, SharedTensor] = {}
 
@@ -64,7 +75,10 @@ class SharedTensor:
         for n in shape:
             numel *= n
         used = numel * torch.empty((), dtype=dtype).element_size()
-        self._shm = shared_memory.SharedMemory(create=True, size=max(used, 1))
+        # A kvactors prefix (with the pid) names the segment's owner in /dev/shm for operators
+        # and leak checks; the random part keeps names unique.
+        name = f"{SEGMENT_PREFIX}{os.getpid()}_{secrets.token_hex(6)}"
+        self._shm = shared_memory.SharedMemory(name=name, create=True, size=max(used, 1))
         assert self._shm.buf is not None
         flat = _pinned_view(self._shm.buf, self._shm.size)
         self.tensor: torch.Tensor | None = flat[:used].view(dtype).view(*shape)
