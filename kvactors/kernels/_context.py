@@ -25,6 +25,7 @@ from kvactors.kernels._views import canonical_unit, object_view, raw, stacked_vi
 if TYPE_CHECKING:
     import numpy as np
 
+    from kvactors.kernels.fast import ScratchCache
     from kvactors.plans import Segment, TransferPlan
 
 __all__ = ("KernelContext",)
@@ -44,6 +45,7 @@ class KernelContext:
         "_units",
         "bpo",
         "device",
+        "indices",
         "nl",
         "plan",
         "planes",
@@ -60,6 +62,8 @@ class KernelContext:
         self._given = units
         self._units: list[torch.Tensor] | None = None
         self._memo: dict[Any, Any] = {} if memo is None else memo
+        #: The stream's cache of device index tensors (set by the staged path), or None.
+        self.indices: ScratchCache | None = None
         first = raw(units[0])
         self.device = first.device
         shape = plan.request.shape
@@ -128,14 +132,15 @@ class KernelContext:
 
     def ids(self, seg: Segment, device: torch.device | None = None) -> torch.Tensor:
         """The segment's block ids as an int64 tensor on ``device`` (default: the paged
-        device); memoised."""
+        device); memoised (on an accelerator in :attr:`indices`, by content, when set)."""
         dev = self.device if device is None else device
+        block_ids = self.plan.request.block_ids[seg.start : seg.stop]
+        if self.indices is not None and dev.type != "cpu":
+            return self.indices.index(dev, ("ids", block_ids), lambda: list(block_ids))
         key = ("ids", seg.start, seg.stop, str(dev))
         t = self._memo.get(key)
         if t is None:
-            t = torch.tensor(
-                self.plan.request.block_ids[seg.start : seg.stop], dtype=torch.int64, device=dev
-            )
+            t = torch.tensor(block_ids, dtype=torch.int64, device=dev)
             self._memo[key] = t
         return t
 
@@ -143,11 +148,17 @@ class KernelContext:
         """Row numbers ``[P*NL, n]`` of the segment's blocks in :attr:`rows`, plane-major;
         memoised."""
         dev = self.device if device is None else device
+        g = self.plan.rows
+        assert g is not None
+        if self.indices is not None and dev.type != "cpu":
+            block_ids = self.plan.request.block_ids[seg.start : seg.stop]
+            key = ("rows", block_ids, g.plane_layer_rows, g.block_rows)
+            return self.indices.index(dev, key, lambda: [
+                r + b * g.block_rows for r in g.plane_layer_rows for b in block_ids
+            ]).view(len(g.plane_layer_rows), len(block_ids))
         key = ("rows", seg.start, seg.stop, str(dev))
         t = self._memo.get(key)
         if t is None:
-            g = self.plan.rows
-            assert g is not None
             ids = self.ids(seg, dev)
             base = torch.tensor(g.plane_layer_rows, dtype=torch.int64, device=dev)
             t = base.view(-1, 1) + ids.view(1, -1) * g.block_rows

@@ -22,6 +22,7 @@ hardware.
 
 from __future__ import annotations
 
+import collections
 import threading
 from typing import TYPE_CHECKING, Any
 
@@ -30,12 +31,13 @@ import torch
 from kvactors.errors import TransferValidationError
 from kvactors.kernels._context import KernelContext
 from kvactors.kernels._moves import gather_segment, numpy_usable, scatter_segment
+from kvactors.kernels._staged import single_kernel, staged_segment
 from kvactors.kernels._views import raw, void_view
 from kvactors.layouts import Direction
 from kvactors.plans import paged_units
 
 if TYPE_CHECKING:
-    from collections.abc import Callable, Sequence
+    from collections.abc import Callable, Hashable, Sequence
 
     from kvactors.plans import Segment, TransferPlan
 
@@ -43,17 +45,24 @@ __all__ = ("ScratchCache", "run_fast")
 
 
 class ScratchCache:
-    """Reusable staging buffers, keyed by device, shape and dtype.
+    """Reusable device buffers of one stream: staging buffers keyed by device, shape and
+    dtype, and index tensors (block ids, row numbers) keyed by their content.
 
     Not thread-safe, and meant for one stream: see the module docstring. ``allocations``
-    counts the buffers ever allocated (``DeviceStatistics.scratch_allocations``: it stays
-    flat on a warm hot path).
+    counts the buffers and index tensors ever allocated (``DeviceStatistics.scratch_allocations``:
+    it stays flat on a warm hot path). At most ``index_capacity`` index tensors are kept
+    (least recently used go first); a repeated request finds its indices on the device and
+    uploads nothing.
     """
 
-    __slots__ = ("_buffers", "allocations")
+    __slots__ = ("_buffers", "_indices", "allocations", "index_capacity")
 
-    def __init__(self) -> None:
+    def __init__(self, index_capacity: int = 256) -> None:
         self._buffers: dict[tuple[str, tuple[int, ...], torch.dtype], torch.Tensor] = {}
+        self._indices: collections.OrderedDict[Hashable, tuple[torch.Tensor, torch.Tensor]] = (
+            collections.OrderedDict()
+        )
+        self.index_capacity = index_capacity
         self.allocations = 0
 
     def get(self, device: torch.device, shape: Sequence[int], dtype: torch.dtype) -> torch.Tensor:
@@ -66,9 +75,41 @@ class ScratchCache:
             self.allocations += 1
         return buf
 
+    def index(
+        self, device: torch.device, key: Hashable, values: Callable[[], list[int]]
+    ) -> torch.Tensor:
+        """The int64 tensor of ``values()`` on ``device``; ``key`` must determine the values.
+
+        Built on first use only: from a pinned host copy with one asynchronous upload on the
+        current stream (the pinned copy is kept with it, so it outlives the upload), or a
+        blocking one where memory cannot be pinned. Later calls read it from the cache.
+        """
+        full = (str(device), key)
+        hit = self._indices.get(full)
+        if hit is not None:
+            self._indices.move_to_end(full)
+            return hit[1]
+        host = torch.tensor(values(), dtype=torch.int64)
+        if device.type == "cpu":
+            dev = host
+        else:
+            try:
+                host = host.pin_memory()
+                pinned = True
+            except RuntimeError:  # no pinned memory here: a blocking upload
+                pinned = False
+            dev = torch.empty(host.shape, dtype=torch.int64, device=device)
+            dev.copy_(host, non_blocking=pinned)
+            self.allocations += 1
+        self._indices[full] = (host, dev)
+        while len(self._indices) > self.index_capacity:
+            self._indices.popitem(last=False)
+        return dev
+
     def clear(self) -> None:
         """Drop every buffer (only once no stream still uses them)."""
         self._buffers.clear()
+        self._indices.clear()
 
     def __len__(self) -> int:
         return len(self._buffers)
@@ -210,6 +251,11 @@ def _run_staged(
     copy: Callable[[torch.Tensor, torch.Tensor], None],
     scratch: ScratchCache,
 ) -> None:
+    ctx.indices = scratch  # device index tensors come from (and stay in) the stream's cache
+    if single_kernel(ctx):
+        for seg in ctx.plan.segments:
+            staged_segment(ctx, seg, objs[seg.obj], copy, scratch)
+        return
     d2h = ctx.plan.direction is Direction.D2H
     for seg in ctx.plan.segments:
         obj = objs[seg.obj]
