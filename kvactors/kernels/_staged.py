@@ -18,7 +18,7 @@ transpose). Other plans (separately allocated layers) take the per-tensor paths 
 :mod:`kvactors.kernels._moves`, one kernel per paged tensor.
 
 The index tensors (block ids, row numbers) live on the device, uploaded once per distinct
-content and kept in the :class:`~kvactors.kernels.fast.ScratchCache` of the stream
+content and kept in the :class:`~kvactors.kernels._context.ScratchCache` of the stream
 (``KernelContext.ids`` / ``row_index`` read it), so a repeated request uploads nothing and
 never waits for the device. The staging buffers come from the same cache. Everything is
 issued in order on the caller's current stream, which is what makes sharing them safe.
@@ -36,8 +36,7 @@ from kvactors.layouts import Direction
 if TYPE_CHECKING:
     from collections.abc import Callable
 
-    from kvactors.kernels._context import KernelContext
-    from kvactors.kernels.fast import ScratchCache
+    from kvactors.kernels._context import KernelContext, ScratchCache
     from kvactors.plans import Segment
 
 __all__ = ("single_kernel", "staged_segment")

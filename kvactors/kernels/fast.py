@@ -22,14 +22,13 @@ hardware.
 
 from __future__ import annotations
 
-import collections
 import threading
 from typing import TYPE_CHECKING, Any
 
 import torch
 
 from kvactors.errors import TransferValidationError
-from kvactors.kernels._context import KernelContext
+from kvactors.kernels._context import KernelContext, ScratchCache
 from kvactors.kernels._moves import gather_segment, numpy_usable, scatter_segment
 from kvactors.kernels._staged import single_kernel, staged_segment
 from kvactors.kernels._views import raw, void_view
@@ -37,82 +36,11 @@ from kvactors.layouts import Direction
 from kvactors.plans import paged_units
 
 if TYPE_CHECKING:
-    from collections.abc import Callable, Hashable, Sequence
+    from collections.abc import Callable, Sequence
 
     from kvactors.plans import Segment, TransferPlan
 
 __all__ = ("ScratchCache", "run_fast")
-
-
-class ScratchCache:
-    """Reusable device buffers of one stream: staging buffers keyed by device, shape and
-    dtype, and index tensors (block ids, row numbers) keyed by their content.
-
-    Not thread-safe, and meant for one stream: see the module docstring. ``allocations``
-    counts the buffers and index tensors ever allocated (``DeviceStatistics.scratch_allocations``:
-    it stays flat on a warm hot path). At most ``index_capacity`` index tensors are kept
-    (least recently used go first); a repeated request finds its indices on the device and
-    uploads nothing.
-    """
-
-    __slots__ = ("_buffers", "_indices", "allocations", "index_capacity")
-
-    def __init__(self, index_capacity: int = 256) -> None:
-        self._buffers: dict[tuple[str, tuple[int, ...], torch.dtype], torch.Tensor] = {}
-        self._indices: collections.OrderedDict[Hashable, tuple[torch.Tensor, torch.Tensor]] = (
-            collections.OrderedDict()
-        )
-        self.index_capacity = index_capacity
-        self.allocations = 0
-
-    def get(self, device: torch.device, shape: Sequence[int], dtype: torch.dtype) -> torch.Tensor:
-        """The buffer for ``(device, shape, dtype)``; allocated on first use only."""
-        key = (str(device), tuple(shape), dtype)
-        buf = self._buffers.get(key)
-        if buf is None:
-            buf = torch.empty(key[1], dtype=dtype, device=device)
-            self._buffers[key] = buf
-            self.allocations += 1
-        return buf
-
-    def index(
-        self, device: torch.device, key: Hashable, values: Callable[[], list[int]]
-    ) -> torch.Tensor:
-        """The int64 tensor of ``values()`` on ``device``; ``key`` must determine the values.
-
-        Built on first use only: from a pinned host copy with one asynchronous upload on the
-        current stream (the pinned copy is kept with it, so it outlives the upload), or a
-        blocking one where memory cannot be pinned. Later calls read it from the cache.
-        """
-        full = (str(device), key)
-        hit = self._indices.get(full)
-        if hit is not None:
-            self._indices.move_to_end(full)
-            return hit[1]
-        host = torch.tensor(values(), dtype=torch.int64)
-        if device.type == "cpu":
-            dev = host
-        else:
-            try:
-                host = host.pin_memory()
-                pinned = True
-            except RuntimeError:  # no pinned memory here: a blocking upload
-                pinned = False
-            dev = torch.empty(host.shape, dtype=torch.int64, device=device)
-            dev.copy_(host, non_blocking=pinned)
-            self.allocations += 1
-        self._indices[full] = (host, dev)
-        while len(self._indices) > self.index_capacity:
-            self._indices.popitem(last=False)
-        return dev
-
-    def clear(self) -> None:
-        """Drop every buffer (only once no stream still uses them)."""
-        self._buffers.clear()
-        self._indices.clear()
-
-    def __len__(self) -> int:
-        return len(self._buffers)
 
 
 _local = threading.local()
