@@ -54,7 +54,7 @@ class ScratchCache:
 
     def __init__(self, index_capacity: int = 256) -> None:
         self._buffers: dict[tuple[str, tuple[int, ...], torch.dtype], torch.Tensor] = {}
-        self._indices: collections.OrderedDict[Hashable, tuple[torch.Tensor, torch.Tensor]] = (
+        self._indices: collections.OrderedDict[tuple[str, Hashable], torch.Tensor] = (
             collections.OrderedDict()
         )
         self.index_capacity = index_capacity
@@ -75,31 +75,46 @@ class ScratchCache:
     ) -> torch.Tensor:
         """The int64 tensor of ``values()`` on ``device``; ``key`` must determine the values.
 
-        Built on first use only: from a pinned host copy with one asynchronous upload on the
-        current stream (the pinned copy is kept with it, so it outlives the upload), or a
-        blocking one where memory cannot be pinned. Later calls read it from the cache.
+        Uploaded on first use only (:meth:`prefetch`); later calls read it from the cache.
         """
         full = (str(device), key)
         hit = self._indices.get(full)
-        if hit is not None:
-            self._indices.move_to_end(full)
-            return hit[1]
-        host = torch.tensor(values(), dtype=torch.int64)
-        if device.type == "cpu":
-            dev = host
+        if hit is None:
+            self.prefetch(device, [(key, values)])
+            hit = self._indices[full]
         else:
-            try:
-                host = host.pin_memory()
-                pinned = True
-            except RuntimeError:  # no pinned memory here: a blocking upload
-                pinned = False
-            dev = torch.empty(host.shape, dtype=torch.int64, device=device)
-            dev.copy_(host, non_blocking=pinned)
+            self._indices.move_to_end(full)
+        return hit
+
+    def prefetch(
+        self, device: torch.device, specs: Sequence[tuple[Hashable, Callable[[], list[int]]]]
+    ) -> None:
+        """Upload every index of ``specs`` (``(key, values)``) not cached yet, in ONE copy.
+
+        The upload is synchronous, and the entries enter the cache only once it returned: an
+        index in the cache is known to be on the device, even when a stream error later skips
+        the work that uses it (a failed upload raises here and caches nothing). Only misses
+        cost anything: one upload (and one host wait) per call with new block ids.
+        """
+        dev_name = str(device)
+        missing: dict[Hashable, list[int]] = {}
+        for key, values in specs:
+            if (dev_name, key) not in self._indices and key not in missing:
+                missing[key] = values()
+        if not missing:
+            return
+        flat = [v for vals in missing.values() for v in vals]
+        # A synchronous upload (torch copies host data to the device before it returns, or
+        # raises); the current stream's error state is not consumed by it.
+        buf = torch.tensor(flat, dtype=torch.int64, device=device)
+        if device.type != "cpu":
             self.allocations += 1
-        self._indices[full] = (host, dev)
+        off = 0
+        for key, vals in missing.items():
+            self._indices[(dev_name, key)] = buf[off : off + len(vals)]
+            off += len(vals)
         while len(self._indices) > self.index_capacity:
             self._indices.popitem(last=False)
-        return dev
 
     def clear(self) -> None:
         """Drop every buffer (only once no stream still uses them)."""
@@ -209,32 +224,43 @@ class KernelContext:
             ]
         return self._unit_views
 
+    def index_spec(
+        self, kind: str, seg: Segment
+    ) -> tuple[Hashable, Callable[[], list[int]]]:
+        """Key and values of the segment's ``"ids"`` (block ids) or ``"rows"`` (row numbers
+        ``[P*NL, n]`` of :attr:`rows`, plane-major, flattened) index, for :attr:`indices`."""
+        block_ids = self.plan.request.block_ids[seg.start : seg.stop]
+        if kind == "ids":
+            return ("ids", block_ids), lambda: list(block_ids)
+        g = self.plan.rows
+        assert g is not None
+        return ("rows", block_ids, g.plane_layer_rows, g.block_rows), lambda: [
+            r + b * g.block_rows for r in g.plane_layer_rows for b in block_ids
+        ]
+
     def ids(self, seg: Segment, device: torch.device | None = None) -> torch.Tensor:
         """The segment's block ids as an int64 tensor on ``device`` (default: the paged
         device); memoised (on an accelerator in :attr:`indices`, by content, when set)."""
         dev = self.device if device is None else device
-        block_ids = self.plan.request.block_ids[seg.start : seg.stop]
         if self.indices is not None and dev.type != "cpu":
-            return self.indices.index(dev, ("ids", block_ids), lambda: list(block_ids))
+            return self.indices.index(dev, *self.index_spec("ids", seg))
         key = ("ids", seg.start, seg.stop, str(dev))
         t = self._memo.get(key)
         if t is None:
+            block_ids = self.plan.request.block_ids[seg.start : seg.stop]
             t = torch.tensor(block_ids, dtype=torch.int64, device=dev)
             self._memo[key] = t
         return t
 
     def row_index(self, seg: Segment, device: torch.device | None = None) -> torch.Tensor:
         """Row numbers ``[P*NL, n]`` of the segment's blocks in :attr:`rows`, plane-major;
-        memoised."""
+        memoised (on an accelerator in :attr:`indices`, by content, when set)."""
         dev = self.device if device is None else device
         g = self.plan.rows
         assert g is not None
         if self.indices is not None and dev.type != "cpu":
-            block_ids = self.plan.request.block_ids[seg.start : seg.stop]
-            return self.indices.index(dev, ("rows", block_ids, g.plane_layer_rows,
-                                           g.block_rows), lambda: [
-                r + b * g.block_rows for r in g.plane_layer_rows for b in block_ids
-            ]).view(len(g.plane_layer_rows), len(block_ids))
+            flat = self.indices.index(dev, *self.index_spec("rows", seg))
+            return flat.view(len(g.plane_layer_rows), seg.count)
         key = ("rows", seg.start, seg.stop, str(dev))
         t = self._memo.get(key)
         if t is None:

@@ -180,6 +180,9 @@ def _run_staged(
     scratch: ScratchCache,
 ) -> None:
     ctx.indices = scratch  # device index tensors come from (and stay in) the stream's cache
+    if not ctx.plan.on_host:  # a new request: every segment's indices in one upload
+        kind = "rows" if ctx.rows is not None else "ids"
+        scratch.prefetch(ctx.device, [ctx.index_spec(kind, seg) for seg in ctx.plan.segments])
     if single_kernel(ctx):
         for seg in ctx.plan.segments:
             staged_segment(ctx, seg, objs[seg.obj], copy, scratch)
