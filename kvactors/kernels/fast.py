@@ -9,11 +9,15 @@ one segment (object) at a time. It has two shapes:
   gather first collects the segment's blocks on the device into a staging buffer laid out like
   the chunk, then moves it with ONE ``copy(host_chunk, staging)`` through the backend's copy
   policy; a scatter does ``copy(staging, host_chunk)`` first and then the device-side block
-  copies. The staging buffer comes from a :class:`ScratchCache` and is reused for every
-  segment and every call: reuse is safe because all the work of one call is issued in order
-  on the caller's current stream, so a later gather into the buffer is ordered after the copy
-  that drains it. That also means one cache must serve one stream: StreamActor keeps one per
-  lane, and the default (``scratch=None``) is one cache per calling thread.
+  copies. Where one view covers every layer that is ONE ``index_select`` / ``index_copy_``
+  per segment (:mod:`kvactors.kernels._staged`); separately allocated layers take one per
+  layer. The staging buffers and the device index tensors come from a :class:`ScratchCache`
+  and are reused for every segment and every call (a call with new block ids uploads its
+  indices once, in one copy): reuse is safe because all the work of one call is issued in
+  order on the caller's current stream, so a later gather into the buffer is ordered after
+  the copy that drains it. That also means one cache must serve one stream: GatherActor
+  keeps one per stream handle, and the default (``scratch=None``) is one cache per calling
+  thread.
 
 On the staged path the copy hook receives same-width integer views of the operands.
 The staged path can be forced on CPU tensors (``staged=True``) so it is tested without

@@ -4,8 +4,11 @@ For each vendor, layout LMCache's backend serves there (MLU: NHD, HND, MLA; MUSA
 K/V lists) and direction, both contenders move the same blocks between the same fake device
 caches and host chunks:
 
-* ``kvactors``: ``Runtime.transfer`` on the caller's current stream (what the
-  ``kvactors_mlu`` / ``kvactors_musa`` LMCache plugin calls);
+* ``kvactors``: ``Runtime.transfer(..., complete=False)`` on the caller's current stream,
+  as the ``kvactors_mlu`` / ``kvactors_musa`` LMCache op calls it (returns once the copies
+  are enqueued; the caller synchronizes before it reads the chunks). Its count runs until a
+  ``fence`` answered, so it holds the runtime's one background completion wait
+  (:data:`BACKGROUND_SYNCS`), which the budget check sets apart;
 * ``lmcache``: LMCache's ``MluDeviceOps`` (lmcache >= 0.5.7) / ``MusaDeviceOps``
   (built in), unmodified, found through the ``kvactors.baselines`` entry points
   ``lmcache_mlu_ops`` / ``lmcache_musa_ops`` (kvactors never imports lmcache).
