@@ -99,7 +99,10 @@ class ScratchCache:
         dev_name = str(device)
         missing: dict[Hashable, list[int]] = {}
         for key, values in specs:
-            if (dev_name, key) not in self._indices and key not in missing:
+            full = (dev_name, key)
+            if full in self._indices:
+                self._indices.move_to_end(full)  # this call's entries are evicted last
+            elif key not in missing:
                 missing[key] = values()
         if not missing:
             return
@@ -113,7 +116,7 @@ class ScratchCache:
         for key, vals in missing.items():
             self._indices[(dev_name, key)] = buf[off : off + len(vals)]
             off += len(vals)
-        while len(self._indices) > self.index_capacity:
+        while len(self._indices) > max(self.index_capacity, len(specs)):
             self._indices.popitem(last=False)
 
     def clear(self) -> None:

@@ -110,3 +110,18 @@ def test_partial_segment_takes_one_kernel_and_its_strided_d2h_blocks() -> None:
         assert c.syncs == 1, c
         for got, want in zip(objs, _expected(host_pool, "NHD", ids, 1), strict=True):
             assert torch.equal(got, want)
+
+
+def test_index_cache_keeps_a_whole_call_and_evicts_least_recently_used() -> None:
+    cpu = torch.device("cpu")
+    cache = ScratchCache(index_capacity=1)
+
+    def never() -> list[int]:
+        raise AssertionError("re-uploaded a cached index")
+
+    cache.prefetch(cpu, [("a", lambda: [1, 2]), ("b", lambda: [3])])  # one call, two indices
+    assert cache.index(cpu, "a", never).tolist() == [1, 2]
+    assert cache.index(cpu, "b", never).tolist() == [3]
+    cache.prefetch(cpu, [("c", lambda: [4])])  # a later call: only the capacity stays
+    assert cache.index(cpu, "c", never).tolist() == [4]
+    assert cache.index(cpu, "a", lambda: [5]).tolist() == [5]  # evicted: built again
