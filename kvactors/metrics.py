@@ -96,7 +96,8 @@ def samples(stats: DeviceStatistics) -> list[Sample]:
         Sample("kvactors_streams_retired_total", "counter", "Idle borrowed-stream actors retired",
                dev, float(stats.streams_retired)),
         Sample("kvactors_scratch_allocations_total", "counter",
-               "Staging buffers allocated for staged transfers (flat in steady state)", dev,
+               "Staging buffers and index tensors allocated for staged transfers "
+               "(flat in steady state)", dev,
                float(stats.scratch_allocations)),
         Sample("kvactors_plans_validated_total", "counter",
                "Transfers validated in full (the rest reused a validated plan)", dev,

@@ -50,7 +50,8 @@ class DeviceStatistics(msgspec.Struct, frozen=True, kw_only=True):
     streams_retired: int = 0
     """Idle borrowed-stream actors stopped and forgotten (bounded threads under churn)."""
     scratch_allocations: int = 0
-    """Staging buffers ever allocated for staged (device) transfers; flat in steady state."""
+    """Staging buffers and device index tensors ever allocated for staged (device) transfers;
+    flat in steady state (a request with new block ids adds one index upload)."""
     plans_validated: int = 0
     """Transfers validated in full (plan cache misses); the rest reused a validated plan."""
     native_transfers: int = 0

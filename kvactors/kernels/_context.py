@@ -11,11 +11,18 @@ when a per-layer path needs them).
 The index tensors (block ids, row numbers) depend on the plan alone, so a caller that reuses
 a plan can pass a *memo* dict kept with it: the tensors are built on the first call and read
 from the memo afterwards (they are never written by a kernel, so sharing them between calls
-and threads is safe).
+and threads is safe). On an accelerator the staged path attaches the stream's
+:class:`ScratchCache` instead (``indices``): there the index tensors are keyed by their
+content, so a repeated request finds them on the device whether or not its plan was reused,
+and nothing is uploaded or synchronised on a warm call.
+
+:class:`ScratchCache` holds one stream's reusable device buffers: the staging buffers and
+those index tensors.
 """
 
 from __future__ import annotations
 
+import collections
 from typing import TYPE_CHECKING, Any
 
 import torch
@@ -23,11 +30,102 @@ import torch
 from kvactors.kernels._views import canonical_unit, object_view, raw, stacked_view, void_view
 
 if TYPE_CHECKING:
+    from collections.abc import Callable, Hashable, Sequence
+
     import numpy as np
 
     from kvactors.plans import Segment, TransferPlan
 
-__all__ = ("KernelContext",)
+__all__ = ("KernelContext", "ScratchCache")
+
+
+class ScratchCache:
+    """Reusable device buffers of one stream: staging buffers keyed by device, shape and
+    dtype, and index tensors (block ids, row numbers) keyed by their content.
+
+    Not thread-safe, and meant for one stream: see the module docstring. ``allocations``
+    counts the buffers and index tensors ever allocated (``DeviceStatistics.scratch_allocations``:
+    it stays flat on a warm hot path). At most ``index_capacity`` index tensors are kept
+    (least recently used go first); a repeated request finds its indices on the device and
+    uploads nothing.
+    """
+
+    __slots__ = ("_buffers", "_indices", "allocations", "index_capacity")
+
+    def __init__(self, index_capacity: int = 256) -> None:
+        self._buffers: dict[tuple[str, tuple[int, ...], torch.dtype], torch.Tensor] = {}
+        self._indices: collections.OrderedDict[tuple[str, Hashable], torch.Tensor] = (
+            collections.OrderedDict()
+        )
+        self.index_capacity = index_capacity
+        self.allocations = 0
+
+    def get(self, device: torch.device, shape: Sequence[int], dtype: torch.dtype) -> torch.Tensor:
+        """The buffer for ``(device, shape, dtype)``; allocated on first use only."""
+        key = (str(device), tuple(shape), dtype)
+        buf = self._buffers.get(key)
+        if buf is None:
+            buf = torch.empty(key[1], dtype=dtype, device=device)
+            self._buffers[key] = buf
+            self.allocations += 1
+        return buf
+
+    def index(
+        self, device: torch.device, key: Hashable, values: Callable[[], list[int]]
+    ) -> torch.Tensor:
+        """The int64 tensor of ``values()`` on ``device``; ``key`` must determine the values.
+
+        Uploaded on first use only (:meth:`prefetch`); later calls read it from the cache.
+        """
+        full = (str(device), key)
+        hit = self._indices.get(full)
+        if hit is None:
+            self.prefetch(device, [(key, values)])
+            hit = self._indices[full]
+        else:
+            self._indices.move_to_end(full)
+        return hit
+
+    def prefetch(
+        self, device: torch.device, specs: Sequence[tuple[Hashable, Callable[[], list[int]]]]
+    ) -> None:
+        """Upload every index of ``specs`` (``(key, values)``) not cached yet, in ONE copy.
+
+        The upload is synchronous, and the entries enter the cache only once it returned: an
+        index in the cache is known to be on the device, even when a stream error later skips
+        the work that uses it (a failed upload raises here and caches nothing). Only misses
+        cost anything: one upload (and one host wait) per call with new block ids.
+        """
+        dev_name = str(device)
+        missing: dict[Hashable, list[int]] = {}
+        for key, values in specs:
+            full = (dev_name, key)
+            if full in self._indices:
+                self._indices.move_to_end(full)  # this call's entries are evicted last
+            elif key not in missing:
+                missing[key] = values()
+        if not missing:
+            return
+        flat = [v for vals in missing.values() for v in vals]
+        # A synchronous upload (torch copies host data to the device before it returns, or
+        # raises); the current stream's error state is not consumed by it.
+        buf = torch.tensor(flat, dtype=torch.int64, device=device)
+        if device.type != "cpu":
+            self.allocations += 1
+        off = 0
+        for key, vals in missing.items():
+            self._indices[(dev_name, key)] = buf[off : off + len(vals)]
+            off += len(vals)
+        while len(self._indices) > max(self.index_capacity, len(specs)):
+            self._indices.popitem(last=False)
+
+    def clear(self) -> None:
+        """Drop every buffer (only once no stream still uses them)."""
+        self._buffers.clear()
+        self._indices.clear()
+
+    def __len__(self) -> int:
+        return len(self._buffers)
 
 
 class KernelContext:
@@ -44,6 +142,7 @@ class KernelContext:
         "_units",
         "bpo",
         "device",
+        "indices",
         "nl",
         "plan",
         "planes",
@@ -60,6 +159,8 @@ class KernelContext:
         self._given = units
         self._units: list[torch.Tensor] | None = None
         self._memo: dict[Any, Any] = {} if memo is None else memo
+        #: The stream's cache of device index tensors (set by the staged path), or None.
+        self.indices: ScratchCache | None = None
         first = raw(units[0])
         self.device = first.device
         shape = plan.request.shape
@@ -126,28 +227,46 @@ class KernelContext:
             ]
         return self._unit_views
 
+    def index_spec(
+        self, kind: str, seg: Segment
+    ) -> tuple[Hashable, Callable[[], list[int]]]:
+        """Key and values of the segment's ``"ids"`` (block ids) or ``"rows"`` (row numbers
+        ``[P*NL, n]`` of :attr:`rows`, plane-major, flattened) index, for :attr:`indices`."""
+        block_ids = self.plan.request.block_ids[seg.start : seg.stop]
+        if kind == "ids":
+            return ("ids", block_ids), lambda: list(block_ids)
+        g = self.plan.rows
+        assert g is not None
+        return ("rows", block_ids, g.plane_layer_rows, g.block_rows), lambda: [
+            r + b * g.block_rows for r in g.plane_layer_rows for b in block_ids
+        ]
+
     def ids(self, seg: Segment, device: torch.device | None = None) -> torch.Tensor:
         """The segment's block ids as an int64 tensor on ``device`` (default: the paged
-        device); memoised."""
+        device); memoised (on an accelerator in :attr:`indices`, by content, when set)."""
         dev = self.device if device is None else device
+        if self.indices is not None and dev.type != "cpu":
+            return self.indices.index(dev, *self.index_spec("ids", seg))
         key = ("ids", seg.start, seg.stop, str(dev))
         t = self._memo.get(key)
         if t is None:
-            t = torch.tensor(
-                self.plan.request.block_ids[seg.start : seg.stop], dtype=torch.int64, device=dev
-            )
+            block_ids = self.plan.request.block_ids[seg.start : seg.stop]
+            t = torch.tensor(block_ids, dtype=torch.int64, device=dev)
             self._memo[key] = t
         return t
 
     def row_index(self, seg: Segment, device: torch.device | None = None) -> torch.Tensor:
         """Row numbers ``[P*NL, n]`` of the segment's blocks in :attr:`rows`, plane-major;
-        memoised."""
+        memoised (on an accelerator in :attr:`indices`, by content, when set)."""
         dev = self.device if device is None else device
+        g = self.plan.rows
+        assert g is not None
+        if self.indices is not None and dev.type != "cpu":
+            flat = self.indices.index(dev, *self.index_spec("rows", seg))
+            return flat.view(len(g.plane_layer_rows), seg.count)
         key = ("rows", seg.start, seg.stop, str(dev))
         t = self._memo.get(key)
         if t is None:
-            g = self.plan.rows
-            assert g is not None
             ids = self.ids(seg, dev)
             base = torch.tensor(g.plane_layer_rows, dtype=torch.int64, device=dev)
             t = base.view(-1, 1) + ids.view(1, -1) * g.block_rows

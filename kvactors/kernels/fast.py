@@ -9,11 +9,15 @@ one segment (object) at a time. It has two shapes:
   gather first collects the segment's blocks on the device into a staging buffer laid out like
   the chunk, then moves it with ONE ``copy(host_chunk, staging)`` through the backend's copy
   policy; a scatter does ``copy(staging, host_chunk)`` first and then the device-side block
-  copies. The staging buffer comes from a :class:`ScratchCache` and is reused for every
-  segment and every call: reuse is safe because all the work of one call is issued in order
-  on the caller's current stream, so a later gather into the buffer is ordered after the copy
-  that drains it. That also means one cache must serve one stream: StreamActor keeps one per
-  lane, and the default (``scratch=None``) is one cache per calling thread.
+  copies. Where one view covers every layer that is ONE ``index_select`` / ``index_copy_``
+  per segment (:mod:`kvactors.kernels._staged`); separately allocated layers take one per
+  layer. The staging buffers and the device index tensors come from a :class:`ScratchCache`
+  and are reused for every segment and every call (a call with new block ids uploads its
+  indices once, in one copy): reuse is safe because all the work of one call is issued in
+  order on the caller's current stream, so a later gather into the buffer is ordered after
+  the copy that drains it. That also means one cache must serve one stream: GatherActor
+  keeps one per stream handle, and the default (``scratch=None``) is one cache per calling
+  thread.
 
 On the staged path the copy hook receives same-width integer views of the operands.
 The staged path can be forced on CPU tensors (``staged=True``) so it is tested without
@@ -28,8 +32,9 @@ from typing import TYPE_CHECKING, Any
 import torch
 
 from kvactors.errors import TransferValidationError
-from kvactors.kernels._context import KernelContext
+from kvactors.kernels._context import KernelContext, ScratchCache
 from kvactors.kernels._moves import gather_segment, numpy_usable, scatter_segment
+from kvactors.kernels._staged import single_kernel, staged_segment
 from kvactors.kernels._views import raw, void_view
 from kvactors.layouts import Direction
 from kvactors.plans import paged_units
@@ -40,38 +45,6 @@ if TYPE_CHECKING:
     from kvactors.plans import Segment, TransferPlan
 
 __all__ = ("ScratchCache", "run_fast")
-
-
-class ScratchCache:
-    """Reusable staging buffers, keyed by device, shape and dtype.
-
-    Not thread-safe, and meant for one stream: see the module docstring. ``allocations``
-    counts the buffers ever allocated (``DeviceStatistics.scratch_allocations``: it stays
-    flat on a warm hot path).
-    """
-
-    __slots__ = ("_buffers", "allocations")
-
-    def __init__(self) -> None:
-        self._buffers: dict[tuple[str, tuple[int, ...], torch.dtype], torch.Tensor] = {}
-        self.allocations = 0
-
-    def get(self, device: torch.device, shape: Sequence[int], dtype: torch.dtype) -> torch.Tensor:
-        """The buffer for ``(device, shape, dtype)``; allocated on first use only."""
-        key = (str(device), tuple(shape), dtype)
-        buf = self._buffers.get(key)
-        if buf is None:
-            buf = torch.empty(key[1], dtype=dtype, device=device)
-            self._buffers[key] = buf
-            self.allocations += 1
-        return buf
-
-    def clear(self) -> None:
-        """Drop every buffer (only once no stream still uses them)."""
-        self._buffers.clear()
-
-    def __len__(self) -> int:
-        return len(self._buffers)
 
 
 _local = threading.local()
@@ -210,6 +183,14 @@ def _run_staged(
     copy: Callable[[torch.Tensor, torch.Tensor], None],
     scratch: ScratchCache,
 ) -> None:
+    ctx.indices = scratch  # device index tensors come from (and stay in) the stream's cache
+    if not ctx.plan.on_host:  # a new request: every segment's indices in one upload
+        kind = "rows" if ctx.rows is not None else "ids"
+        scratch.prefetch(ctx.device, [ctx.index_spec(kind, seg) for seg in ctx.plan.segments])
+    if single_kernel(ctx):
+        for seg in ctx.plan.segments:
+            staged_segment(ctx, seg, objs[seg.obj], copy, scratch)
+        return
     d2h = ctx.plan.direction is Direction.D2H
     for seg in ctx.plan.segments:
         obj = objs[seg.obj]

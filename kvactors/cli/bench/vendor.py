@@ -4,8 +4,11 @@ For each vendor, layout LMCache's backend serves there (MLU: NHD, HND, MLA; MUSA
 K/V lists) and direction, both contenders move the same blocks between the same fake device
 caches and host chunks:
 
-* ``kvactors``: ``Runtime.transfer`` on the caller's current stream (what the
-  ``kvactors_mlu`` / ``kvactors_musa`` LMCache plugin calls);
+* ``kvactors``: ``Runtime.transfer(..., complete=False)`` on the caller's current stream,
+  as the ``kvactors_mlu`` / ``kvactors_musa`` LMCache op calls it (returns once the copies
+  are enqueued; the caller synchronizes before it reads the chunks). Its count runs until a
+  ``fence`` answered, so it holds the runtime's one background completion wait
+  (:data:`BACKGROUND_SYNCS`), which the budget check sets apart;
 * ``lmcache``: LMCache's ``MluDeviceOps`` (lmcache >= 0.5.7) / ``MusaDeviceOps``
   (built in), unmodified, found through the ``kvactors.baselines`` entry points
   ``lmcache_mlu_ops`` / ``lmcache_musa_ops`` (kvactors never imports lmcache).
@@ -44,6 +47,7 @@ if TYPE_CHECKING:
     from kvactors.testing import FakeVendor
 
 __all__ = (
+    "BACKGROUND_SYNCS",
     "VENDOR_LAYOUTS",
     "VendorRow",
     "budget_violations",
@@ -77,15 +81,30 @@ class VendorRow:
     violations: tuple[str, ...] = ()
 
 
+#: Host syncs per kvactors call that are not on the caller's path: the one event wait with
+#: which the runtime learns that the device finished a launch (the lane's reaper thread, or
+#: the lane itself when the work is already complete), so it can drop the operands then
+#: (rule 3) and answer fences (rule 4). It never delays the call's return; the bench counts
+#: it (the window ends when a fence answered) and the budget check sets it apart.
+BACKGROUND_SYNCS = 1
+
+
 def budget_violations(
-    counts: dict[str, int], *, chunks: int, planes: int, gather: bool, contiguous: bool
+    counts: dict[str, int],
+    *,
+    chunks: int,
+    planes: int,
+    gather: bool,
+    contiguous: bool,
+    background_syncs: int = 0,
 ) -> list[str]:
     """Where one call's device operations exceed kvactors' per-call budget (issue 11.6).
 
     At most one gather/scatter launch per chunk and K/V plane (device-to-device copies count
     as launches) plus one host<->device copy per chunk; at most one host synchronisation per
     call, none for a D2H into contiguous chunks (the caller synchronises before it reads);
-    no device allocation in steady state.
+    no device allocation in steady state. ``background_syncs`` of the counted syncs happened
+    off the caller's path (:data:`BACKGROUND_SYNCS`) and are not held against the call.
     """
     out: list[str] = []
     if counts["launches"] > chunks * planes:
@@ -93,8 +112,9 @@ def budget_violations(
     if counts["h2d"] + counts["d2h"] > chunks:
         out.append(f"host<->device copies {counts['h2d'] + counts['d2h']} > {chunks} (chunks)")
     sync_limit = 0 if (gather and contiguous) else 1
-    if counts["syncs"] > sync_limit:
-        out.append(f"host syncs {counts['syncs']} > {sync_limit}")
+    syncs = counts["syncs"] - background_syncs
+    if syncs > sync_limit:
+        out.append(f"host syncs on the call's path {syncs} > {sync_limit}")
     if counts["allocations"] > 0:
         out.append(f"device allocations {counts['allocations']} > 0")
     return out
@@ -232,8 +252,10 @@ def measure_vendor(
                         req: TransferRequest = req, paged: Any = paged,
                         objects: list[torch.Tensor] = objects,
                     ) -> None:
+                        # As the kvactors_mlu/_musa LMCache op calls it: enqueue-return; the
+                        # caller synchronizes before it reads chunks (outside the count).
                         handle = rt.backend.current_stream_handle(0)
-                        rt.transfer(req, paged, objects, stream_handle=handle)
+                        rt.transfer(req, paged, objects, stream_handle=handle, complete=False)
 
                     fns: dict[str, Callable[[], None]] = {"kvactors": ours}
                     note = ""
@@ -254,8 +276,13 @@ def measure_vendor(
                         mod.synchronize()
                     counts: dict[str, dict[str, int]] = {}
                     for name, fn in fns.items():
+                        rt.fence(ids)  # the runtime idle: nothing of the warm-up counted
                         with fake.counting() as ops:
                             fn()
+                            if name == "kvactors":
+                                # Until its reaper saw the device finish (one event wait per
+                                # call, off the caller's thread; counted as BACKGROUND_SYNCS).
+                                rt.fence(ids)
                         mod.synchronize()
                         counts[name] = ops.counts.as_dict()
                     times = _time(fns, mod.synchronize, reps) if reps > 0 else {
@@ -271,6 +298,7 @@ def measure_vendor(
                             viol = tuple(budget_violations(
                                 counts[name], chunks=shape.chunks, planes=planes,
                                 gather=dname == "gather", contiguous=True,
+                                background_syncs=BACKGROUND_SYNCS,
                             ))
                         rows.append(VendorRow(
                             kind, layout, dname, name, shape.chunks, planes, counts[name],
