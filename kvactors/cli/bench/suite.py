@@ -6,7 +6,8 @@ Three parts, each a ratio measured inside one run (absolute GB/s on shared hosts
 * **kernels** (:func:`kvactors.cli.bench.transfer.run_transfer_bench`): per layout and direction,
   kvactors' plan + fast kernel, a raw ``copy_`` of the same bytes, and LMCache's torch path on
   identical operands when the ``kvactors.baselines`` plugin (shipped by the adapter) loads,
-  with repetitions interleaved;
+  and the C ceiling of the layout's access pattern when a C compiler is present
+  (:mod:`kvactors.cli.bench.ceiling`), with repetitions interleaved;
 * **runtime**: the same NHD transfer through :class:`~kvactors.runtime.Runtime` on
   ``--device`` (message hop, actors, lane thread, completion) against a raw contiguous copy of
   the same bytes between that device and the host, interleaved;
