@@ -13,8 +13,9 @@ kvactors / ceiling then compares two movers of the same bytes, between the same 
 the same run. Without a C compiler (or where ctypes cannot load the library) there is no
 ceiling; the benchmark says so and skips the column.
 
-The ceiling walks the chunk side sequentially (the order ``gather_limit.c`` calls "dst order"
-for a gather); ctypes releases the GIL for the call.
+Where a piece is several runs (HND), the loop can walk it in the chunk's order (token-major,
+"dst order" of a gather in ``gather_limit.c``) or the paged memory's (head-major); both are
+timed and the faster is the ceiling. ctypes releases the GIL for the call.
 """
 
 from __future__ import annotations
@@ -37,7 +38,7 @@ if TYPE_CHECKING:
 
     from kvactors.layouts import FormatSpec
 
-__all__ = ("ceiling_library", "ceiling_mover")
+__all__ = ("ceiling_library", "ceiling_movers")
 
 _SOURCE = r"""
 #include <stddef.h>
@@ -94,7 +95,7 @@ def ceiling_library() -> ctypes.CDLL | None:
     return lib
 
 
-def ceiling_mover(
+def ceiling_movers(
     spec: FormatSpec,
     units: Sequence[torch.Tensor],
     objects: Sequence[torch.Tensor],
@@ -105,9 +106,11 @@ def ceiling_mover(
     hs: int,
     bs: int,
     gather: bool,
-) -> Callable[[], None] | None:
-    """A call that moves the transfer's bytes with the C loop, or ``None`` (no compiler, or a
-    layout whose head axis is not contiguous).
+) -> list[Callable[[], None]]:
+    """Calls that move the transfer's bytes with the C loop, one per walk order inside a
+    piece (two when a piece is several runs, as for HND: token-major or head-major first; the
+    benchmark keeps the faster, so the ceiling is the best a plain loop does); empty without a
+    C compiler, or for a layout whose head axis is not contiguous.
 
     Args:
         spec: The paged layout.
@@ -119,36 +122,32 @@ def ceiling_mover(
     """
     lib = ceiling_library()
     if lib is None:
-        return None
+        return []
     esz = units[0].element_size()
     cus = [canonical_unit(spec, t) for t in units]
     _, _, s_s, s_h, s_d = cus[0].stride()
     if s_d != 1 or any(c.stride() != cus[0].stride() for c in cus):
-        return None
+        return []
     planes = spec.planes
     heads = 1 if spec.is_mla else nh
-    # The run pattern inside one piece: the chunk side is token-major [S][H][D] contiguous.
-    c_s, c_h = heads * hs, hs
+    # The runs inside one piece: the chunk side is token-major [S][H][D], contiguous.
+    orders: list[tuple[int, int, int, int, int, int, int]]  # na, nb, paged a/b, chunk a/b, run
     if s_h == hs and s_s == heads * hs:
-        na, nb, run = 1, 1, bs * heads * hs * esz  # the whole block plane is one run
-        p_a = p_b = c_a = c_b = 0
+        orders = [(1, 1, 0, 0, 0, 0, bs * heads * hs * esz)]  # the block plane is one run
     else:
-        na, nb, run = bs, heads, hs * esz
-        p_a, p_b, c_a, c_b = s_s * esz, s_h * esz, c_s * esz, c_h * esz
+        run = hs * esz
+        p_s, p_h, c_s, c_h = s_s * esz, s_h * esz, heads * run, run
+        orders = [(bs, heads, p_s, p_h, c_s, c_h, run), (heads, bs, p_h, p_s, c_h, c_s, run)]
     piece = bs * heads * hs * esz
     chunk_ptrs: list[int] = []
     paged_ptrs: list[int] = []
     ids = list(block_ids)
     for c, obj in enumerate(objects):
-        ov = object_view(spec, obj, nl, nh, hs, bs)
-        slots = ov.size(2)
+        slots = object_view(spec, obj, nl, nh, hs, bs).size(2)
         base = obj.data_ptr()
         for p in range(planes):
             for layer in range(nl):
-                if spec.is_kv_list:
-                    cu, pp = cus[p * nl + layer], 0
-                else:
-                    cu, pp = cus[layer], p
+                cu, pp = (cus[p * nl + layer], 0) if spec.is_kv_list else (cus[layer], p)
                 for j in range(slots):
                     b = ids[c * slots + j]
                     chunk_ptrs.append(base + ((p * nl + layer) * slots + j) * piece)
@@ -156,14 +155,17 @@ def ceiling_mover(
     cp = np.asarray(chunk_ptrs, dtype=np.uintp)
     pp_ = np.asarray(paged_ptrs, dtype=np.uintp)
     dst, src = (cp, pp_) if gather else (pp_, cp)
-    da, db, sa, sb = (c_a, c_b, p_a, p_b) if gather else (p_a, p_b, c_a, c_b)
-    n = len(cp)
     fn = lib.kv_copy_pieces
-    dptr, sptr = dst.ctypes.data, src.ctypes.data
-    keep = (dst, src, units, objects)  # the pointer arrays and operands outlive the mover
+    keep = (dst, src, units, objects)  # the pointer arrays and operands outlive the movers
 
-    def run_c() -> None:
-        assert keep
-        fn(n, dptr, sptr, na, nb, da, db, sa, sb, run)
+    def mover(na: int, nb: int, pa: int, pb: int, ca: int, cb: int, run: int) -> Callable[[], None]:
+        da, db, sa, sb = (ca, cb, pa, pb) if gather else (pa, pb, ca, cb)
+        args = (len(cp), dst.ctypes.data, src.ctypes.data, na, nb, da, db, sa, sb, run)
 
-    return run_c
+        def run_c() -> None:
+            assert keep
+            fn(*args)
+
+        return run_c
+
+    return [mover(*o) for o in orders]

@@ -126,11 +126,11 @@ class _Setup:
         self.spec = spec
         self.nl, self.nh, self.hs, self.bs = nl, nh, hs, bs
 
-    def ceiling(self, direction: int) -> Callable[[], None] | None:
-        from kvactors.cli.bench.ceiling import ceiling_mover
+    def ceilings(self, direction: int) -> list[Callable[[], None]]:
+        from kvactors.cli.bench.ceiling import ceiling_movers
 
         units = paged_units(self.spec, self.paged)
-        return ceiling_mover(self.spec, units, self.objects, self.block_ids, nl=self.nl,
+        return ceiling_movers(self.spec, units, self.objects, self.block_ids, nl=self.nl,
                              nh=self.nh, hs=self.hs, bs=self.bs, gather=direction == 1)
 
     def kvactors(self, direction: int) -> Callable[[], None]:
@@ -265,9 +265,9 @@ def _measure(
     lm = setup.lmcache(direction) if include_lmcache else None
     if lm is not None:
         contenders["lmcache"] = lm
-    ceil = setup.ceiling(direction) if include_ceiling else None
-    if ceil is not None:
-        contenders["ceiling"] = ceil
+    ceilings = setup.ceilings(direction) if include_ceiling else []
+    for i, ceil in enumerate(ceilings):
+        contenders[f"ceiling{i}"] = ceil
     times: dict[str, list[float]] = {k: [] for k in contenders}
     for fn in contenders.values():
         fn()  # warm-up (and staging allocation)
@@ -276,7 +276,7 @@ def _measure(
             times[name].append(_time(fn))
     gbps = {k: setup.nbytes / statistics.median(v) / 1e9 for k, v in times.items()}
     lm_gbps = gbps.get("lmcache")
-    c_gbps = gbps.get("ceiling")
+    c_gbps = max((gbps[f"ceiling{i}"] for i in range(len(ceilings))), default=None)
     return BenchRow(
         layout=layout,
         direction=d,
