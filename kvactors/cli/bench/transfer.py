@@ -5,7 +5,9 @@ ratio measured in one run: per layout and direction, repetitions of kvactors (pl
 kernel), a raw contiguous ``copy_`` of the same bytes into preallocated buffers, and (when
 the LMCache adapter is installed) LMCache's torch path
 ``lmcache.v1.platform.torch_ops.multi_layer_block_kv_transfer`` on the identical operands are
-interleaved, and medians are compared. The C ceiling (:mod:`kvactors.cli.bench.ceiling`: a
+interleaved, and medians are compared. kvactors runs twice: as a fresh request (plan + fast
+kernel) and as a repeated one (the plan reused as the runtime's plan cache does, i.e. the
+kernel alone: ``reuse/C``). The C ceiling (:mod:`kvactors.cli.bench.ceiling`: a
 ``memcpy`` loop over the same runs between the same addresses, compiled at bench time) joins
 the interleaving when a C compiler is present; ``vs C`` is then kvactors' speed over that of
 the best a host can do for the layout's access pattern ("C ceiling unavailable" otherwise).
@@ -84,6 +86,10 @@ class BenchRow(msgspec.Struct, frozen=True, kw_only=True):
     ceiling_vs_raw: float | None = None
     vs_ceiling: float | None = None
     """kvactors over the C ceiling of the same access pattern."""
+    reused_gbps: float | None = None
+    """kvactors with the plan of a repeated request reused (the runtime's plan cache: no
+    planning, index tensors kept), i.e. the kernel alone."""
+    reused_vs_ceiling: float | None = None
 
 
 class _Setup:
@@ -145,6 +151,24 @@ class _Setup:
         def run() -> None:
             plan = plan_transfer(req, self.paged, self.objects, device_type="cpu")
             run_fast(plan, self.paged, self.objects, scratch=self.scratch)
+
+        return run
+
+    def kvactors_reused(self, direction: int) -> Callable[[], None]:
+        """A repeated request as the runtime runs it: the plan made once, its kernel memo kept,
+        the operands known to be the planned ones (``checked``)."""
+        req = TransferRequest(
+            fmt=int(self.fmt),
+            direction=direction,
+            block_ids=tuple(self.block_ids),
+            chunk_size=self.chunk_size,
+            shape=self.shape,
+        )
+        plan = plan_transfer(req, self.paged, self.objects, device_type="cpu")
+        memo: dict[Any, Any] = {}
+
+        def run() -> None:
+            run_fast(plan, self.paged, self.objects, scratch=self.scratch, memo=memo, checked=True)
 
         return run
 
@@ -260,6 +284,7 @@ def _measure(
     direction = 1 if d == "gather" else 0
     contenders: dict[str, Callable[[], None]] = {
         "kvactors": setup.kvactors(direction),
+        "reused": setup.kvactors_reused(direction),
         "raw": setup.raw(),
     }
     lm = setup.lmcache(direction) if include_lmcache else None
@@ -291,6 +316,8 @@ def _measure(
         ceiling_gbps=c_gbps,
         ceiling_vs_raw=None if c_gbps is None else c_gbps / gbps["raw"],
         vs_ceiling=None if c_gbps is None else gbps["kvactors"] / c_gbps,
+        reused_gbps=gbps["reused"],
+        reused_vs_ceiling=None if c_gbps is None else gbps["reused"] / c_gbps,
     )
 
 
@@ -304,14 +331,16 @@ def format_table(rows: Sequence[BenchRow], *, header: bool = True) -> str:
     if header:
         lines.append(
             f"{'layout':<13}{'dir':<8}{'thr':>3} {'MiB':>6} {'kvactors':>9} {'raw':>7} "
-            f"{'lmcache':>8} {'C':>7} {'vs raw':>7} {'C/raw':>6} {'vs C':>6} {'vs lmc':>7}"
+            f"{'lmcache':>8} {'C':>7} {'vs raw':>7} {'C/raw':>6} {'vs C':>6} {'reuse/C':>7} "
+            f"{'vs lmc':>7}"
         )
     for r in rows:
         lines.append(
             f"{r.layout:<13}{r.direction:<8}{r.threads:>3} {r.nbytes / 2**20:>6.0f} "
             f"{r.kvactors_gbps:>9.2f} {r.raw_gbps:>7.2f} {opt(r.lmcache_gbps, '>8.2f')} "
             f"{opt(r.ceiling_gbps, '>7.2f')} {r.vs_raw:>7.2f} {opt(r.ceiling_vs_raw, '>6.2f')} "
-            f"{opt(r.vs_ceiling, '>6.2f')} {opt(r.vs_lmcache, '>7.1f')}"
+            f"{opt(r.vs_ceiling, '>6.2f')} {opt(r.reused_vs_ceiling, '>7.2f')} "
+            f"{opt(r.vs_lmcache, '>7.1f')}"
         )
     return "\n".join(lines)
 
