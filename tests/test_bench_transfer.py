@@ -95,7 +95,9 @@ def test_rows_carry_the_ceiling_or_none(monkeypatch: pytest.MonkeyPatch) -> None
     if ceiling_library() is None:
         assert all(r.ceiling_gbps is None for r in rows)
     else:
-        assert all(r.ceiling_gbps and r.vs_ceiling and r.ceiling_vs_raw for r in rows)
+        assert all(r.ceiling_gbps and r.vs_ceiling and r.ceiling_vs_raw and r.reused_vs_ceiling
+                   for r in rows)
+    assert all(r.reused_gbps and r.reused_gbps > 0 for r in rows)
     monkeypatch.setattr(ceiling, "_LIB", [None])  # no compiler: the columns are left out
     rows = run_transfer_bench(layouts=("hnd",), reps=1, workload=TINY, include_lmcache=False)
     assert all(r.ceiling_gbps is None and r.vs_ceiling is None for r in rows)
