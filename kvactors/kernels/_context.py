@@ -127,13 +127,20 @@ class KernelContext:
         first); CPU and numpy only; built once per call."""
         if self._plane_voids is None:
             voids: list[tuple[np.ndarray[Any, np.dtype[np.void]], int]] | None = []
-            for rows, i in self.plane_views():
+            for u, t in enumerate(self.units):
+                # One numpy array per paged tensor, [P', B] of whole block planes: a numpy
+                # call per plane is cheap, building a view per plane is not (64 per layer set).
+                layer, planes = self.unit_planes(u)
+                cu = canonical_unit(self.plan.spec, t)
+                rows = cu.as_strided(
+                    (cu.size(0), cu.size(1), cu[0, 0].numel()), (cu.stride(0), cu.stride(1), 1)
+                )
                 a = void_view(rows)
-                if a is None or not a.flags.c_contiguous:
+                if a is None or not all(a[k].flags.c_contiguous for k in range(len(planes))):
                     voids = None
                     break
                 assert voids is not None
-                voids.append((a, i))
+                voids.extend((a[k], p * self.nl + layer) for k, p in enumerate(planes))
             self._plane_voids = (voids,)
         return self._plane_voids[0]
 

@@ -120,8 +120,10 @@ def scatter_segment(
         ids_np = ctx.ids(seg, _CPU).numpy()
         voids = ctx.plane_voids()
         if voids is not None:
+            sv_np = void_view(sv)
+            assert sv_np is not None  # chunk slots are contiguous
             for plane_np, i in voids:
-                plane_np[ids_np] = void_view(sv[i])
+                plane_np[ids_np] = sv_np[i]
         else:
             for plane, i in ctx.plane_views():
                 plane.numpy()[ids_np] = sv[i].numpy()
@@ -151,11 +153,11 @@ def _planes_take(ctx: KernelContext, seg: Segment, tv: torch.Tensor) -> bool:
     if voids is None:
         return False
     ids_np = ctx.ids(seg, _CPU).numpy()
+    out = void_view(tv)
+    assert out is not None  # chunk slots are contiguous
     for plane_np, i in voids:
-        out = void_view(tv[i])
-        assert out is not None  # chunk slots are contiguous
         # mode="clip": the plan validated every id; the default "raise" buffers the output.
-        plane_np.take(ids_np, axis=0, out=out, mode="clip")
+        plane_np.take(ids_np, axis=0, out=out[i], mode="clip")
     return True
 
 
