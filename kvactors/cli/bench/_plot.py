@@ -17,7 +17,7 @@ __all__ = ("plot",)
 
 _SHORT = {"nhd_separate": "nhd-sep"}
 _COLORS = {"kvactors": "#1f77b4", "raw copy": "#7f7f7f", "LMCache torch path": "#d62728",
-           "C ceiling": "#2ca02c"}
+           "C ceiling": "#2ca02c", "kvactors, plan reused": "#aec7e8"}
 
 
 def plot(report: BenchReport, path: str) -> None:
@@ -51,6 +51,7 @@ def plot(report: BenchReport, path: str) -> None:
         labels.append(f"{_SHORT.get(r.layout, r.layout)}\n{r.direction}\n{note}")
     series: dict[str, list[float]] = {
         "kvactors": [r.kvactors_gbps for r in rows],
+        "kvactors, plan reused": [r.reused_gbps or 0.0 for r in rows],
         "raw copy": [r.raw_gbps for r in rows],
     }
     if any(r.ceiling_gbps is not None for r in rows):
