@@ -169,6 +169,8 @@ def run_bench(cfg: BenchConfig, *, progress: Callable[[str], None] | None = None
             progress=lambda line: step(" ".join(line.split()[:3])),
         )
     meta["lmcache_baseline"] = any(r.lmcache_gbps is not None for r in rows)
+    # False: no C compiler here ("C ceiling unavailable"), the C columns are empty.
+    meta["c_ceiling"] = any(r.ceiling_gbps is not None for r in rows)
     runtime: list[RuntimeRow] = []
     if cfg.runtime:
         w = BenchWorkload(num_blocks=256) if cfg.quick else BenchWorkload()
@@ -256,6 +258,8 @@ def run(args: argparse.Namespace) -> int:
     json_path = os.path.join(args.out, "bench.json")
     with open(json_path, "w") as f:
         json.dump(msgspec.to_builtins(report), f, indent=2)
+    if report.transfer and not report.meta.get("c_ceiling"):
+        print("C ceiling unavailable (no C compiler): the C columns are n/a")
     print(format_table(report.transfer))
     for r in report.runtime:
         sim = " (SIMULATED device: not a throughput figure)" if r.simulated else ""
