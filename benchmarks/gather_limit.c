@@ -13,6 +13,11 @@
  *   hnd: as nhd, but a block plane is [8 heads][16 tokens][128]: moving it transposes it to
  *        token-major rows [16][8*128], i.e. 128 runs of 256 bytes, permuted. "dst order" walks
  *        the token-major side sequentially, "src order" the head-major side.
+ *   nhd separate: as nhd, but every layer is its own allocation (64 MiB each).
+ *
+ * `kvactors bench` (kvactors.cli.bench.ceiling) compiles the same memcpy loop at bench time and
+ * runs it on the benchmark's own tensors, interleaved with kvactors; this program is the
+ * stand-alone version, with no Python process around it.
  *
  *   gcc -O2 benchmarks/gather_limit.c -o /tmp/gather_limit && /tmp/gather_limit
  */
@@ -43,11 +48,11 @@ static int cmp(const void *a, const void *b) {
     return (x > y) - (x < y);
 }
 
-static char *pool, *chunk, *src;
+static char *pool, *chunk, *src, *layer_pool[NL];
 static size_t ids[NBLK];
 
-enum { NHD, MLA, HND_DST, HND_SRC };
-static const char *names[] = {"nhd", "mla", "hnd (dst order)", "hnd (src order)"};
+enum { NHD, MLA, HND_DST, HND_SRC, NHD_SEP };
+static const char *names[] = {"nhd", "mla", "hnd (dst order)", "hnd (src order)", "nhd separate"};
 
 static size_t chunk_bytes(int lay) {
     return lay == MLA ? (size_t)NBLK * NL * BS * MLA_HS * ESZ : (size_t)NBLK * NL * 2 * BS * NH * HS * ESZ;
@@ -76,7 +81,9 @@ static void transfer(int lay, int gather) {
         for (size_t p = 0; p < planes; p++)
             for (size_t l = 0; l < NL; l++)
                 for (size_t j = 0; j < BPO; j++, o += piece) {
-                    char *blk = pool + ((l * planes + p) * NB + ids[c * BPO + j]) * piece;
+                    char *blk = lay == NHD_SEP
+                                    ? layer_pool[l] + (p * NB + ids[c * BPO + j]) * piece
+                                    : pool + ((l * planes + p) * NB + ids[c * BPO + j]) * piece;
                     if (lay == HND_DST || lay == HND_SRC)
                         hnd_block(o, blk, gather, lay == HND_DST);
                     else if (gather)
@@ -114,6 +121,11 @@ int main(void) {
     src = malloc(out_sz);
     if (!pool || !chunk || !src) return 1;
     memset(pool, 1, pool_sz);
+    for (size_t l = 0; l < NL; l++) { /* the per-layer allocations of "nhd separate" */
+        layer_pool[l] = malloc(pool_sz / NL);
+        if (!layer_pool[l]) return 1;
+        memset(layer_pool[l], 1, pool_sz / NL);
+    }
     memset(chunk, 0, out_sz);
     memset(src, 2, out_sz);
     srand(0);
@@ -124,7 +136,7 @@ int main(void) {
             if (ids[k] == ids[i]) goto again;
     }
     printf("medians of %d interleaved repetitions\n", REPS);
-    for (int lay = NHD; lay <= HND_SRC; lay++)
+    for (int lay = NHD; lay <= NHD_SEP; lay++)
         for (int g = 1; g >= 0; g--) run(lay, g);
     return 0;
 }

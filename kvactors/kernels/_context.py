@@ -136,6 +136,7 @@ class KernelContext:
         "_given",
         "_memo",
         "_plane_views",
+        "_plane_voids",
         "_stacked",
         "_stacked_void",
         "_unit_views",
@@ -176,6 +177,9 @@ class KernelContext:
             else first.as_strided((g.nrows, g.piece), (g.row_stride, 1), g.storage_offset)
         )
         self._plane_views: list[tuple[torch.Tensor, int]] | None = None
+        self._plane_voids: (
+            tuple[list[tuple[np.ndarray[Any, np.dtype[np.void]], int]] | None] | None
+        ) = None
         self._unit_views: list[tuple[torch.Tensor, int, range]] | None = None
         self._stacked_void: tuple[np.ndarray[Any, np.dtype[np.void]] | None] | None = None
 
@@ -217,6 +221,29 @@ class KernelContext:
                     views.append((rows, p * self.nl + layer))
             self._plane_views = views
         return self._plane_views
+
+    def plane_voids(self) -> list[tuple[np.ndarray[Any, np.dtype[np.void]], int]] | None:
+        """:meth:`plane_views` as numpy arrays of whole block planes (one ``void`` item per
+        block), or ``None`` when a plane is not contiguous (numpy's ``take`` would copy it
+        first); CPU and numpy only; built once per call."""
+        if self._plane_voids is None:
+            voids: list[tuple[np.ndarray[Any, np.dtype[np.void]], int]] | None = []
+            for u, t in enumerate(self.units):
+                # One numpy array per paged tensor, [P', B] of whole block planes: a numpy
+                # call per plane is cheap, building a view per plane is not (64 per layer set).
+                layer, planes = self.unit_planes(u)
+                cu = canonical_unit(self.plan.spec, t)
+                rows = cu.as_strided(
+                    (cu.size(0), cu.size(1), cu[0, 0].numel()), (cu.stride(0), cu.stride(1), 1)
+                )
+                a = void_view(rows)
+                if a is None or not all(a[k].flags.c_contiguous for k in range(len(planes))):
+                    voids = None
+                    break
+                assert voids is not None
+                voids.extend((a[k], p * self.nl + layer) for k, p in enumerate(planes))
+            self._plane_voids = (voids,)
+        return self._plane_voids[0]
 
     def unit_views(self) -> list[tuple[torch.Tensor, int, range]]:
         """``(view, layer, planes)`` per paged tensor, the view ``[P', B, S, H, D]``."""

@@ -11,7 +11,10 @@ path). The paths, in order of preference (measured in performance.md and bench_t
   runs at half speed) on rows seen as single opaque items (``void_view``), so numpy moves one
   block plane per item instead of walking its elements; numpy releases the GIL for it.
 * planes: block planes are contiguous but the layers are separate allocations: the same, one
-  call per (layer, plane).
+  call per (layer, plane). On the host both directions go through numpy with whole block
+  planes as single items (``take`` into the chunk's contiguous slots for a gather, fancy
+  assignment for a scatter): one move per block plane, and a numpy call costs a fraction of
+  a torch call, which matters at 64 calls per chunk.
 * stacked: one strided view covers all layers but blocks are not token-major (HND). On the
   host, both directions are one numpy assignment per run of consecutive block ids between
   ``void_view``s of the stacked memory and of the chunk, whose items are whole ``HS`` runs:
@@ -72,12 +75,15 @@ def gather_segment(
             for i in range(idx.size(0)):
                 torch.index_select(ctx.rows, 0, idx[i], out=tv[i, j0 : j0 + n])
         return
-    ids = ctx.ids(seg)
     if ctx.plan.tight:
         tv = ctx.plane_rows(target)[:, j0 : j0 + n]
+        if use_numpy and _planes_take(ctx, seg, tv):
+            return
+        ids = ctx.ids(seg)
         for plane, i in ctx.plane_views():
             torch.index_select(plane, 0, ids, out=tv[i])
         return
+    ids = ctx.ids(seg)
     ov = ctx.target_view(target).permute(1, 0, 2, 3, 4, 5)[:, :, j0 : j0 + n]
     if ctx.stacked is not None:
         order = physical_order(ctx.stacked)
@@ -112,8 +118,15 @@ def scatter_segment(
     if use_numpy and ctx.plan.tight and ctx.stacked is None:
         sv = ctx.plane_rows(source)[:, j0 : j0 + n]
         ids_np = ctx.ids(seg, _CPU).numpy()
-        for plane, i in ctx.plane_views():
-            plane.numpy()[ids_np] = sv[i].numpy()
+        voids = ctx.plane_voids()
+        if voids is not None:
+            sv_np = void_view(sv)
+            assert sv_np is not None  # chunk slots are contiguous
+            for plane_np, i in voids:
+                plane_np[ids_np] = sv_np[i]
+        else:
+            for plane, i in ctx.plane_views():
+                plane.numpy()[ids_np] = sv[i].numpy()
         return
     ov = ctx.target_view(source).permute(1, 0, 2, 3, 4, 5)[:, :, j0 : j0 + n]
     if ctx.stacked is not None:
@@ -130,6 +143,22 @@ def scatter_segment(
         else:
             for k, b, r in block_runs(block_ids):
                 cu.narrow(1, b, r).copy_(src.narrow(1, k, r))
+
+
+def _planes_take(ctx: KernelContext, seg: Segment, tv: torch.Tensor) -> bool:
+    """The planes host gather through numpy (module docstring): per (paged tensor, plane) one
+    ``take`` of whole block planes into the chunk's slots ``tv[i]`` (contiguous). ``False``
+    (nothing moved) when a plane is not contiguous."""
+    voids = ctx.plane_voids()
+    if voids is None:
+        return False
+    ids_np = ctx.ids(seg, _CPU).numpy()
+    out = void_view(tv)
+    assert out is not None  # chunk slots are contiguous
+    for plane_np, i in voids:
+        # mode="clip": the plan validated every id; the default "raise" buffers the output.
+        plane_np.take(ids_np, axis=0, out=out[i], mode="clip")
+    return True
 
 
 def _stacked_runs(ctx: KernelContext, seg: Segment, chunk: torch.Tensor, *, gather: bool) -> bool:

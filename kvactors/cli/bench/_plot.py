@@ -16,7 +16,8 @@ if TYPE_CHECKING:
 __all__ = ("plot",)
 
 _SHORT = {"nhd_separate": "nhd-sep"}
-_COLORS = {"kvactors": "#1f77b4", "raw copy": "#7f7f7f", "LMCache torch path": "#d62728"}
+_COLORS = {"kvactors": "#1f77b4", "raw copy": "#7f7f7f", "LMCache torch path": "#d62728",
+           "C ceiling": "#2ca02c", "kvactors, plan reused": "#aec7e8"}
 
 
 def plot(report: BenchReport, path: str) -> None:
@@ -43,13 +44,18 @@ def plot(report: BenchReport, path: str) -> None:
     labels = []
     for r in rows:
         note = f"{r.vs_raw:.0%} raw"
+        if r.vs_ceiling is not None:
+            note += f"\n{r.vs_ceiling:.0%} C"
         if r.vs_lmcache is not None:
             note += f"\n{r.vs_lmcache:.1f}x LMC"
         labels.append(f"{_SHORT.get(r.layout, r.layout)}\n{r.direction}\n{note}")
     series: dict[str, list[float]] = {
         "kvactors": [r.kvactors_gbps for r in rows],
+        "kvactors, plan reused": [r.reused_gbps or 0.0 for r in rows],
         "raw copy": [r.raw_gbps for r in rows],
     }
+    if any(r.ceiling_gbps is not None for r in rows):
+        series["C ceiling"] = [r.ceiling_gbps or 0.0 for r in rows]
     if any(r.lmcache_gbps is not None for r in rows):
         series["LMCache torch path"] = [r.lmcache_gbps or 0.0 for r in rows]
     width = 0.8 / len(series)

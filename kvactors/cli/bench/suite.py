@@ -6,7 +6,8 @@ Three parts, each a ratio measured inside one run (absolute GB/s on shared hosts
 * **kernels** (:func:`kvactors.cli.bench.transfer.run_transfer_bench`): per layout and direction,
   kvactors' plan + fast kernel, a raw ``copy_`` of the same bytes, and LMCache's torch path on
   identical operands when the ``kvactors.baselines`` plugin (shipped by the adapter) loads,
-  with repetitions interleaved;
+  and the C ceiling of the layout's access pattern when a C compiler is present
+  (:mod:`kvactors.cli.bench.ceiling`), with repetitions interleaved;
 * **runtime**: the same NHD transfer through :class:`~kvactors.runtime.Runtime` on
   ``--device`` (message hop, actors, lane thread, completion) against a raw contiguous copy of
   the same bytes between that device and the host, interleaved;
@@ -168,6 +169,8 @@ def run_bench(cfg: BenchConfig, *, progress: Callable[[str], None] | None = None
             progress=lambda line: step(" ".join(line.split()[:3])),
         )
     meta["lmcache_baseline"] = any(r.lmcache_gbps is not None for r in rows)
+    # False: no C compiler here ("C ceiling unavailable"), the C columns are empty.
+    meta["c_ceiling"] = any(r.ceiling_gbps is not None for r in rows)
     runtime: list[RuntimeRow] = []
     if cfg.runtime:
         w = BenchWorkload(num_blocks=256) if cfg.quick else BenchWorkload()
@@ -255,6 +258,8 @@ def run(args: argparse.Namespace) -> int:
     json_path = os.path.join(args.out, "bench.json")
     with open(json_path, "w") as f:
         json.dump(msgspec.to_builtins(report), f, indent=2)
+    if report.transfer and not report.meta.get("c_ceiling"):
+        print("C ceiling unavailable (no C compiler): the C columns are n/a")
     print(format_table(report.transfer))
     for r in report.runtime:
         sim = " (SIMULATED device: not a throughput figure)" if r.simulated else ""

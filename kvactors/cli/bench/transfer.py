@@ -1,11 +1,17 @@
-"""Transfer benchmark: kvactors' fast path vs a raw copy and LMCache's torch path, same run.
+"""Transfer benchmark: kvactors' fast path vs a raw copy, the C ceiling and LMCache, same run.
 
 Theory of operation. Absolute GB/s swing by +-20 % on shared machines, so every figure is a
 ratio measured in one run: per layout and direction, repetitions of kvactors (plan + fast
 kernel), a raw contiguous ``copy_`` of the same bytes into preallocated buffers, and (when
 the LMCache adapter is installed) LMCache's torch path
 ``lmcache.v1.platform.torch_ops.multi_layer_block_kv_transfer`` on the identical operands are
-interleaved, and medians are compared. Paged pools are touched before
+interleaved, and medians are compared. kvactors runs twice: as a fresh request (plan + fast
+kernel) and as a repeated one (the plan reused as the runtime's plan cache does, i.e. the
+kernel alone: ``reuse/C``). The C ceiling (:mod:`kvactors.cli.bench.ceiling`: a
+``memcpy`` loop over the same runs between the same addresses, compiled at bench time) joins
+the interleaving when a C compiler is present; ``vs C`` is then kvactors' speed over that of
+the best a host can do for the layout's access pattern ("C ceiling unavailable" otherwise).
+Paged pools are touched before
 timing (an untouched page reads as the shared zero page, which would flatter every reader).
 kvactors never imports lmcache: the LMCache baseline is a plugin found through the
 ``kvactors.baselines`` entry-point group (registered by the adapter package).
@@ -28,7 +34,7 @@ import torch
 from kvactors.errors import InvalidSettingError
 from kvactors.kernels.fast import ScratchCache, run_fast
 from kvactors.layouts import FORMAT_SPECS, KVFormat, ShapeDesc
-from kvactors.plans import TransferRequest, plan_transfer
+from kvactors.plans import TransferRequest, paged_units, plan_transfer
 
 if TYPE_CHECKING:
     from collections.abc import Callable, Sequence
@@ -75,6 +81,15 @@ class BenchRow(msgspec.Struct, frozen=True, kw_only=True):
     lmcache_gbps: float | None
     vs_raw: float
     vs_lmcache: float | None
+    ceiling_gbps: float | None = None
+    """The C ``memcpy`` loop over the same runs (``None``: no C compiler, or not measured)."""
+    ceiling_vs_raw: float | None = None
+    vs_ceiling: float | None = None
+    """kvactors over the C ceiling of the same access pattern."""
+    reused_gbps: float | None = None
+    """kvactors with the plan of a repeated request reused (the runtime's plan cache: no
+    planning, index tensors kept), i.e. the kernel alone."""
+    reused_vs_ceiling: float | None = None
 
 
 class _Setup:
@@ -114,6 +129,15 @@ class _Setup:
         self.chunk_size = tokens
         self.nbytes = sum(o.nbytes for o in self.objects)
         self.scratch = ScratchCache()
+        self.spec = spec
+        self.nl, self.nh, self.hs, self.bs = nl, nh, hs, bs
+
+    def ceilings(self, direction: int) -> list[Callable[[], None]]:
+        from kvactors.cli.bench.ceiling import ceiling_movers
+
+        units = paged_units(self.spec, self.paged)
+        return ceiling_movers(self.spec, units, self.objects, self.block_ids, nl=self.nl,
+                             nh=self.nh, hs=self.hs, bs=self.bs, gather=direction == 1)
 
     def kvactors(self, direction: int) -> Callable[[], None]:
         req = TransferRequest(
@@ -127,6 +151,24 @@ class _Setup:
         def run() -> None:
             plan = plan_transfer(req, self.paged, self.objects, device_type="cpu")
             run_fast(plan, self.paged, self.objects, scratch=self.scratch)
+
+        return run
+
+    def kvactors_reused(self, direction: int) -> Callable[[], None]:
+        """A repeated request as the runtime runs it: the plan made once, its kernel memo kept,
+        the operands known to be the planned ones (``checked``)."""
+        req = TransferRequest(
+            fmt=int(self.fmt),
+            direction=direction,
+            block_ids=tuple(self.block_ids),
+            chunk_size=self.chunk_size,
+            shape=self.shape,
+        )
+        plan = plan_transfer(req, self.paged, self.objects, device_type="cpu")
+        memo: dict[Any, Any] = {}
+
+        def run() -> None:
+            run_fast(plan, self.paged, self.objects, scratch=self.scratch, memo=memo, checked=True)
 
         return run
 
@@ -181,6 +223,7 @@ def run_transfer_bench(
     quick: bool = False,
     reps: int | None = None,
     include_lmcache: bool = True,
+    include_ceiling: bool = True,
     workload: BenchWorkload | None = None,
     progress: Callable[[str], None] | None = None,
     seed: int = 0,
@@ -194,6 +237,7 @@ def run_transfer_bench(
         quick: Small pool (256 blocks) and few repetitions (a smoke run).
         reps: Timed repetitions per contender (default 15, quick 4).
         include_lmcache: Also time LMCache's torch path when lmcache is importable.
+        include_ceiling: Also time the C ceiling when a C compiler is present.
         workload: The shape (default :class:`BenchWorkload`).
         progress: Called with a line of text per finished row.
         seed: Block id sampling seed.
@@ -218,7 +262,8 @@ def run_transfer_bench(
             for nt in thread_list:
                 torch.set_num_threads(nt)
                 for d in directions:
-                    rows.append(_measure(setup, layout, d, nt, n_reps, include_lmcache))
+                    rows.append(_measure(setup, layout, d, nt, n_reps, include_lmcache,
+                                         include_ceiling))
                     if progress is not None:
                         progress(format_table(rows[-1:], header=False))
             del setup
@@ -228,16 +273,26 @@ def run_transfer_bench(
 
 
 def _measure(
-    setup: _Setup, layout: str, d: str, nt: int, n_reps: int, include_lmcache: bool
+    setup: _Setup,
+    layout: str,
+    d: str,
+    nt: int,
+    n_reps: int,
+    include_lmcache: bool,
+    include_ceiling: bool,
 ) -> BenchRow:
     direction = 1 if d == "gather" else 0
     contenders: dict[str, Callable[[], None]] = {
         "kvactors": setup.kvactors(direction),
+        "reused": setup.kvactors_reused(direction),
         "raw": setup.raw(),
     }
     lm = setup.lmcache(direction) if include_lmcache else None
     if lm is not None:
         contenders["lmcache"] = lm
+    ceilings = setup.ceilings(direction) if include_ceiling else []
+    for i, ceil in enumerate(ceilings):
+        contenders[f"ceiling{i}"] = ceil
     times: dict[str, list[float]] = {k: [] for k in contenders}
     for fn in contenders.values():
         fn()  # warm-up (and staging allocation)
@@ -246,6 +301,7 @@ def _measure(
             times[name].append(_time(fn))
     gbps = {k: setup.nbytes / statistics.median(v) / 1e9 for k, v in times.items()}
     lm_gbps = gbps.get("lmcache")
+    c_gbps = max((gbps[f"ceiling{i}"] for i in range(len(ceilings))), default=None)
     return BenchRow(
         layout=layout,
         direction=d,
@@ -257,6 +313,11 @@ def _measure(
         lmcache_gbps=lm_gbps,
         vs_raw=gbps["kvactors"] / gbps["raw"],
         vs_lmcache=None if lm_gbps is None else gbps["kvactors"] / lm_gbps,
+        ceiling_gbps=c_gbps,
+        ceiling_vs_raw=None if c_gbps is None else c_gbps / gbps["raw"],
+        vs_ceiling=None if c_gbps is None else gbps["kvactors"] / c_gbps,
+        reused_gbps=gbps["reused"],
+        reused_vs_ceiling=None if c_gbps is None else gbps["reused"] / c_gbps,
     )
 
 
@@ -270,13 +331,16 @@ def format_table(rows: Sequence[BenchRow], *, header: bool = True) -> str:
     if header:
         lines.append(
             f"{'layout':<13}{'dir':<8}{'thr':>3} {'MiB':>6} {'kvactors':>9} {'raw':>7} "
-            f"{'lmcache':>8} {'vs raw':>7} {'vs lmc':>7}"
+            f"{'lmcache':>8} {'C':>7} {'vs raw':>7} {'C/raw':>6} {'vs C':>6} {'reuse/C':>7} "
+            f"{'vs lmc':>7}"
         )
     for r in rows:
         lines.append(
             f"{r.layout:<13}{r.direction:<8}{r.threads:>3} {r.nbytes / 2**20:>6.0f} "
             f"{r.kvactors_gbps:>9.2f} {r.raw_gbps:>7.2f} {opt(r.lmcache_gbps, '>8.2f')} "
-            f"{r.vs_raw:>7.2f} {opt(r.vs_lmcache, '>7.1f')}"
+            f"{opt(r.ceiling_gbps, '>7.2f')} {r.vs_raw:>7.2f} {opt(r.ceiling_vs_raw, '>6.2f')} "
+            f"{opt(r.vs_ceiling, '>6.2f')} {opt(r.reused_vs_ceiling, '>7.2f')} "
+            f"{opt(r.vs_lmcache, '>7.1f')}"
         )
     return "\n".join(lines)
 
@@ -291,8 +355,15 @@ def main(argv: Sequence[str] | None = None) -> int:
     ap.add_argument("--blocks", type=int, default=None, help="paged pool size in blocks")
     ap.add_argument("--quick", action="store_true")
     ap.add_argument("--no-lmcache", action="store_true")
+    ap.add_argument("--ceiling", action=argparse.BooleanOptionalAction, default=True,
+                    help="also time the C ceiling of each access pattern (needs a C compiler)")
     args = ap.parse_args(argv)
     w = BenchWorkload() if args.blocks is None else BenchWorkload(num_blocks=args.blocks)
+    if args.ceiling:
+        from kvactors.cli.bench.ceiling import ceiling_library
+
+        if ceiling_library() is None:
+            print("C ceiling unavailable (no C compiler): the C columns are n/a")
     print(format_table([]))
     run_transfer_bench(
         args.layouts,
@@ -301,6 +372,7 @@ def main(argv: Sequence[str] | None = None) -> int:
         quick=args.quick,
         reps=args.reps,
         include_lmcache=not args.no_lmcache,
+        include_ceiling=args.ceiling,
         workload=w if args.blocks is not None or not args.quick else None,
         progress=print,
     )
