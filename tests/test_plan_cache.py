@@ -101,6 +101,22 @@ def _device(paged: list[torch.Tensor], objs: list[torch.Tensor]) -> tuple[Any, A
     return [torch.empty(p.shape, dtype=p.dtype, device="meta") for p in paged], objs
 
 
+def _inplace_view(paged: list[torch.Tensor], objs: list[torch.Tensor]) -> tuple[Any, Any]:
+    # The same tensor object, pointer and storage offset; only its shape and strides move
+    # (in-place view ops bump the version counter, which the lookup compares too).
+    objs[0].unsqueeze_(0)
+    return paged, objs
+
+
+def _data_assigned(paged: list[torch.Tensor], objs: list[torch.Tensor]) -> tuple[Any, Any]:
+    # ``t.data = ...`` keeps the object, its pointer and its version counter: only the dtype
+    # changes, and the compared metadata must catch it.
+    version, ptr = paged[0]._version, paged[0].data_ptr()
+    paged[0].data = paged[0].view(torch.float16)
+    assert (paged[0]._version, paged[0].data_ptr()) == (version, ptr)
+    return paged, objs
+
+
 def _structure(paged: list[torch.Tensor], objs: list[torch.Tensor]) -> tuple[Any, Any]:
     return tuple(paged), objs
 
@@ -116,10 +132,13 @@ CHANGES: dict[str, Callable[[list[torch.Tensor], list[torch.Tensor]], tuple[Any,
     "dtype": _dtype,
     "device": _device,
     "structure": _structure,
+    "in-place view op (same object)": _inplace_view,
+    ".data assigned (same object, pointer, version)": _data_assigned,
 }
 
 
-REFUSED = ("stride", "shape", "dtype", "device")
+REFUSED = ("stride", "shape", "dtype", "device", "in-place view op (same object)",
+           ".data assigned (same object, pointer, version)")
 
 
 @pytest.mark.parametrize("change", list(CHANGES))
