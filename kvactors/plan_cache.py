@@ -32,6 +32,7 @@ from typing import TYPE_CHECKING, Any
 import msgspec
 import torch
 
+from kvactors.layouts import Direction
 from kvactors.plans import TransferRequest, plan_transfer
 
 if TYPE_CHECKING:
@@ -60,7 +61,7 @@ class PlanTicket:
     :meth:`PlanCache.settle` can re-read their version counters after the transfer ran, and
     the plan's kernel memo (index tensors kept with the plan, see ``run_fast``)."""
 
-    __slots__ = ("entry", "facts", "key", "memo", "tensors", "versions")
+    __slots__ = ("entry", "facts", "key", "memo", "paged", "tensors", "versions")
 
     def __init__(
         self,
@@ -71,6 +72,7 @@ class PlanTicket:
     ) -> None:
         self.key = key
         self.tensors = tensors
+        self.paged = len(tensors)  # how many of ``tensors`` are paged ones (set by the lookup)
         self.facts = facts
         self.versions = versions
         self.entry: _Entry | None = None
@@ -177,7 +179,14 @@ class PlanCache:
         the entry can only ever match operands whose metadata equals what was validated."""
         if ticket is None or ticket.entry is None:
             return
-        ticket.entry.versions = tuple([t._version for t in ticket.tensors])
+        # Only the side the transfer wrote is re-read (a gather writes the chunks, a scatter
+        # the paged memory); the other keeps the versions the lookup saw, so a write by
+        # anybody else meanwhile still re-validates the next call.
+        n, seen, ts = ticket.paged, ticket.versions, ticket.tensors
+        if plan.direction == Direction.D2H:
+            ticket.entry.versions = seen[:n] + tuple([t._version for t in ts[n:]])
+        else:
+            ticket.entry.versions = tuple([t._version for t in ts[:n]]) + seen[n:]
 
     def clear(self) -> None:
         """Forget every plan."""
@@ -191,9 +200,10 @@ class PlanCache:
             return None
         structure: list[Any] = []
         tensors: list[torch.Tensor] = []
-        if not _flatten(paged, 0, structure, tensors) or not _flatten(
-            objects, 1, structure, tensors
-        ):
+        if not _flatten(paged, 0, structure, tensors):
+            return None
+        n_paged = len(tensors)
+        if not _flatten(objects, 1, structure, tensors):
             return None
         try:
             # The encoded request, not the Struct: ``True == 1`` and ``1.0 == 1`` compare equal,
@@ -206,6 +216,8 @@ class PlanCache:
         # never hashed on the hot path.
         structure.append(wire)
         structure += [t.data_ptr() for t in tensors]
-        return PlanTicket(
+        ticket = PlanTicket(
             tuple(structure), tensors, _facts(tensors), tuple([t._version for t in tensors])
         )
+        ticket.paged = n_paged
+        return ticket

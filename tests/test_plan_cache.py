@@ -233,3 +233,20 @@ def test_runtime_transfers_reuse_plans() -> None:
         objs[0].fill_(0)
         rt.transfer(req, paged, objs)
         assert plans.misses == misses + 1
+
+
+@pytest.mark.parametrize("direction", [int(Direction.D2H), int(Direction.H2D)])
+def test_settle_keeps_only_the_transfers_own_write(direction: int) -> None:
+    cache = PlanCache("cpu", 0)
+    paged, objs = _operands()
+    req = _request(direction=direction)
+    plan, ticket = cache.lookup(req, paged, objs)
+    run_fast(plan, paged, objs)  # writes the chunk (gather) or the paged memory (scatter)
+    # Somebody else writes the side the transfer only read, while it runs.
+    (paged[0] if direction == int(Direction.D2H) else objs[0]).add_(1)
+    cache.settle(plan, ticket)
+    assert _planned(cache, req, paged, objs)  # that write is not taken for the transfer's own
+    plan, ticket = cache.lookup(req, paged, objs)
+    run_fast(plan, paged, objs)
+    cache.settle(plan, ticket)
+    assert not _planned(cache, req, paged, objs)  # the transfer's own write alone: reused
