@@ -9,14 +9,15 @@ keeps with it the rest of every tensor's metadata (storage offset, shape, stride
 device: compared, never hashed) and its version counter (``t._version``, bumped by every
 in-place write, ``set_``, ``resize_`` and in-place view op such as ``transpose_``). A lookup
 recomputes all of it from the operands it is given and reuses the plan only when every fact
-is equal, so a stale plan cannot be used: any change
-of any of those facts re-validates. Failed validations are never cached (every bad call
+is equal, so a stale plan cannot be used: any change of any of those facts re-validates. All
+of one tensor's facts are read in one pass (each tensor's metadata is touched once per call). Failed validations are never cached (every bad call
 raises afresh).
 
 The version counters also move when kvactors itself writes an operand (a gather writes the
 chunks, a scatter the paged memory). After a transfer ran, :meth:`PlanCache.settle` re-reads
-the versions of the same tensors and stores them with the entry, so the next identical call
-hits. Only versions are re-read: the rest of the key is what was validated, so the entry can
+the versions of the side the transfer wrote and stores them with the entry, so the next
+identical call hits (the other side keeps the versions the lookup saw: a write by anybody else
+meanwhile re-validates). Only versions are re-read: the rest of the key is what was validated, so the entry can
 only ever match operands whose metadata is exactly the validated metadata.
 
 The cache is bounded (least recently used entries go first) and takes a lock only around the
@@ -45,36 +46,33 @@ _encode = msgspec.msgpack.Encoder().encode
 
 
 class _Entry:
-    __slots__ = ("facts", "memo", "plan", "versions")
+    __slots__ = ("facts", "memo", "plan")
 
-    def __init__(
-        self, plan: TransferPlan, facts: list[tuple[Any, ...]], versions: tuple[int, ...]
-    ) -> None:
+    def __init__(self, plan: TransferPlan, facts: list[tuple[Any, ...]]) -> None:
         self.plan = plan
-        self.facts = facts
-        self.versions = versions
+        self.facts = facts  # per tensor: _facts' row, the version counter last
         self.memo: dict[Any, Any] = {}
 
 
 class PlanTicket:
-    """What a lookup saw (held for one call only): its key, the operand tensors, so that
-    :meth:`PlanCache.settle` can re-read their version counters after the transfer ran, and
-    the plan's kernel memo (index tensors kept with the plan, see ``run_fast``)."""
+    """What a lookup saw (held for one call only): its key, the operand tensors and their
+    facts, so that :meth:`PlanCache.settle` can re-read the version counters of the side the
+    transfer wrote, and the plan's kernel memo (index tensors and view geometry kept with the
+    plan, see ``run_fast``)."""
 
-    __slots__ = ("entry", "facts", "key", "memo", "paged", "tensors", "versions")
+    __slots__ = ("entry", "facts", "key", "memo", "paged", "tensors")
 
     def __init__(
         self,
         key: tuple[Any, ...],
         tensors: list[torch.Tensor],
         facts: list[tuple[Any, ...]],
-        versions: tuple[int, ...],
+        paged: int,
     ) -> None:
         self.key = key
         self.tensors = tensors
-        self.paged = len(tensors)  # how many of ``tensors`` are paged ones (set by the lookup)
         self.facts = facts
-        self.versions = versions
+        self.paged = paged  # the first ``paged`` tensors are the paged ones
         self.entry: _Entry | None = None
         self.memo: dict[Any, Any] = {}
 
@@ -104,8 +102,12 @@ def _flatten(value: object, depth: int, structure: list[Any], tensors: list[torc
 
 
 def _facts(tensors: list[torch.Tensor]) -> list[tuple[Any, ...]]:
-    """Per tensor everything but the data pointer (in the key) and the version (kept apart)."""
-    return [(t.storage_offset(), t.shape, t.stride(), t.dtype, t.device) for t in tensors]
+    """Per tensor, in ONE pass (each tensor's metadata is read while it is in cache): data
+    pointer, storage offset, shape, stride, dtype, device and, last, the version counter."""
+    return [
+        (t.data_ptr(), t.storage_offset(), t.shape, t.stride(), t.dtype, t.device, t._version)
+        for t in tensors
+    ]
 
 
 class PlanCache:
@@ -145,11 +147,7 @@ class PlanCache:
         if ticket is not None:
             with self._lock:
                 entry = self._plans.get(ticket.key)
-                if (
-                    entry is not None
-                    and entry.versions == ticket.versions
-                    and entry.facts == ticket.facts
-                ):
+                if entry is not None and entry.facts == ticket.facts:
                     self._plans.move_to_end(ticket.key)
                     self.hits += 1
                     ticket.entry, ticket.memo = entry, entry.memo
@@ -164,7 +162,7 @@ class PlanCache:
         with self._lock:
             self.misses += 1
             if ticket is not None:
-                entry = _Entry(plan, ticket.facts, ticket.versions)
+                entry = _Entry(plan, ticket.facts)
                 ticket.entry, ticket.memo = entry, entry.memo
                 self._plans[ticket.key] = entry
                 self._plans.move_to_end(ticket.key)
@@ -182,11 +180,15 @@ class PlanCache:
         # Only the side the transfer wrote is re-read (a gather writes the chunks, a scatter
         # the paged memory); the other keeps the versions the lookup saw, so a write by
         # anybody else meanwhile still re-validates the next call.
-        n, seen, ts = ticket.paged, ticket.versions, ticket.tensors
+        n, seen, ts = ticket.paged, ticket.facts, ticket.tensors
         if plan.direction == Direction.D2H:
-            ticket.entry.versions = seen[:n] + tuple([t._version for t in ts[n:]])
+            lo, hi = n, len(ts)
         else:
-            ticket.entry.versions = tuple([t._version for t in ts[:n]]) + seen[n:]
+            lo, hi = 0, n
+        rows = list(seen)
+        for i in range(lo, hi):
+            rows[i] = (*seen[i][:-1], ts[i]._version)
+        ticket.entry.facts = rows
 
     def clear(self) -> None:
         """Forget every plan."""
@@ -211,13 +213,10 @@ class PlanCache:
             wire = _encode(request)
         except (TypeError, ValueError, OverflowError):  # not wire-safe: validate every time
             return None
-        # The key hashes only cheap facts (bytes, markers, ints); the rest of the metadata is
-        # compared with the entry's (``_facts``), so tensors' sizes, dtypes and devices are
+        # The key hashes only cheap facts (bytes, markers, data pointers); the rest of the
+        # metadata is compared with the entry's, so tensors' sizes, dtypes and devices are
         # never hashed on the hot path.
+        facts = _facts(tensors)
         structure.append(wire)
-        structure += [t.data_ptr() for t in tensors]
-        ticket = PlanTicket(
-            tuple(structure), tensors, _facts(tensors), tuple([t._version for t in tensors])
-        )
-        ticket.paged = n_paged
-        return ticket
+        structure += [f[0] for f in facts]
+        return PlanTicket(tuple(structure), tensors, facts, n_paged)
