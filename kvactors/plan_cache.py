@@ -10,15 +10,16 @@ device: compared, never hashed) and its version counter (``t._version``, bumped 
 in-place write, ``set_``, ``resize_`` and in-place view op such as ``transpose_``). A lookup
 recomputes all of it from the operands it is given and reuses the plan only when every fact
 is equal, so a stale plan cannot be used: any change of any of those facts re-validates. All
-of one tensor's facts are read in one pass (each tensor's metadata is touched once per call). Failed validations are never cached (every bad call
-raises afresh).
+of one tensor's facts are read in one pass (its metadata is touched once per call). Failed
+validations are never cached (every bad call raises afresh).
 
 The version counters also move when kvactors itself writes an operand (a gather writes the
 chunks, a scatter the paged memory). After a transfer ran, :meth:`PlanCache.settle` re-reads
 the versions of the side the transfer wrote and stores them with the entry, so the next
 identical call hits (the other side keeps the versions the lookup saw: a write by anybody else
-meanwhile re-validates). Only versions are re-read: the rest of the key is what was validated, so the entry can
-only ever match operands whose metadata is exactly the validated metadata.
+meanwhile re-validates). Only versions are re-read: the rest of the facts is what was
+validated, so the entry can only ever match operands whose metadata is exactly the validated
+metadata.
 
 The cache is bounded (least recently used entries go first) and takes a lock only around the
 dictionary, never around validation.
