@@ -29,11 +29,14 @@ R = TypeVar("R")
 
 
 class BlockLedger:
-    """In-flight transfers per engine block, and the fences waiting on them."""
+    """In-flight transfers per engine block, and the fences waiting on them.
+
+    Transfers are the hot path and fences the rare one, so a transfer costs one dictionary
+    entry each way (its block set, kept as given when it is a frozenset) and a fence scans the
+    transfers in flight for the ones touching its blocks."""
 
     def __init__(self) -> None:
         self._blocks_of: dict[int, frozenset[int]] = {}
-        self._inflight_on: dict[int, set[int]] = {}
         self._fence_waits: dict[int, set[int]] = {}
         self._fences_on: dict[int, set[int]] = {}
 
@@ -53,27 +56,23 @@ class BlockLedger:
             raise ProtocolError(
                 f"transfer {transfer_id} begun twice", actor="BlockLedger", state="inflight"
             )
-        bs = frozenset(blocks)
-        self._blocks_of[transfer_id] = bs
-        for b in bs:
-            self._inflight_on.setdefault(b, set()).add(transfer_id)
+        self._blocks_of[transfer_id] = (
+            blocks if type(blocks) is frozenset else frozenset(blocks)
+        )
 
     def finish(self, transfer_id: int) -> list[int]:
         """Record completion (or failure) of ``transfer_id``; return the fences it released."""
-        bs = self._blocks_of.pop(transfer_id, None)
-        if bs is None:
+        if self._blocks_of.pop(transfer_id, None) is None:
             raise ProtocolError(
                 f"transfer {transfer_id} finished but never begun",
                 actor="BlockLedger",
                 state="idle",
             )
-        for b in bs:
-            on = self._inflight_on[b]
-            on.discard(transfer_id)
-            if not on:
-                del self._inflight_on[b]
+        fences = self._fences_on.pop(transfer_id, None)
+        if not fences:
+            return []
         released: list[int] = []
-        for fence_id in sorted(self._fences_on.pop(transfer_id, ())):
+        for fence_id in sorted(fences):
             waits = self._fence_waits[fence_id]
             waits.discard(transfer_id)
             if not waits:
@@ -87,9 +86,8 @@ class BlockLedger:
             raise ProtocolError(
                 f"fence {fence_id} taken twice", actor="BlockLedger", state="fencing"
             )
-        waits: set[int] = set()
-        for b in set(blocks):
-            waits |= self._inflight_on.get(b, set())
+        wanted = frozenset(blocks)
+        waits = {t for t, bs in self._blocks_of.items() if not wanted.isdisjoint(bs)}
         if waits:
             self._fence_waits[fence_id] = waits
             for t in waits:

@@ -4,18 +4,22 @@ Theory of operation. :func:`~kvactors.plans.plan_transfer` reads metadata only, 
 is a function of the request and of every operand's metadata: its storage (base address and
 offset), data pointer, shape, stride, dtype and device, plus the operand structure (a list of
 layers, ``[[K...], [V...]]``, one tensor). :class:`PlanCache` keys a validated plan by the
-encoded request and an *operand fingerprint* holding exactly those facts, and keeps with it
-each tensor's version counter (``t._version``, bumped by every in-place write, ``set_`` and
-``resize_``). A lookup recomputes the fingerprint and the versions from the operands it is
-given and reuses the plan only when both are equal, so a stale plan cannot be used: any change
-of any of those facts re-validates. Failed validations are never cached (every bad call
-raises afresh).
+encoded request, the operand structure and every tensor's data pointer (cheap to hash), and
+keeps with it the rest of every tensor's metadata (storage offset, shape, stride, dtype,
+device: compared, never hashed) and its version counter (``t._version``, bumped by every
+in-place write, ``set_``, ``resize_`` and in-place view op such as ``transpose_``). A lookup
+recomputes all of it from the operands it is given and reuses the plan only when every fact
+is equal, so a stale plan cannot be used: any change of any of those facts re-validates. All
+of one tensor's facts are read in one pass (its metadata is touched once per call). Failed
+validations are never cached (every bad call raises afresh).
 
 The version counters also move when kvactors itself writes an operand (a gather writes the
 chunks, a scatter the paged memory). After a transfer ran, :meth:`PlanCache.settle` re-reads
-the versions of the same tensors and stores them with the entry, so the next identical call
-hits. Only versions are re-read: the rest of the key is what was validated, so the entry can
-only ever match operands whose metadata is exactly the validated metadata.
+the versions of the side the transfer wrote and stores them with the entry, so the next
+identical call hits (the other side keeps the versions the lookup saw: a write by anybody else
+meanwhile re-validates). Only versions are re-read: the rest of the facts is what was
+validated, so the entry can only ever match operands whose metadata is exactly the validated
+metadata.
 
 The cache is bounded (least recently used entries go first) and takes a lock only around the
 dictionary, never around validation.
@@ -31,66 +35,81 @@ import msgspec
 import torch
 
 from kvactors.errors import InvalidSettingError
+from kvactors.layouts import Direction
 from kvactors.plans import TransferRequest, plan_transfer
 
 if TYPE_CHECKING:
     from kvactors.plans import TransferPlan
 
-__all__ = ("PlanCache", "PlanTicket", "fingerprint")
+__all__ = ("PlanCache", "PlanTicket")
 
 _Tensor = torch.Tensor
 _encode = msgspec.msgpack.Encoder().encode
 
 
 class _Entry:
-    __slots__ = ("memo", "plan", "versions")
+    __slots__ = ("facts", "memo", "plan")
 
-    def __init__(self, plan: TransferPlan, versions: tuple[int, ...]) -> None:
+    def __init__(self, plan: TransferPlan, facts: list[tuple[Any, ...]]) -> None:
         self.plan = plan
-        self.versions = versions
+        self.facts = facts  # per tensor: _facts' row, the version counter last
         self.memo: dict[Any, Any] = {}
 
 
 class PlanTicket:
-    """What a lookup saw (held for one call only): its key, the operand tensors, so that
-    :meth:`PlanCache.settle` can re-read their version counters after the transfer ran, and
-    the plan's kernel memo (index tensors kept with the plan, see ``run_fast``)."""
+    """What a lookup saw (held for one call only): its key, the operand tensors and their
+    facts, so that :meth:`PlanCache.settle` can re-read the version counters of the side the
+    transfer wrote, and the plan's kernel memo (index tensors and view geometry kept with the
+    plan, see ``run_fast``)."""
 
-    __slots__ = ("entry", "key", "memo", "tensors", "versions")
+    __slots__ = ("entry", "facts", "key", "memo", "paged", "tensors")
 
     def __init__(
-        self, key: tuple[Any, ...], tensors: list[torch.Tensor], versions: tuple[int, ...]
+        self,
+        key: tuple[Any, ...],
+        tensors: list[torch.Tensor],
+        facts: list[tuple[Any, ...]],
+        paged: int,
     ) -> None:
         self.key = key
         self.tensors = tensors
-        self.versions = versions
+        self.facts = facts
+        self.paged = paged  # the first ``paged`` tensors are the paged ones
         self.entry: _Entry | None = None
         self.memo: dict[Any, Any] = {}
 
 
-def _walk(value: object, depth: int, meta: list[Any], tensors: list[torch.Tensor]) -> bool:
+_T = "t"  # a tensor's place in the structure
+
+
+def _flatten(value: object, depth: int, structure: list[Any], tensors: list[torch.Tensor]) -> bool:
+    """Append ``value``'s structure (list/tuple markers and lengths, ``_T`` per tensor) and
+    its tensors in order; ``False`` for anything but a tensor or a nested (at most 3 deep)
+    list or tuple of tensors."""
     if isinstance(value, _Tensor):
+        structure.append(_T)
         tensors.append(value)
-        meta += (value.data_ptr(), value.storage_offset(), value.shape, value.stride(),
-                 value.dtype, value.device)
         return True
-    if depth < 3 and isinstance(value, (list, tuple)):
-        meta.append("[" if isinstance(value, list) else "(")
-        meta.append(len(value))
-        return all(_walk(v, depth + 1, meta, tensors) for v in value)
-    return False
+    if depth >= 3 or not isinstance(value, (list, tuple)):
+        return False
+    structure.append("[" if isinstance(value, list) else "(")
+    structure.append(len(value))
+    for v in value:  # one frame per list, not per tensor
+        if isinstance(v, _Tensor):
+            structure.append(_T)
+            tensors.append(v)
+        elif not _flatten(v, depth + 1, structure, tensors):
+            return False
+    return True
 
 
-def fingerprint(value: object) -> tuple[tuple[Any, ...], tuple[int, ...]] | None:
-    """``(metadata, versions)`` of a tensor or a nested (at most 3 deep) list or tuple of
-    tensors: structure, and per tensor data pointer, storage offset, shape, stride, dtype,
-    device; then every tensor's version counter. ``None`` for anything else (such operands
-    are validated every time)."""
-    meta: list[Any] = []
-    tensors: list[torch.Tensor] = []
-    if not _walk(value, 0, meta, tensors):
-        return None
-    return tuple(meta), tuple([t._version for t in tensors])
+def _facts(tensors: list[torch.Tensor]) -> list[tuple[Any, ...]]:
+    """Per tensor, in ONE pass (each tensor's metadata is read while it is in cache): data
+    pointer, storage offset, shape, stride, dtype, device and, last, the version counter."""
+    return [
+        (t.data_ptr(), t.storage_offset(), t.shape, t.stride(), t.dtype, t.device, t._version)
+        for t in tensors
+    ]
 
 
 class PlanCache:
@@ -132,7 +151,7 @@ class PlanCache:
         if ticket is not None:
             with self._lock:
                 entry = self._plans.get(ticket.key)
-                if entry is not None and entry.versions == ticket.versions:
+                if entry is not None and entry.facts == ticket.facts:
                     self._plans.move_to_end(ticket.key)
                     self.hits += 1
                     ticket.entry, ticket.memo = entry, entry.memo
@@ -147,7 +166,7 @@ class PlanCache:
         with self._lock:
             self.misses += 1
             if ticket is not None:
-                entry = _Entry(plan, ticket.versions)
+                entry = _Entry(plan, ticket.facts)
                 ticket.entry, ticket.memo = entry, entry.memo
                 self._plans[ticket.key] = entry
                 self._plans.move_to_end(ticket.key)
@@ -162,7 +181,18 @@ class PlanCache:
         the entry can only ever match operands whose metadata equals what was validated."""
         if ticket is None or ticket.entry is None:
             return
-        ticket.entry.versions = tuple([t._version for t in ticket.tensors])
+        # Only the side the transfer wrote is re-read (a gather writes the chunks, a scatter
+        # the paged memory); the other keeps the versions the lookup saw, so a write by
+        # anybody else meanwhile still re-validates the next call.
+        n, seen, ts = ticket.paged, ticket.facts, ticket.tensors
+        if plan.direction == Direction.D2H:
+            lo, hi = n, len(ts)
+        else:
+            lo, hi = 0, n
+        rows = list(seen)
+        for i in range(lo, hi):
+            rows[i] = (*seen[i][:-1], ts[i]._version)
+        ticket.entry.facts = rows
 
     def clear(self) -> None:
         """Forget every plan."""
@@ -174,9 +204,12 @@ class PlanCache:
     ) -> PlanTicket | None:
         if type(request) is not TransferRequest:
             return None
-        meta: list[Any] = []
+        structure: list[Any] = []
         tensors: list[torch.Tensor] = []
-        if not _walk(paged, 0, meta, tensors) or not _walk(objects, 1, meta, tensors):
+        if not _flatten(paged, 0, structure, tensors):
+            return None
+        n_paged = len(tensors)
+        if not _flatten(objects, 1, structure, tensors):
             return None
         try:
             # The encoded request, not the Struct: ``True == 1`` and ``1.0 == 1`` compare equal,
@@ -184,5 +217,10 @@ class PlanCache:
             wire = _encode(request)
         except (TypeError, ValueError, OverflowError):  # not wire-safe: validate every time
             return None
-        meta.append(wire)
-        return PlanTicket(tuple(meta), tensors, tuple([t._version for t in tensors]))
+        # The key hashes only cheap facts (bytes, markers, data pointers); the rest of the
+        # metadata is compared with the entry's, so tensors' sizes, dtypes and devices are
+        # never hashed on the hot path.
+        facts = _facts(tensors)
+        structure.append(wire)
+        structure += [f[0] for f in facts]
+        return PlanTicket(tuple(structure), tensors, facts, n_paged)

@@ -319,3 +319,32 @@ def test_reused_plan_with_memo_matches_the_reference(fmt: KVFormat, direction: i
             both(mk(fmt), direction, ids, memo=memo)
         if len(ids) == 6 and fmt is not HND:
             assert memo.get("rows_host"), "the one-call rows path did not run"
+
+
+@pytest.mark.parametrize("fmt", list(KVFormat))
+@pytest.mark.parametrize("alloc", ALLOCS)
+@pytest.mark.parametrize("direction", [0, 1])
+def test_cache_checked_reuse_matches_the_reference(
+    fmt: KVFormat, alloc: str, direction: int
+) -> None:
+    """The runtime's reuse of a cached plan (``memo`` of the plan entry, ``checked=True``: the
+    one-call stacked gather and rows paths, whose views' geometry is kept from the first call)
+    moves exactly the reference's bytes on every call of the same operands."""
+    c = mk(fmt, alloc=alloc)
+    ids = [5, 0, 7, 2, 3, 6]
+    pa, (paged_a, objs_a, back_a) = planned(c, direction, ids)
+    pb, (paged_b, objs_b, back_b) = planned(c, direction, ids)
+    memo: dict[Any, Any] = {}
+    for call in range(3):
+        if call:  # new bytes on the source side each call: a stale copy would show
+            src_a, src_b = (back_a, back_b) if direction == 1 else (objs_a, objs_b)
+            for ta, tb in zip(src_a, src_b, strict=True):
+                fresh = torch.randn(ta.shape).to(ta.dtype)
+                ta.copy_(fresh)
+                tb.copy_(fresh)
+        run_reference(pa, paged_a, objs_a)
+        run_fast(pb, paged_b, objs_b, memo=memo, checked=True)
+        assert same_bytes(back_a, back_b)
+        assert same_bytes(objs_a, objs_b)
+    if direction == 1 and pb.stacked is not None:
+        assert memo.get("stacked_gather"), "the one-call stacked gather did not run"

@@ -101,6 +101,22 @@ def _device(paged: list[torch.Tensor], objs: list[torch.Tensor]) -> tuple[Any, A
     return [torch.empty(p.shape, dtype=p.dtype, device="meta") for p in paged], objs
 
 
+def _inplace_view(paged: list[torch.Tensor], objs: list[torch.Tensor]) -> tuple[Any, Any]:
+    # The same tensor object, pointer and storage offset; only its shape and strides move
+    # (in-place view ops bump the version counter, which the lookup compares too).
+    objs[0].unsqueeze_(0)
+    return paged, objs
+
+
+def _data_assigned(paged: list[torch.Tensor], objs: list[torch.Tensor]) -> tuple[Any, Any]:
+    # ``t.data = ...`` keeps the object, its pointer and its version counter: only the dtype
+    # changes, and the compared metadata must catch it.
+    version, ptr = paged[0]._version, paged[0].data_ptr()
+    paged[0].data = paged[0].view(torch.float16)
+    assert (paged[0]._version, paged[0].data_ptr()) == (version, ptr)
+    return paged, objs
+
+
 def _structure(paged: list[torch.Tensor], objs: list[torch.Tensor]) -> tuple[Any, Any]:
     return tuple(paged), objs
 
@@ -116,10 +132,13 @@ CHANGES: dict[str, Callable[[list[torch.Tensor], list[torch.Tensor]], tuple[Any,
     "dtype": _dtype,
     "device": _device,
     "structure": _structure,
+    "in-place view op (same object)": _inplace_view,
+    ".data assigned (same object, pointer, version)": _data_assigned,
 }
 
 
-REFUSED = ("stride", "shape", "dtype", "device")
+REFUSED = ("stride", "shape", "dtype", "device", "in-place view op (same object)",
+           ".data assigned (same object, pointer, version)")
 
 
 @pytest.mark.parametrize("change", list(CHANGES))
@@ -214,3 +233,20 @@ def test_runtime_transfers_reuse_plans() -> None:
         objs[0].fill_(0)
         rt.transfer(req, paged, objs)
         assert plans.misses == misses + 1
+
+
+@pytest.mark.parametrize("direction", [int(Direction.D2H), int(Direction.H2D)])
+def test_settle_keeps_only_the_transfers_own_write(direction: int) -> None:
+    cache = PlanCache("cpu", 0)
+    paged, objs = _operands()
+    req = _request(direction=direction)
+    plan, ticket = cache.lookup(req, paged, objs)
+    run_fast(plan, paged, objs)  # writes the chunk (gather) or the paged memory (scatter)
+    # Somebody else writes the side the transfer only read, while it runs.
+    (paged[0] if direction == int(Direction.D2H) else objs[0]).add_(1)
+    cache.settle(plan, ticket)
+    assert _planned(cache, req, paged, objs)  # that write is not taken for the transfer's own
+    plan, ticket = cache.lookup(req, paged, objs)
+    run_fast(plan, paged, objs)
+    cache.settle(plan, ticket)
+    assert not _planned(cache, req, paged, objs)  # the transfer's own write alone: reused

@@ -195,6 +195,42 @@ def block_ids_tuple(block_ids: Any) -> tuple[int, ...]:
     return tuple(out)
 
 
+_SHAPE_FIELDS = ("kv_size", "nl", "nb", "bs", "nh", "hs", "element_size", "block_stride_elems")
+_DTYPE_TYPES = (torch.dtype, str, type(None))
+_SHAPES: dict[tuple[Any, ...], ShapeDesc] = {}
+_SHAPES_MAX = 256
+_FORMATS = frozenset(int(f) for f in KVFormat) - frozenset(_REFUSED_FORMATS)
+_DIRECTIONS = frozenset(int(d) for d in Direction)
+
+
+def _shape_key(shape_desc: Any) -> tuple[Any, ...] | None:
+    """Every field of a ``PageBufferShapeDesc``, read again on every call (the descriptor is
+    mutable: its identity proves nothing), or ``None`` unless each is of the exact type whose
+    equal values convert equally (``int`` fields; ``True == 1`` and ``1.0 == 1`` must not
+    share a key; a ``torch.dtype``, string or ``None`` dtype)."""
+    try:
+        fields = tuple([getattr(shape_desc, name) for name in _SHAPE_FIELDS])
+    except AttributeError:
+        return None
+    dtype = getattr(shape_desc, "dtype", None)
+    if not set(map(type, fields)) <= {int} or not isinstance(dtype, _DTYPE_TYPES):
+        return None
+    return (*fields, dtype)
+
+
+def _cached_shape_desc(shape_desc: Any) -> ShapeDesc:
+    key = _shape_key(shape_desc)
+    if key is None:
+        return shape_desc_of(shape_desc)
+    shape = _SHAPES.get(key)
+    if shape is None:
+        shape = shape_desc_of(shape_desc)  # raises: nothing remembered
+        if len(_SHAPES) >= _SHAPES_MAX:
+            _SHAPES.clear()
+        _SHAPES[key] = shape
+    return shape
+
+
 def to_transfer_request(
     engine_kv_format: Any,
     direction: Any,
@@ -203,7 +239,47 @@ def to_transfer_request(
     skip_prefix_n_blocks: int,
     shape_desc: Any,
 ) -> TransferRequest:
-    """Build the kvactors request for one ``multi_layer_block_kv_transfer`` call."""
+    """Build the kvactors request for one ``multi_layer_block_kv_transfer`` call.
+
+    The common call (exact ``int`` numbers, a list of ``int`` block ids, a known format and
+    direction, a shape descriptor seen before with the same field values) takes a short path
+    with the same result; everything else is converted and checked by :func:`_convert_request`.
+    """
+    try:
+        fmt, dirn = int(engine_kv_format), int(direction)
+    except (TypeError, ValueError):
+        fmt = dirn = -1  # the full conversion raises the specific error
+    if (
+        fmt in _FORMATS
+        and dirn in _DIRECTIONS
+        and type(lmcache_chunk_size) is int
+        and type(skip_prefix_n_blocks) is int
+        and (type(block_ids) is list or type(block_ids) is tuple)
+    ):
+        ids = tuple(block_ids)
+        if set(map(type, ids)) <= {int}:
+            return TransferRequest(
+                fmt=fmt,
+                direction=dirn,
+                block_ids=ids,
+                chunk_size=lmcache_chunk_size,
+                skip_blocks=skip_prefix_n_blocks,
+                shape=_cached_shape_desc(shape_desc),
+            )
+    return _convert_request(
+        engine_kv_format, direction, block_ids, lmcache_chunk_size, skip_prefix_n_blocks,
+        shape_desc,
+    )
+
+
+def _convert_request(
+    engine_kv_format: Any,
+    direction: Any,
+    block_ids: Any,
+    lmcache_chunk_size: int,
+    skip_prefix_n_blocks: int,
+    shape_desc: Any,
+) -> TransferRequest:
     if isinstance(lmcache_chunk_size, bool) or not isinstance(lmcache_chunk_size, int):
         raise OperandTypeError(
             f"lmcache_chunk_size must be an int, got {lmcache_chunk_size!r}", field="chunk_size"
@@ -224,8 +300,9 @@ def to_transfer_request(
 
 
 def _is_pointer_list(value: object) -> bool:
+    # Per distinct element type, not per element: a list of 64 layers has one type.
     return isinstance(value, (list, tuple)) and any(
-        isinstance(v, int) and not isinstance(v, bool) for v in value
+        issubclass(t, int) and t is not bool for t in set(map(type, value))
     )
 
 
@@ -237,12 +314,18 @@ def check_tensor_operands(paged: object, objects: object, backend: Backend | Non
             while the objects are not tensors.
     """
     del backend  # reserved: device checks are the runtime's
+    if type(objects) is list and type(paged) is list:  # the common call, decided per type
+        kinds = set(map(type, paged))
+        if set(map(type, objects)) == {torch.Tensor} and (
+            kinds == {torch.Tensor} or kinds == {list}
+        ):
+            return
     if isinstance(objects, int) or _is_pointer_list(objects):
         raise OperandTypeError(
             POINTER_MODE_MESSAGE.format(what="lmcache_objects_ptrs"), field="objects"
         )
     if not isinstance(objects, (list, tuple)) or not all(
-        isinstance(o, torch.Tensor) for o in objects
+        issubclass(t, torch.Tensor) for t in set(map(type, objects))
     ):
         raise OperandTypeError(
             "kvactors adapter: lmcache_objects_ptrs must be a list of host chunk tensors, got "

@@ -187,6 +187,8 @@ class KvactorsDeviceOps(DeviceOps):
         self._lock = threading.Lock()
         self._runtimes: dict[int, Runtime] = {}
         self._home: Runtime | None = None
+        self._indices: dict[torch.device, int] = {}
+        self._count_keys = (f"{self.kvactors_backend}:H2D", f"{self.kvactors_backend}:D2H")
 
     # -- runtime plumbing ---------------------------------------------------------------
 
@@ -273,8 +275,12 @@ class KvactorsDeviceOps(DeviceOps):
             skip_prefix_n_blocks,
             shape_desc,
         )
-        index = self._device_index(device)
-        rt = self._runtime(index)
+        index = self._indices.get(device) if type(device) is torch.device else None
+        if index is None:
+            index = self._device_index(device)
+            if type(device) is torch.device and (device.index is not None or not self.uses_streams):
+                self._indices[device] = index  # immutable device, index not from context
+        rt = self._runtimes.get(index) or self._runtime(index)
         # check_tensor_operands refused anything but tensors; this keeps them, typed as such.
         objects = [o for o in lmcache_objects_ptrs if isinstance(o, torch.Tensor)]
         rt.transfer(
@@ -284,7 +290,7 @@ class KvactorsDeviceOps(DeviceOps):
             stream_handle=self._stream_handle(rt, index),
             complete=self.complete_on_return,
         )
-        key = f"{self.kvactors_backend}:{'H2D' if request.direction == 0 else 'D2H'}"
+        key = self._count_keys[request.direction]
         with _counts_lock:
             _counts[key] += 1
 

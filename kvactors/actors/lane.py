@@ -86,7 +86,7 @@ class Lane:
         """End a claim taken with :meth:`claim_inline`."""
         with self._lock:
             self._inline -= 1
-            if self._inline == 0:
+            if self._inline == 0 and self._held_back:  # the lane thread waits (below)
                 self._inline_done.notify_all()
 
     @property

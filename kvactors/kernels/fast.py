@@ -35,7 +35,7 @@ from kvactors.errors import TransferValidationError
 from kvactors.kernels._context import KernelContext, ScratchCache
 from kvactors.kernels._moves import gather_segment, numpy_usable, scatter_segment
 from kvactors.kernels._staged import single_kernel, staged_segment
-from kvactors.kernels._views import raw, void_view
+from kvactors.kernels._views import object_view, raw, void_view
 from kvactors.layouts import Direction
 from kvactors.plans import paged_units
 
@@ -99,6 +99,16 @@ def run_fast(
         TransferValidationError: The operands are not the ones the plan was made for, or
             ``staged=False`` was asked for device tensors.
     """
+    if checked and memo is not None and plan.on_host and not staged and plan.segments:
+        # A reused plan's one-call paths: no structure walk, no per-tensor views.
+        if (
+            plan.direction is Direction.D2H
+            and plan.stacked is not None
+            and _stacked_gather(plan, _first_unit(plan, paged), objects, memo)
+        ):
+            return
+        if plan.rows is not None and _rows_host(plan, _first_unit(plan, paged), objects, memo):
+            return
     units = paged_units(plan.spec, paged)
     objs = list(objects)
     if not checked and (
@@ -133,8 +143,17 @@ def run_fast(
     )
 
 
+def _first_unit(plan: TransferPlan, paged: Any) -> torch.Tensor:
+    """The first paged tensor of operands the plan cache matched (so of the planned
+    structure: one tensor, a list of layers, or K/V lists, nested or flat)."""
+    if isinstance(paged, torch.Tensor):
+        return paged
+    first = paged[0]
+    return first if isinstance(first, torch.Tensor) else first[0]  # type: ignore[no-any-return]
+
+
 def _rows_host(
-    plan: TransferPlan, unit0: torch.Tensor, objs: list[torch.Tensor], memo: dict[Any, Any]
+    plan: TransferPlan, unit0: torch.Tensor, objs: Sequence[torch.Tensor], memo: dict[Any, Any]
 ) -> bool:
     """The rows path of a reused plan with nothing but full segments, in the fewest calls:
     per object ONE ``index_select`` (gather) or ONE numpy fancy assignment (scatter) between
@@ -148,16 +167,77 @@ def _rows_host(
         return False
     g = plan.rows
     assert g is not None
-    rows = raw(unit0).as_strided((g.nrows, g.piece), (g.row_stride, 1), g.storage_offset)
     if plan.direction is Direction.D2H:
+        # Same dtype on both sides (validated): no integer reinterpretation needed.
+        rows = unit0.as_strided((g.nrows, g.piece), (g.row_stride, 1), g.storage_offset)
         for obj, idx, _ in steps:
-            torch.index_select(rows, 0, idx, out=raw(objs[obj]).view(idx.numel(), -1))
+            out = objs[obj]
+            if out.dtype is not rows.dtype:
+                out, rows = raw(out), raw(rows)
+            torch.index_select(rows, 0, idx, out=out.view(idx.numel(), -1))
         return True
+    rows = raw(unit0).as_strided((g.nrows, g.piece), (g.row_stride, 1), g.storage_offset)
     rows_np = void_view(rows)
     assert rows_np is not None  # rows are unit-stride by construction
     for obj, idx, idx_np in steps:
         rows_np[idx_np] = void_view(raw(objs[obj]).view(idx.numel(), -1))
     return True
+
+
+def _stacked_gather(
+    plan: TransferPlan, unit0: torch.Tensor, objs: Sequence[torch.Tensor], memo: dict[Any, Any]
+) -> bool:
+    """A reused gather plan with nothing but full segments and one stacked view, in ONE
+    ``index_select`` per object: the stacked ``[L, P, B, S, H, D]`` view permuted into its
+    physical order (torch's ``index_select`` is only fast on such a source), the chunk's view
+    permuted the same way, the block axis selected: exactly the single torch call of the same
+    bytes.
+
+    Each view is ONE ``as_strided`` per call: the plan cache matched the operands' shapes,
+    strides and storage offsets to the planned ones, so the views' geometry is computed on
+    the plan's first use and kept in ``memo`` with the order, the block axis and the id
+    tensors (every torch call costs microseconds more on caches a 2 MiB copy just evicted).
+    ``False`` (nothing moved) when it does not apply; the other paths run then."""
+    geo = memo.get("stacked_gather")
+    if geo is None:
+        geo = memo["stacked_gather"] = _stacked_geometry(plan, unit0, objs)
+    if not geo:
+        return False
+    src_geo, dim, steps = geo
+    src = unit0.as_strided(*src_geo)
+    for obj, ids, out_geo in steps:
+        torch.index_select(src, dim, ids, out=objs[obj].as_strided(*out_geo))
+    return True
+
+
+def _stacked_geometry(
+    plan: TransferPlan, unit0: torch.Tensor, objs: Sequence[torch.Tensor]
+) -> tuple[Any, ...]:
+    sv = plan.stacked
+    assert sv is not None
+    shape = plan.request.shape
+    bpo = plan.request.chunk_size // shape.bs
+    if (
+        any(seg.count != bpo for seg in plan.segments)
+        or len({seg.obj for seg in plan.segments}) != len(plan.segments)
+        or any(o.dtype is not unit0.dtype for o in objs)
+    ):
+        return ()
+    size = sv.size
+    stride = tuple(st if n > 1 else 1 for n, st in zip(size, sv.stride, strict=True))
+    order = sorted(range(len(size)), key=lambda i: (size[i] == 1, -stride[i]))
+    src = unit0.as_strided(size, stride, sv.storage_offset).permute(order)
+    # The chunk is [P, L, J, S, H, D]: swap P and L into the stacked axis order, then permute.
+    out_order = [(1, 0, 2, 3, 4, 5)[i] for i in order]
+    steps = []
+    for seg in plan.segments:
+        out = object_view(plan.spec, objs[seg.obj], shape.nl, shape.nh, shape.hs, shape.bs)
+        out = out.permute(out_order)
+        if out.shape[order.index(2)] != bpo:
+            return ()
+        ids = torch.tensor(plan.request.block_ids[seg.start : seg.stop], dtype=torch.int64)
+        steps.append((seg.obj, ids, (out.shape, out.stride(), out.storage_offset())))
+    return (src.shape, src.stride(), src.storage_offset()), order.index(2), tuple(steps)
 
 
 def _rows_steps(plan: TransferPlan) -> tuple[tuple[int, torch.Tensor, Any], ...]:

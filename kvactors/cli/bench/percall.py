@@ -17,8 +17,10 @@ call with their order rotated every repetition, in one run:
 With ``callers=4`` every contender runs in 4 threads at once, each thread on its own chunk
 (and, for scatters, its own block ids); the figure is the per-call latency and the aggregate
 calls per second. Ratios are medians of the same run (``p50`` contender / ``p50`` torch);
-``p99`` is reported next to ``p50``. Also measured: warm planning (a repeated request) and
-``Runtime.ping``. kvactors never imports lmcache: the last two contenders are plugins.
+``p99`` is reported next to ``p50``, and the text table shows p99/p50 of the LMCache op next
+to the torch call's own (a stall of the machine hits every contender alike). Also measured:
+warm planning (a repeated request) and ``Runtime.ping``. kvactors never imports lmcache: the
+last two contenders are plugins.
 
 Run ``python -m kvactors.cli.bench.percall --help`` (``kvactors bench`` runs it too).
 """
@@ -347,7 +349,8 @@ def run_percall_bench(
 def format_percall(report: PercallReport) -> str:
     """The report as a text table (p50 latencies in us, ratios vs the single torch call)."""
     head = (f"{'model':<6}{'layout':<8}{'dir':<8}{'call':>5}{'torch':>9}{'runtime':>9}"
-            f"{'op':>9}{'lmcache':>9}{'rt/t':>7}{'op/t':>7}{'op p99/p50':>11}{'op/lmc':>8}")
+            f"{'op':>9}{'lmcache':>9}{'rt/t':>7}{'op/t':>7}{'op p99/p50':>11}{'t p99/p50':>10}"
+            f"{'op/lmc':>8}")
     lines = ["per-call p50 (us); ratios are time per call vs the single torch call", head]
     for r in report.rows:
         def g(d: dict[str, float], k: str, fmt: str = "9.0f") -> str:
@@ -355,11 +358,12 @@ def format_percall(report: PercallReport) -> str:
 
         p99r = (f"{r.p99_us['op'] / r.p50_us['op']:11.2f}" if "op" in r.p50_us
                 else " " * 10 + "-")
+        tp99 = f"{r.p99_us['torch'] / r.p50_us['torch']:10.2f}"  # the machine's own tail
         lmc = f"{r.op_vs_lmcache:8.2f}" if r.op_vs_lmcache is not None else " " * 7 + "-"
         lines.append(f"{r.model:<6}{r.layout:<8}{r.direction:<8}{r.callers:>5}"
                      f"{g(r.p50_us, 'torch')}{g(r.p50_us, 'runtime')}{g(r.p50_us, 'op')}"
                      f"{g(r.p50_us, 'lmcache')}{g(r.vs_torch, 'runtime', '7.2f')}"
-                     f"{g(r.vs_torch, 'op', '7.2f')}{p99r}{lmc}")
+                     f"{g(r.vs_torch, 'op', '7.2f')}{p99r}{tp99}{lmc}")
     lines.append(f"planning: warm {report.plan_warm_us:.1f} us, cold {report.plan_cold_us:.1f} us;"
                  f" Runtime.ping {report.ping_us:.1f} us")
     return "\n".join(lines)
