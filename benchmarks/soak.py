@@ -72,10 +72,12 @@ class Counters:
 
 
 def _request(direction: Direction, ids: list[int]) -> TransferRequest:
-    shape = ShapeDesc(kv_size=2, nl=NL, nb=NB, bs=BS, nh=NH, hs=HS, element_size=2,
-                      dtype="bfloat16")
-    return TransferRequest(fmt=int(FMT), direction=int(direction), block_ids=tuple(ids),
-                           chunk_size=CHUNK, shape=shape)
+    shape = ShapeDesc(
+        kv_size=2, nl=NL, nb=NB, bs=BS, nh=NH, hs=HS, element_size=2, dtype="bfloat16"
+    )
+    return TransferRequest(
+        fmt=int(FMT), direction=int(direction), block_ids=tuple(ids), chunk_size=CHUNK, shape=shape
+    )
 
 
 def _bits(t: torch.Tensor) -> torch.Tensor:
@@ -97,15 +99,26 @@ def device(kind: str, seed: int) -> Iterator[tuple[Any, torch.Tensor, Any, bool]
 class Soak:
     """The engine loop."""
 
-    def __init__(self, rt: Runtime, paged: Any, host: torch.Tensor, fake: Any, pinned: bool,
-                 seed: int, inflight: int, fault_every: int) -> None:
+    def __init__(
+        self,
+        rt: Runtime,
+        paged: Any,
+        host: torch.Tensor,
+        fake: Any,
+        pinned: bool,
+        seed: int,
+        inflight: int,
+        fault_every: int,
+    ) -> None:
         self.rt, self.paged, self.host, self.fake = rt, paged, host, fake
         self.rng = random.Random(seed)
         self.gen = torch.Generator().manual_seed(seed + 1)
         self.inflight = inflight
         self.fault_every = fault_every if fake is not None else 0
-        self.pool = [torch.zeros(2, NL, CHUNK, NH * HS, dtype=torch.bfloat16, pin_memory=pinned)
-                     for _ in range(2 * inflight + 2)]
+        self.pool = [
+            torch.zeros(2, NL, CHUNK, NH * HS, dtype=torch.bfloat16, pin_memory=pinned)
+            for _ in range(2 * inflight + 2)
+        ]
         self.committed: list[torch.Tensor] = []  # chunks holding verified KV (for retrieves)
         self.busy: set[int] = set()  # blocks being loaded or freed: not to be stored
         self.c = Counters()
@@ -151,8 +164,9 @@ class Soak:
         self.c.fences_waited += fenced.waited_for
         # The next request's forward pass overwrites the freed blocks.
         for b in ids:
-            self.host[:, :, b].copy_(torch.randn(self.host[:, :, b].shape,
-                                                 generator=self.gen).to(torch.bfloat16))
+            self.host[:, :, b].copy_(
+                torch.randn(self.host[:, :, b].shape, generator=self.gen).to(torch.bfloat16)
+            )
         self.c.reused_blocks += len(ids)
 
     async def _fault(self) -> None:
@@ -230,8 +244,10 @@ def main(argv: list[str] | None = None) -> int:
     ap.add_argument("--seed", type=int, default=0)
     args = ap.parse_args(argv)
     torch.set_num_threads(1)
-    with device(args.device, args.seed) as (paged, host, fake, pinned), \
-            Runtime(_backend(args.device), default_timeout=60) as rt:
+    with (
+        device(args.device, args.seed) as (paged, host, fake, pinned),
+        Runtime(_backend(args.device), default_timeout=60) as rt,
+    ):
         soak = Soak(rt, paged, host, fake, pinned, args.seed, args.inflight, args.fault_every)
         asyncio.run(soak.run(args.warmup))
         gc.collect()
@@ -245,18 +261,25 @@ def main(argv: list[str] | None = None) -> int:
         rss1, fds1 = rss_mb(), fds()
     c = soak.c
     done = c.transfers - args.warmup
-    print(f"kvactors soak on {args.device}{' (fake vendor)' if fake is not None else ''}: "
-          f"{done} transfers after {args.warmup} warm-up, seed {args.seed}")
-    print(f"  stores {c.stores}, retrieves {c.retrieves}, fences {c.fences} "
-          f"(waited for {c.fences_waited} transfers), blocks reused {c.reused_blocks}")
-    print(f"  faults injected {c.faults_injected}, reported {c.faults_reported}, "
-          f"silent {c.faults_silent}; unexpected failures {c.unexpected_failures}; "
-          f"corrupted stores {c.corrupted}")
-    print(f"  runtime: ok {stats.transfers_ok}, failed {stats.transfers_failed}, "
-          f"in flight {stats.inflight}, bytes {stats.bytes_moved}")
+    print(
+        f"kvactors soak on {args.device}{' (fake vendor)' if fake is not None else ''}: "
+        f"{done} transfers after {args.warmup} warm-up, seed {args.seed}"
+    )
+    print(
+        f"  stores {c.stores}, retrieves {c.retrieves}, fences {c.fences} "
+        f"(waited for {c.fences_waited} transfers), blocks reused {c.reused_blocks}"
+    )
+    print(
+        f"  faults injected {c.faults_injected}, reported {c.faults_reported}, "
+        f"silent {c.faults_silent}; unexpected failures {c.unexpected_failures}; "
+        f"corrupted stores {c.corrupted}"
+    )
+    print(
+        f"  runtime: ok {stats.transfers_ok}, failed {stats.transfers_failed}, "
+        f"in flight {stats.inflight}, bytes {stats.bytes_moved}"
+    )
     print(f"  throughput: {done / wall:.0f} transfers/s ({wall:.1f} s)")
-    print(f"  RSS: {rss0:.1f} MiB -> {rss1:.1f} MiB ({rss1 - rss0:+.1f}); "
-          f"fds: {fds0} -> {fds1}")
+    print(f"  RSS: {rss0:.1f} MiB -> {rss1:.1f} MiB ({rss1 - rss0:+.1f}); fds: {fds0} -> {fds1}")
     failures = []
     if rss1 > rss0 * 1.10 + 20:
         failures.append("RSS grew beyond noise (> 10 % + 20 MB)")

@@ -66,10 +66,16 @@ def open_fds() -> int:
 
 def request(direction: Direction, ids: list[int]) -> TransferRequest:
     """A request over the shared paged KV (bfloat16, NHD per layer)."""
-    shape = ShapeDesc(kv_size=2, nl=NL, nb=NB, bs=BS, nh=NH, hs=HS, element_size=2,
-                      dtype="bfloat16")
-    return TransferRequest(fmt=int(KVFormat.NL_X_TWO_NB_BS_NH_HS), direction=int(direction),
-                           block_ids=tuple(ids), chunk_size=CHUNK, shape=shape)
+    shape = ShapeDesc(
+        kv_size=2, nl=NL, nb=NB, bs=BS, nh=NH, hs=HS, element_size=2, dtype="bfloat16"
+    )
+    return TransferRequest(
+        fmt=int(KVFormat.NL_X_TWO_NB_BS_NH_HS),
+        direction=int(direction),
+        block_ids=tuple(ids),
+        chunk_size=CHUNK,
+        shape=shape,
+    )
 
 
 def export_kv(backend: CpuBackend, seed: int) -> tuple[SharedTensor, list[IPCHandle]]:
@@ -176,12 +182,17 @@ def run_normal(problems: list[str]) -> None:
     name = shared.name
     del kv
     shared.close()
-    print("run 1 (normal): server mapped", rep["maps_open"] - rep["maps_before"],
-          "segment views, closed", rep["owners_closed"], "owners after the stream sync;",
-          f"server fds {rep['fds_before']} -> {rep['fds_after']}, /dev/shm mappings "
-          f"{rep['maps_before']} -> {rep['maps_open']} -> {rep['maps_after']}; worker fds "
-          f"{fds0} -> {open_fds()}, mappings {maps0} -> {shm_mappings()}, segment left: "
-          f"{os.path.exists('/dev/shm/' + name)}")
+    print(
+        "run 1 (normal): server mapped",
+        rep["maps_open"] - rep["maps_before"],
+        "segment views, closed",
+        rep["owners_closed"],
+        "owners after the stream sync;",
+        f"server fds {rep['fds_before']} -> {rep['fds_after']}, /dev/shm mappings "
+        f"{rep['maps_before']} -> {rep['maps_open']} -> {rep['maps_after']}; worker fds "
+        f"{fds0} -> {open_fds()}, mappings {maps0} -> {shm_mappings()}, segment left: "
+        f"{os.path.exists('/dev/shm/' + name)}",
+    )
     if os.path.exists("/dev/shm/" + name) or shm_mappings() != maps0 or open_fds() != fds0:
         problems.append("normal: the worker leaked a segment, mapping or fd")
 
@@ -200,10 +211,12 @@ def run_server_killed(problems: list[str]) -> None:
     name = shared.name
     shared.close()  # the exporter alone unlinks
     left = os.path.exists("/dev/shm/" + name)
-    print(f"run 2 (server killed, exit {code}): the server held "
-          f"{rep['maps_open'] - rep['maps_before']} mappings; worker unlinked its segment "
-          f"(left in /dev/shm: {left}); worker fds {fds0} -> {open_fds()}, mappings {maps0} -> "
-          f"{shm_mappings()}")
+    print(
+        f"run 2 (server killed, exit {code}): the server held "
+        f"{rep['maps_open'] - rep['maps_before']} mappings; worker unlinked its segment "
+        f"(left in /dev/shm: {left}); worker fds {fds0} -> {open_fds()}, mappings {maps0} -> "
+        f"{shm_mappings()}"
+    )
     if left or shm_mappings() != maps0 or open_fds() != fds0:
         problems.append("server killed: the worker leaked a segment, mapping or fd")
 
@@ -236,9 +249,11 @@ def run_worker_killed(problems: list[str]) -> None:
                 os.unlink("/dev/shm/" + h.name)
                 # ...and tell the (shared) resource tracker, which the dead worker could not.
                 resource_tracker.unregister("/" + h.name, "shared_memory")
-    print(f"run 3 (worker killed, exit {code}): mappings stayed valid (store ok: {ok}, "
-          f"retrieve ok: {landed}); close_ipc_context closed {closed.owners_closed} owners; "
-          f"server fds {fds0} -> {fds_after}, mappings {maps0} -> {maps_open} -> {maps_after}")
+    print(
+        f"run 3 (worker killed, exit {code}): mappings stayed valid (store ok: {ok}, "
+        f"retrieve ok: {landed}); close_ipc_context closed {closed.owners_closed} owners; "
+        f"server fds {fds0} -> {fds_after}, mappings {maps0} -> {maps_open} -> {maps_after}"
+    )
     if not (ok and landed):
         problems.append("worker killed: transfers through surviving mappings failed")
     if closed.owners_closed != NL or maps_after != maps0 or fds_after != fds0:

@@ -71,10 +71,16 @@ class KVWorker:
         self._encode = msgspec.msgpack.Encoder().encode
 
     def _request(self, direction: Direction, ids: list[int]) -> TransferRequest:
-        shape = ShapeDesc(kv_size=2, nl=NL, nb=NB, bs=BS, nh=NH, hs=HS, element_size=2,
-                          dtype="bfloat16")
-        return TransferRequest(fmt=int(FMT), direction=int(direction), block_ids=tuple(ids),
-                               chunk_size=CHUNK, shape=shape)
+        shape = ShapeDesc(
+            kv_size=2, nl=NL, nb=NB, bs=BS, nh=NH, hs=HS, element_size=2, dtype="bfloat16"
+        )
+        return TransferRequest(
+            fmt=int(FMT),
+            direction=int(direction),
+            block_ids=tuple(ids),
+            chunk_size=CHUNK,
+            shape=shape,
+        )
 
     def new_chunk(self) -> torch.Tensor:
         """A host chunk (LMCache's pooled pinned staging buffer)."""
@@ -185,8 +191,9 @@ def main(argv: list[str] | None = None) -> int:
         worker.retrieve(dst, [committed[c] for c in chunks])
         worker.rt.synchronize(0)
         for i, c in enumerate(chunks):
-            got = torch.cat([torch.stack([t[:, b] for t in host], 1) for b in dst[2 * i:2 * i + 2]],
-                            2).reshape(2, NL, CHUNK, NH * HS)
+            got = torch.cat(
+                [torch.stack([t[:, b] for t in host], 1) for b in dst[2 * i : 2 * i + 2]], 2
+            ).reshape(2, NL, CHUNK, NH * HS)
             if not torch.equal(got.view(torch.int16), committed[c].view(torch.int16)):
                 problems.append(f"retrieve of chunk {c} does not round-trip")
         stats = worker.rt.statistics()
@@ -194,10 +201,14 @@ def main(argv: list[str] | None = None) -> int:
         wall = time.perf_counter() - t0
     n_stores = n_threads * (args.stores // n_threads)
     print(f"kvactors LMCache-style worker on {desc}")
-    print(f"  commit threads: {n_threads}, stores: {n_stores}, committed via drained records: "
-          f"{len(committed)}, never drained: {len(pending)}")
-    print(f"  transfers ok/failed: {stats.transfers_ok}/{stats.transfers_failed}, "
-          f"bytes moved: {stats.bytes_moved}, wall: {wall:.2f} s")
+    print(
+        f"  commit threads: {n_threads}, stores: {n_stores}, committed via drained records: "
+        f"{len(committed)}, never drained: {len(pending)}"
+    )
+    print(
+        f"  transfers ok/failed: {stats.transfers_ok}/{stats.transfers_failed}, "
+        f"bytes moved: {stats.bytes_moved}, wall: {wall:.2f} s"
+    )
     if len(committed) != n_stores or pending:
         problems.append("not every store was committed")
     for p in problems[:10]:

@@ -505,8 +505,9 @@ def summary(kind: str, desc: str, seed: int, n: int, naive: Stats, safe: Stats) 
     ]
     lines += [f"  {name:44} {a!s:>17} {b!s:>17}" for name, a, b in rows]
     if safe.use_after_free or naive.use_after_free:
-        lines.append(f"  device work lost to freed operands: {naive.use_after_free} / "
-                     f"{safe.use_after_free}")
+        lines.append(
+            f"  device work lost to freed operands: {naive.use_after_free} / {safe.use_after_free}"
+        )
     return "\n".join(lines)
 
 

@@ -21,9 +21,11 @@ from typing import Any, TextIO
 
 __all__ = ("JsonFormatter", "KeyValueFormatter", "configure", "get_logger", "record_extras")
 
-_STANDARD = frozenset(
-    logging.LogRecord("x", logging.INFO, "x", 0, "x", None, None).__dict__
-) | {"message", "asctime", "taskName"}
+_STANDARD = frozenset(logging.LogRecord("x", logging.INFO, "x", 0, "x", None, None).__dict__) | {
+    "message",
+    "asctime",
+    "taskName",
+}
 
 
 def get_logger(name: str = "kvactors") -> logging.Logger:

@@ -67,65 +67,187 @@ def samples(stats: DeviceStatistics) -> list[Sample]:
     """Flatten one device snapshot into samples labelled by device (and actor)."""
     dev = {"device": stats.device}
     out = [
-        Sample("kvactors_bytes_moved_total", "counter", "Bytes moved by completed transfers",
-               dev, float(stats.bytes_moved)),
-        Sample("kvactors_transfers_total", "counter", "Transfers by result",
-               {**dev, "result": "ok"}, float(stats.transfers_ok)),
-        Sample("kvactors_transfers_total", "counter", "Transfers by result",
-               {**dev, "result": "failed"}, float(stats.transfers_failed)),
-        Sample("kvactors_transfers_inflight", "gauge", "Transfers not yet completed",
-               dev, float(stats.inflight)),
-        Sample("kvactors_ipc_owners_open", "gauge", "Opened IPC owners not yet closed",
-               dev, float(stats.ipc_owners_open)),
-        Sample("kvactors_ipc_owners_opened_total", "counter", "IPC owners opened",
-               dev, float(stats.ipc_owners_opened)),
-        Sample("kvactors_ipc_owners_closed_total", "counter", "IPC owners closed",
-               dev, float(stats.ipc_owners_closed)),
-        Sample("kvactors_lanes_abandoned_total", "counter", "Stream lanes whose threads did "
-               "not end within the stop timeout", dev, float(stats.lanes_abandoned)),
-        Sample("kvactors_completions_pending", "gauge", "Published completion records not "
-               "drained", dev, float(stats.completions_pending)),
-        Sample("kvactors_events_pending", "gauge", "Published event records not drained",
-               dev, float(stats.events_pending)),
-        Sample("kvactors_stream_syncs_total", "counter", "Stream synchronizations on lanes",
-               dev, float(stats.stream_syncs)),
-        Sample("kvactors_records_total", "counter", "Completion and event records by result",
-               {**dev, "result": "published"}, float(stats.records_published)),
-        Sample("kvactors_records_total", "counter", "Completion and event records by result",
-               {**dev, "result": "withdrawn"}, float(stats.records_withdrawn)),
-        Sample("kvactors_streams_retired_total", "counter", "Idle borrowed-stream actors retired",
-               dev, float(stats.streams_retired)),
-        Sample("kvactors_scratch_allocations_total", "counter",
-               "Staging buffers and index tensors allocated for staged transfers "
-               "(flat in steady state)", dev,
-               float(stats.scratch_allocations)),
-        Sample("kvactors_plans_validated_total", "counter",
-               "Transfers validated in full (the rest reused a validated plan)", dev,
-               float(stats.plans_validated)),
-        Sample("kvactors_native_transfers_total", "counter", "Transfers by native kernel outcome",
-               {**dev, "outcome": "moved"}, float(stats.native_transfers)),
-        Sample("kvactors_native_transfers_total", "counter", "Transfers by native kernel outcome",
-               {**dev, "outcome": "declined"}, float(stats.native_declined)),
-        Sample("kvactors_stream_sync_seconds_total", "counter",
-               "Seconds lanes spent blocked in stream synchronization", dev,
-               float(stats.sync_wait_seconds)),
+        Sample(
+            "kvactors_bytes_moved_total",
+            "counter",
+            "Bytes moved by completed transfers",
+            dev,
+            float(stats.bytes_moved),
+        ),
+        Sample(
+            "kvactors_transfers_total",
+            "counter",
+            "Transfers by result",
+            {**dev, "result": "ok"},
+            float(stats.transfers_ok),
+        ),
+        Sample(
+            "kvactors_transfers_total",
+            "counter",
+            "Transfers by result",
+            {**dev, "result": "failed"},
+            float(stats.transfers_failed),
+        ),
+        Sample(
+            "kvactors_transfers_inflight",
+            "gauge",
+            "Transfers not yet completed",
+            dev,
+            float(stats.inflight),
+        ),
+        Sample(
+            "kvactors_ipc_owners_open",
+            "gauge",
+            "Opened IPC owners not yet closed",
+            dev,
+            float(stats.ipc_owners_open),
+        ),
+        Sample(
+            "kvactors_ipc_owners_opened_total",
+            "counter",
+            "IPC owners opened",
+            dev,
+            float(stats.ipc_owners_opened),
+        ),
+        Sample(
+            "kvactors_ipc_owners_closed_total",
+            "counter",
+            "IPC owners closed",
+            dev,
+            float(stats.ipc_owners_closed),
+        ),
+        Sample(
+            "kvactors_lanes_abandoned_total",
+            "counter",
+            "Stream lanes whose threads did not end within the stop timeout",
+            dev,
+            float(stats.lanes_abandoned),
+        ),
+        Sample(
+            "kvactors_completions_pending",
+            "gauge",
+            "Published completion records not drained",
+            dev,
+            float(stats.completions_pending),
+        ),
+        Sample(
+            "kvactors_events_pending",
+            "gauge",
+            "Published event records not drained",
+            dev,
+            float(stats.events_pending),
+        ),
+        Sample(
+            "kvactors_stream_syncs_total",
+            "counter",
+            "Stream synchronizations on lanes",
+            dev,
+            float(stats.stream_syncs),
+        ),
+        Sample(
+            "kvactors_records_total",
+            "counter",
+            "Completion and event records by result",
+            {**dev, "result": "published"},
+            float(stats.records_published),
+        ),
+        Sample(
+            "kvactors_records_total",
+            "counter",
+            "Completion and event records by result",
+            {**dev, "result": "withdrawn"},
+            float(stats.records_withdrawn),
+        ),
+        Sample(
+            "kvactors_streams_retired_total",
+            "counter",
+            "Idle borrowed-stream actors retired",
+            dev,
+            float(stats.streams_retired),
+        ),
+        Sample(
+            "kvactors_scratch_allocations_total",
+            "counter",
+            "Staging buffers and index tensors allocated for staged transfers "
+            "(flat in steady state)",
+            dev,
+            float(stats.scratch_allocations),
+        ),
+        Sample(
+            "kvactors_plans_validated_total",
+            "counter",
+            "Transfers validated in full (the rest reused a validated plan)",
+            dev,
+            float(stats.plans_validated),
+        ),
+        Sample(
+            "kvactors_native_transfers_total",
+            "counter",
+            "Transfers by native kernel outcome",
+            {**dev, "outcome": "moved"},
+            float(stats.native_transfers),
+        ),
+        Sample(
+            "kvactors_native_transfers_total",
+            "counter",
+            "Transfers by native kernel outcome",
+            {**dev, "outcome": "declined"},
+            float(stats.native_declined),
+        ),
+        Sample(
+            "kvactors_stream_sync_seconds_total",
+            "counter",
+            "Seconds lanes spent blocked in stream synchronization",
+            dev,
+            float(stats.sync_wait_seconds),
+        ),
     ]
     for a in stats.actors:
         lab = {**dev, "actor": a.name}
         out += [
-            Sample("kvactors_actor_up", "gauge", "1 when the actor is running",
-                   {**lab, "state": a.state}, 1.0 if a.state == "running" else 0.0),
-            Sample("kvactors_mailbox_depth", "gauge", "Envelopes waiting in the mailbox",
-                   lab, float(a.mailbox_depth)),
-            Sample("kvactors_mailbox_peak", "gauge", "Highest mailbox use (queued + deferred)",
-                   lab, float(a.mailbox_peak)),
+            Sample(
+                "kvactors_actor_up",
+                "gauge",
+                "1 when the actor is running",
+                {**lab, "state": a.state},
+                1.0 if a.state == "running" else 0.0,
+            ),
+            Sample(
+                "kvactors_mailbox_depth",
+                "gauge",
+                "Envelopes waiting in the mailbox",
+                lab,
+                float(a.mailbox_depth),
+            ),
+            Sample(
+                "kvactors_mailbox_peak",
+                "gauge",
+                "Highest mailbox use (queued + deferred)",
+                lab,
+                float(a.mailbox_peak),
+            ),
             Sample("kvactors_mailbox_capacity", "gauge", "Mailbox bound", lab, float(a.capacity)),
-            Sample("kvactors_deferred_pending", "gauge", "Replies taken over, not yet settled",
-                   lab, float(a.deferred_pending)),
-            Sample("kvactors_messages_processed_total", "counter", "Messages handled",
-                   lab, float(a.processed)),
-            Sample("kvactors_messages_failed_total", "counter", "Messages whose handling failed",
-                   lab, float(a.failed)),
+            Sample(
+                "kvactors_deferred_pending",
+                "gauge",
+                "Replies taken over, not yet settled",
+                lab,
+                float(a.deferred_pending),
+            ),
+            Sample(
+                "kvactors_messages_processed_total",
+                "counter",
+                "Messages handled",
+                lab,
+                float(a.processed),
+            ),
+            Sample(
+                "kvactors_messages_failed_total",
+                "counter",
+                "Messages whose handling failed",
+                lab,
+                float(a.failed),
+            ),
         ]
     return out
 
@@ -165,18 +287,39 @@ class CallMetrics:
             for op, n in sorted(self.calls.items()):
                 lab = {"device": device, "op": op}
                 out += [
-                    Sample("kvactors_calls_total", "counter", "Facade calls by operation",
-                           lab, float(n)),
-                    Sample("kvactors_call_errors_total", "counter", "Facade calls that raised",
-                           lab, float(self.errors.get(op, 0))),
-                    Sample("kvactors_call_seconds_total", "counter",
-                           "Seconds callers spent in facade calls", lab, self.seconds[op]),
+                    Sample(
+                        "kvactors_calls_total",
+                        "counter",
+                        "Facade calls by operation",
+                        lab,
+                        float(n),
+                    ),
+                    Sample(
+                        "kvactors_call_errors_total",
+                        "counter",
+                        "Facade calls that raised",
+                        lab,
+                        float(self.errors.get(op, 0)),
+                    ),
+                    Sample(
+                        "kvactors_call_seconds_total",
+                        "counter",
+                        "Seconds callers spent in facade calls",
+                        lab,
+                        self.seconds[op],
+                    ),
                 ]
                 if op in ("synchronize", "fence"):
-                    out.append(Sample(
-                        "kvactors_sync_wait_seconds_total", "counter",
-                        "Seconds stream syncs and fences waited, from mailbox admission to "
-                        "the reply", lab, self.seconds[op]))
+                    out.append(
+                        Sample(
+                            "kvactors_sync_wait_seconds_total",
+                            "counter",
+                            "Seconds stream syncs and fences waited, from mailbox admission to "
+                            "the reply",
+                            lab,
+                            self.seconds[op],
+                        )
+                    )
         return out
 
 

@@ -56,9 +56,7 @@ class BlockLedger:
             raise ProtocolError(
                 f"transfer {transfer_id} begun twice", actor="BlockLedger", state="inflight"
             )
-        self._blocks_of[transfer_id] = (
-            blocks if type(blocks) is frozenset else frozenset(blocks)
-        )
+        self._blocks_of[transfer_id] = blocks if type(blocks) is frozenset else frozenset(blocks)
 
     def finish(self, transfer_id: int) -> list[int]:
         """Record completion (or failure) of ``transfer_id``; return the fences it released."""

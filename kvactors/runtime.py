@@ -219,7 +219,8 @@ class Runtime:
             raise DeviceOpError(
                 f"{actors.lanes_abandoned} stream lane(s) did not end within {t}s; their "
                 "threads may still touch device memory (see DeviceStatistics.lanes_abandoned)",
-                device=actors.device, op="close",
+                device=actors.device,
+                op="close",
             )
 
     def __enter__(self) -> Runtime:
@@ -427,8 +428,12 @@ class Runtime:
         program order reach the mailbox in that order (a fence issued after a store waits for
         it even if the store's future has not been awaited yet).
         """
-        msg = Transfer(transfer_id=next(self._ids), request=request, stream_handle=stream_handle,
-                       complete=complete)
+        msg = Transfer(
+            transfer_id=next(self._ids),
+            request=request,
+            stream_handle=stream_handle,
+            complete=complete,
+        )
         return self._aask(_gather, msg, TransferOperands(paged, objects), timeout)
 
     def fence(self, block_ids: Iterable[int], *, timeout: float | None = None) -> Fenced:

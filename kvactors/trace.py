@@ -51,6 +51,7 @@ __all__ = (
     "replay",
 )
 
+
 class DeviceMemory(Protocol):
     """Where :func:`replay` allocates synthetic paged memory (``kvactors.cli``'s device env)."""
 
@@ -147,10 +148,17 @@ class TraceRecorder:
         if call.op not in _RECORDED:
             return
         ops = _shapes(call.paged, call.objects) if call.op == "transfer" else None
-        self._write(TraceEntry(
-            kind="call", seq=call.seq, t=call.started - self._t0, op=call.op,
-            message=encode(call.message), stream_handle=call.stream_handle, operands=ops,
-        ))
+        self._write(
+            TraceEntry(
+                kind="call",
+                seq=call.seq,
+                t=call.started - self._t0,
+                op=call.op,
+                message=encode(call.message),
+                stream_handle=call.stream_handle,
+                operands=ops,
+            )
+        )
 
     def call_finished(
         self, call: Call, seconds: float, result: Any, error: BaseException | None
@@ -158,10 +166,16 @@ class TraceRecorder:
         """Observer hook: record the outcome."""
         if call.op not in _RECORDED:
             return
-        self._write(TraceEntry(
-            kind="done", seq=call.seq, t=call.started + seconds - self._t0, op=call.op,
-            seconds=seconds, error="" if error is None else type(error).__name__,
-        ))
+        self._write(
+            TraceEntry(
+                kind="done",
+                seq=call.seq,
+                t=call.started + seconds - self._t0,
+                op=call.op,
+                seconds=seconds,
+                error="" if error is None else type(error).__name__,
+            )
+        )
 
     def close(self) -> None:
         """Detach and close the file (idempotent)."""
@@ -253,8 +267,9 @@ class _Operands:
         return result
 
 
-async def _replay(rt: Runtime, entries: list[TraceEntry], env: DeviceMemory | None,
-                  report: ReplayReport) -> None:
+async def _replay(
+    rt: Runtime, entries: list[TraceEntry], env: DeviceMemory | None, report: ReplayReport
+) -> None:
     calls = [e for e in entries if e.kind == "call"]
     done = {e.seq: e for e in entries if e.kind == "done"}
     operands = _Operands(env)

@@ -73,8 +73,9 @@ def main(argv: list[str] | None = None) -> int:
 
     # 1. handles
     s = backend.new_stream(idx)
-    check("handle0_is_default",
-          backend.stream_from_handle(0, idx) == torch.cuda.default_stream(idx))
+    check(
+        "handle0_is_default", backend.stream_from_handle(0, idx) == torch.cuda.default_stream(idx)
+    )
     h = backend.stream_handle(s)
     check("nonzero_handle_borrows", backend.stream_handle(backend.stream_from_handle(h, idx)) == h)
 
@@ -126,18 +127,26 @@ def main(argv: list[str] | None = None) -> int:
     per_block = 2 * bs * nh * hs * 2
     nb = max(64, (args.mib << 20) // (nl * per_block))
     bpo = 16
-    shape = ShapeDesc(kv_size=2, nl=nl, nb=nb, bs=bs, nh=nh, hs=hs, element_size=2,
-                      dtype="bfloat16")
+    shape = ShapeDesc(
+        kv_size=2, nl=nl, nb=nb, bs=bs, nh=nh, hs=hs, element_size=2, dtype="bfloat16"
+    )
     paged = [torch.randn(2, nb, bs, nh, hs, device=dev).to(torch.bfloat16) for _ in range(nl)]
     back = [torch.zeros_like(p) for p in paged]
     n_obj = nb // bpo
-    objs = [torch.empty(2, nl, bpo * bs, nh * hs, dtype=torch.bfloat16).pin_memory()
-            for _ in range(n_obj)]
+    objs = [
+        torch.empty(2, nl, bpo * bs, nh * hs, dtype=torch.bfloat16).pin_memory()
+        for _ in range(n_obj)
+    ]
     ids = tuple(range(n_obj * bpo))
 
     def req(direction: int) -> TransferRequest:
-        return TransferRequest(fmt=int(KVFormat.NL_X_TWO_NB_BS_NH_HS), direction=direction,
-                               block_ids=ids, chunk_size=bpo * bs, shape=shape)
+        return TransferRequest(
+            fmt=int(KVFormat.NL_X_TWO_NB_BS_NH_HS),
+            direction=direction,
+            block_ids=ids,
+            chunk_size=bpo * bs,
+            shape=shape,
+        )
 
     scratch = ScratchCache()
     d2h = plan_transfer(req(1), paged, objs, device_type="cuda", device_index=idx)
@@ -159,14 +168,24 @@ def main(argv: list[str] | None = None) -> int:
         "raw_d2h": lambda: backend.launch(s, lambda: flat_host.copy_(flat_dev, non_blocking=True)),
         "raw_h2d": lambda: backend.launch(s, lambda: flat_dev.copy_(flat_host, non_blocking=True)),
         "kvactors_d2h": lambda: backend.launch(
-            s, lambda: run_fast(d2h, paged, objs, copy=backend.copy_, scratch=scratch)),
+            s, lambda: run_fast(d2h, paged, objs, copy=backend.copy_, scratch=scratch)
+        ),
         "kvactors_h2d": lambda: backend.launch(
-            s, lambda: run_fast(h2d, back, objs, copy=backend.copy_, scratch=scratch)),
+            s, lambda: run_fast(h2d, back, objs, copy=backend.copy_, scratch=scratch)
+        ),
     }
     for name, fn in rows.items():
         sec = _timed(fn, sync, args.iters)
-        print(json.dumps({"bench": name, "bytes": nbytes, "seconds": round(sec, 6),
-                          "GBps": round(nbytes / sec / 1e9, 2)}))
+        print(
+            json.dumps(
+                {
+                    "bench": name,
+                    "bytes": nbytes,
+                    "seconds": round(sec, 6),
+                    "GBps": round(nbytes / sec / 1e9, 2),
+                }
+            )
+        )
     if failures:
         print(f"gpu_check: FAILED {failures}", file=sys.stderr)
         return 1

@@ -15,8 +15,9 @@ if TYPE_CHECKING:
 
 
 def test_percall_rows_compare_every_contender_with_the_single_torch_call() -> None:
-    report = run_percall_bench(models=("small",), layouts=("nhd", "mla"), callers=(1, 2),
-                               reps=2, quick=True)
+    report = run_percall_bench(
+        models=("small",), layouts=("nhd", "mla"), callers=(1, 2), reps=2, quick=True
+    )
     assert [(r.layout, r.direction, r.callers) for r in report.rows] == [
         (lay, d, c) for lay in ("nhd", "mla") for c in (1, 2) for d in ("gather", "scatter")
     ]
@@ -33,8 +34,25 @@ def test_percall_rows_compare_every_contender_with_the_single_torch_call() -> No
 
 def test_percall_command_writes_json(tmp_path: Path) -> None:
     out = tmp_path / "percall.json"
-    assert main(["--models", "small", "--layouts", "nhd", "--directions", "gather",
-                 "--callers", "1", "--reps", "2", "--json", str(out)]) == 0
+    assert (
+        main(
+            [
+                "--models",
+                "small",
+                "--layouts",
+                "nhd",
+                "--directions",
+                "gather",
+                "--callers",
+                "1",
+                "--reps",
+                "2",
+                "--json",
+                str(out),
+            ]
+        )
+        == 0
+    )
     data = json.loads(out.read_text())
     report = msgspec.convert(data, type=dict)
     assert report["rows"][0]["layout"] == "nhd"

@@ -73,8 +73,10 @@ def test_ceiling_moves_the_same_bytes_as_kvactors(layout: str) -> None:
         for o in setup.objects:
             o.zero_()
         move()
-        assert all(torch.equal(a.view(torch.int16), b.view(torch.int16))
-                   for a, b in zip(expect, setup.objects, strict=True))
+        assert all(
+            torch.equal(a.view(torch.int16), b.view(torch.int16))
+            for a, b in zip(expect, setup.objects, strict=True)
+        )
     for o in setup.objects:
         o.copy_(torch.randn(o.shape, generator=gen).to(o.dtype))
     before = [u.clone() for u in units]
@@ -86,8 +88,10 @@ def test_ceiling_moves_the_same_bytes_as_kvactors(layout: str) -> None:
         for u, b in zip(units, before, strict=True):
             u.copy_(b)
         move()
-        assert all(torch.equal(a.view(torch.int16), b.view(torch.int16))
-                   for a, b in zip(expect, units, strict=True))
+        assert all(
+            torch.equal(a.view(torch.int16), b.view(torch.int16))
+            for a, b in zip(expect, units, strict=True)
+        )
 
 
 def test_rows_carry_the_ceiling_or_none(monkeypatch: pytest.MonkeyPatch) -> None:
@@ -95,8 +99,10 @@ def test_rows_carry_the_ceiling_or_none(monkeypatch: pytest.MonkeyPatch) -> None
     if ceiling_library() is None:
         assert all(r.ceiling_gbps is None for r in rows)
     else:
-        assert all(r.ceiling_gbps and r.vs_ceiling and r.ceiling_vs_raw and r.reused_vs_ceiling
-                   for r in rows)
+        assert all(
+            r.ceiling_gbps and r.vs_ceiling and r.ceiling_vs_raw and r.reused_vs_ceiling
+            for r in rows
+        )
     assert all(r.reused_gbps and r.reused_gbps > 0 for r in rows)
     monkeypatch.setattr(ceiling, "_LIB", [None])  # no compiler: the columns are left out
     rows = run_transfer_bench(layouts=("hnd",), reps=1, workload=TINY, include_lmcache=False)

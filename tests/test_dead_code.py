@@ -62,11 +62,22 @@ def test_vulture_finds_an_orphan(tmp_path: Path) -> None:
 
     orphan = tmp_path / "orphan.py"
     orphan.write_text("def orphan_helper() -> int:\n    return 1\n")
-    cmd = [sys.executable, "-m", "vulture", "--min-confidence", "60", "kvactors", "adapters",
-           "examples", "scripts", "vulture_whitelist.py"]
+    cmd = [
+        sys.executable,
+        "-m",
+        "vulture",
+        "--min-confidence",
+        "60",
+        "kvactors",
+        "adapters",
+        "examples",
+        "scripts",
+        "vulture_whitelist.py",
+    ]
     clean = subprocess.run(cmd, cwd=ROOT, capture_output=True, text=True, check=False)
     assert clean.returncode == 0, clean.stdout
-    dirty = subprocess.run([*cmd, str(orphan)], cwd=ROOT, capture_output=True, text=True,
-                           check=False)
+    dirty = subprocess.run(
+        [*cmd, str(orphan)], cwd=ROOT, capture_output=True, text=True, check=False
+    )
     assert dirty.returncode != 0
     assert "orphan_helper" in dirty.stdout

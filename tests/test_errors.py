@@ -48,13 +48,17 @@ def _error_factories(source: str) -> set[str]:
 
 def _bare_raises(source: str) -> list[tuple[int, str]]:
     allowed = ALLOWED | _error_factories(source)
-    return [(ln, n) for ln, n in _raised_names(source)
-            if n not in allowed and not n.startswith("_")]
+    return [
+        (ln, n) for ln, n in _raised_names(source) if n not in allowed and not n.startswith("_")
+    ]
 
 
 SCANNED = [
-    *(p for p in sorted((ROOT / "kvactors").rglob("*.py"))
-      if "testing" not in p.relative_to(ROOT / "kvactors").parts),
+    *(
+        p
+        for p in sorted((ROOT / "kvactors").rglob("*.py"))
+        if "testing" not in p.relative_to(ROOT / "kvactors").parts
+    ),
     *sorted((ROOT / "adapters" / "kvactors_lmcache").rglob("*.py")),
 ]
 
@@ -70,16 +74,20 @@ def test_every_raise_in_kvactors_and_the_adapter_names_a_kvactors_error() -> Non
 
 
 def test_the_scan_sees_a_bare_builtin_raise() -> None:
-    src = ("def f(x):\n    if x:\n        raise ValueError('no')\n"
-           "    raise errors.InvalidSettingError('no', setting='x')\n")
+    src = (
+        "def f(x):\n    if x:\n        raise ValueError('no')\n"
+        "    raise errors.InvalidSettingError('no', setting='x')\n"
+    )
     assert sorted(_raised_names(src)) == [(3, "ValueError"), (4, "InvalidSettingError")]
     assert _bare_raises(src) == [(3, "ValueError")]
 
 
 def test_the_scan_accepts_a_factory_only_when_it_returns_a_kvactors_error() -> None:
-    src = ("def refuse(p: int) -> OperandTypeError:\n    return OperandTypeError('no')\n"
-           "def other(p: int) -> ValueError:\n    return ValueError('no')\n"
-           "def f(p):\n    raise refuse(p)\n\ndef g(p):\n    raise other(p)\n")
+    src = (
+        "def refuse(p: int) -> OperandTypeError:\n    return OperandTypeError('no')\n"
+        "def other(p: int) -> ValueError:\n    return ValueError('no')\n"
+        "def f(p):\n    raise refuse(p)\n\ndef g(p):\n    raise other(p)\n"
+    )
     assert _bare_raises(src) == [(9, "other")]
 
 
@@ -98,7 +106,10 @@ def test_the_adapter_s_errors_keep_their_builtin_compatibility(make: str, builti
 
     calls = {
         "stream_ptr": lambda: ops.KvactorsDeviceOps.record_completion_on_stream(
-            object.__new__(ops.KvactorsDeviceOps), "0", "k", b""  # type: ignore[arg-type]
+            object.__new__(ops.KvactorsDeviceOps),
+            "0",
+            "k",
+            b"",  # type: ignore[arg-type]
         ),
         "alignments": lambda: ops.KvactorsDeviceOps.lmcache_memcpy_async(
             object.__new__(ops.KvactorsDeviceOps), 1, 2, 8, 0, 0, 3

@@ -37,10 +37,14 @@ class _NoStreamBackend(CpuBackend):
 
 
 def _store() -> tuple[TransferRequest, list[torch.Tensor], list[torch.Tensor]]:
-    shape = ShapeDesc(kv_size=2, nl=NL, nb=NB, bs=BS, nh=NH, hs=HS, element_size=4,
-                      dtype="float32")
-    req = TransferRequest(fmt=int(KVFormat.NL_X_TWO_NB_BS_NH_HS), direction=int(Direction.D2H),
-                          block_ids=(1, 2), chunk_size=2 * BS, shape=shape)
+    shape = ShapeDesc(kv_size=2, nl=NL, nb=NB, bs=BS, nh=NH, hs=HS, element_size=4, dtype="float32")
+    req = TransferRequest(
+        fmt=int(KVFormat.NL_X_TWO_NB_BS_NH_HS),
+        direction=int(Direction.D2H),
+        block_ids=(1, 2),
+        chunk_size=2 * BS,
+        shape=shape,
+    )
     paged = list(torch.ones(NL, 2, NB, BS, NH, HS).unbind(0))
     return req, paged, [torch.zeros(2, NL, 2 * BS, NH * HS)]
 
@@ -65,8 +69,10 @@ def test_close_raises_and_counts_lanes_whose_threads_did_not_end(
     with concurrent.futures.ThreadPoolExecutor(1) as pool:
         call = pool.submit(rt.transfer, req, paged, objs, timeout=30)
         assert backend.wait_for(lambda b: b.queued() == 1)
-        with caplog.at_level(logging.ERROR, logger="kvactors"), \
-                pytest.raises(DeviceOpError, match="1 stream lane") as info:
+        with (
+            caplog.at_level(logging.ERROR, logger="kvactors"),
+            pytest.raises(DeviceOpError, match="1 stream lane") as info,
+        ):
             rt.close(timeout=0.2)
         assert info.value.op == "close"
         assert any("did not end" in r.getMessage() for r in caplog.records)
@@ -83,10 +89,12 @@ async def test_statistics_count_abandoned_lanes() -> None:
 
     dev = DeviceActors(backend, stop_timeout=0.1)
     dev.start()
-    pending = dev.gather.ask_nowait(Transfer(transfer_id=1, request=req),
-                                    TransferOperands(paged, objs))
+    pending = dev.gather.ask_nowait(
+        Transfer(transfer_id=1, request=req), TransferOperands(paged, objs)
+    )
     assert await asyncio.get_running_loop().run_in_executor(
-        None, backend.wait_for, lambda b: b.queued() == 1)
+        None, backend.wait_for, lambda b: b.queued() == 1
+    )
     assert dev.statistics().lanes_abandoned == 0
     await dev.stop(timeout=0.1)
     assert dev.statistics().lanes_abandoned == 1

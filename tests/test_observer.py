@@ -22,10 +22,14 @@ NL, NB, BS, NH, HS = 2, 8, 4, 2, 8
 
 
 def _request(ids: tuple[int, ...]) -> TransferRequest:
-    shape = ShapeDesc(kv_size=2, nl=NL, nb=NB, bs=BS, nh=NH, hs=HS, element_size=4,
-                      dtype="float32")
-    return TransferRequest(fmt=int(KVFormat.NL_X_TWO_NB_BS_NH_HS), direction=int(Direction.D2H),
-                           block_ids=ids, chunk_size=len(ids) * BS, shape=shape)
+    shape = ShapeDesc(kv_size=2, nl=NL, nb=NB, bs=BS, nh=NH, hs=HS, element_size=4, dtype="float32")
+    return TransferRequest(
+        fmt=int(KVFormat.NL_X_TWO_NB_BS_NH_HS),
+        direction=int(Direction.D2H),
+        block_ids=ids,
+        chunk_size=len(ids) * BS,
+        shape=shape,
+    )
 
 
 def _operands(n: int) -> tuple[list[torch.Tensor], list[torch.Tensor]]:
@@ -43,8 +47,9 @@ class _Log:
             self.loop_threads.add(threading.current_thread().name)
             self.events.append(("started", call.seq, call.op, call.message))
 
-    def call_finished(self, call: Call, seconds: float, result: Any,
-                      error: BaseException | None) -> None:
+    def call_finished(
+        self, call: Call, seconds: float, result: Any, error: BaseException | None
+    ) -> None:
         assert seconds >= 0.0
         with self.lock:
             self.events.append(("finished", call.seq, call.op, error or result))
@@ -88,8 +93,10 @@ def test_blocking_calls_report_refusals_and_detach() -> None:
         detach()
         rt.ping()
     assert [(e[0], e[2]) for e in log.events] == [
-        ("started", "transfer"), ("finished", "transfer"),
-        ("started", "synchronize"), ("finished", "synchronize"),
+        ("started", "transfer"),
+        ("finished", "transfer"),
+        ("started", "synchronize"),
+        ("finished", "synchronize"),
     ]
     assert isinstance(log.events[1][3], TransferValidationError)
 
@@ -99,11 +106,17 @@ def test_a_failing_observer_never_fails_the_call(caplog: pytest.LogCaptureFixtur
         def call_started(self, call: Call) -> None:
             raise RuntimeError("observer bug")
 
-        def call_finished(self, call: Call, seconds: float, result: Any,
-                          error: BaseException | None) -> None:
+        def call_finished(
+            self, call: Call, seconds: float, result: Any, error: BaseException | None
+        ) -> None:
             raise RuntimeError("observer bug")
 
     with Runtime("cpu", observer=Broken()) as rt:
         assert rt.ping(7).seq == 7
-    assert sum("observer bug" in (r.exc_text or "") or "failed in call" in r.getMessage()
-               for r in caplog.records) == 2
+    assert (
+        sum(
+            "observer bug" in (r.exc_text or "") or "failed in call" in r.getMessage()
+            for r in caplog.records
+        )
+        == 2
+    )

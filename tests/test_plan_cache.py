@@ -23,10 +23,16 @@ FMT = KVFormat.NL_X_TWO_NB_BS_NH_HS
 
 
 def _request(**kw: Any) -> TransferRequest:
-    shape = ShapeDesc(kv_size=2, nl=NL, nb=NB, bs=BS, nh=NH, hs=HS, element_size=2,
-                      dtype="bfloat16")
-    args: dict[str, Any] = {"fmt": int(FMT), "direction": int(Direction.D2H),
-                            "block_ids": (3, 5), "chunk_size": T, "shape": shape}
+    shape = ShapeDesc(
+        kv_size=2, nl=NL, nb=NB, bs=BS, nh=NH, hs=HS, element_size=2, dtype="bfloat16"
+    )
+    args: dict[str, Any] = {
+        "fmt": int(FMT),
+        "direction": int(Direction.D2H),
+        "block_ids": (3, 5),
+        "chunk_size": T,
+        "shape": shape,
+    }
     args.update(kw)
     return TransferRequest(**args)
 
@@ -137,8 +143,14 @@ CHANGES: dict[str, Callable[[list[torch.Tensor], list[torch.Tensor]], tuple[Any,
 }
 
 
-REFUSED = ("stride", "shape", "dtype", "device", "in-place view op (same object)",
-           ".data assigned (same object, pointer, version)")
+REFUSED = (
+    "stride",
+    "shape",
+    "dtype",
+    "device",
+    "in-place view op (same object)",
+    ".data assigned (same object, pointer, version)",
+)
 
 
 @pytest.mark.parametrize("change", list(CHANGES))

@@ -25,11 +25,13 @@ def _spelled_names(path: pathlib.Path, names: set[str]) -> list[int]:
         id(node.body[0].value)
         for node in ast.walk(tree)
         if isinstance(node, (ast.Module, ast.ClassDef, ast.FunctionDef, ast.AsyncFunctionDef))
-        and node.body and isinstance(node.body[0], ast.Expr)
+        and node.body
+        and isinstance(node.body[0], ast.Expr)
         and isinstance(node.body[0].value, ast.Constant)
     }
     return [
-        node.lineno for node in ast.walk(tree)
+        node.lineno
+        for node in ast.walk(tree)
         if isinstance(node, ast.Constant) and node.value in names and id(node) not in docstrings
     ]
 

@@ -33,8 +33,11 @@ def test_helpers_are_imported_as_tests_dot_name() -> None:
     # `from _transfer_cases import Case` next to `from tests._transfer_cases import Case` makes
     # two modules and two Case classes; import helpers as tests.<name> (or relatively).
     local = _local_names()
-    bad = {str(p.relative_to(ROOT)): hits for p in TESTS.rglob("*.py")
-           if (hits := _bare_imports(p.read_text(), local))}
+    bad = {
+        str(p.relative_to(ROOT)): hits
+        for p in TESTS.rglob("*.py")
+        if (hits := _bare_imports(p.read_text(), local))
+    }
     assert not bad
 
 

@@ -90,7 +90,11 @@ def lmcache_mlu_ops(
 ) -> Callable[[], None]:
     """LMCache's own ``MluDeviceOps`` (lmcache >= 0.5.7) on the operands; ImportError if absent."""
     return _vendor_ops_transfer(
-        "lmcache.v1.platform.devices.mlu.device_ops", "MluDeviceOps", request, paged, objects,
+        "lmcache.v1.platform.devices.mlu.device_ops",
+        "MluDeviceOps",
+        request,
+        paged,
+        objects,
         device,
     )
 
@@ -100,8 +104,12 @@ def lmcache_musa_ops(
 ) -> Callable[[], None]:
     """LMCache's built-in ``MusaDeviceOps`` on the operands (the caller's current stream)."""
     return _vendor_ops_transfer(
-        "lmcache.v1.platform.devices.musa.device_ops", "MusaDeviceOps", request, paged,
-        objects, device,
+        "lmcache.v1.platform.devices.musa.device_ops",
+        "MusaDeviceOps",
+        request,
+        paged,
+        objects,
+        device,
     )
 
 

@@ -111,8 +111,10 @@ def normalize_format(engine_kv_format: Any, paged: Any) -> tuple[Any, Any]:
     if mapped is None:
         return engine_kv_format, paged
     fmt, axis, name = mapped
-    if isinstance(paged, torch.Tensor) or not isinstance(paged, Sequence) or not all(
-        isinstance(t, torch.Tensor) for t in paged
+    if (
+        isinstance(paged, torch.Tensor)
+        or not isinstance(paged, Sequence)
+        or not all(isinstance(t, torch.Tensor) for t in paged)
     ):
         raise OperandTypeError(
             f"{name} needs one tensor per layer, got {type(paged).__name__}", field="paged"
@@ -267,7 +269,11 @@ def to_transfer_request(
                 shape=_cached_shape_desc(shape_desc),
             )
     return _convert_request(
-        engine_kv_format, direction, block_ids, lmcache_chunk_size, skip_prefix_n_blocks,
+        engine_kv_format,
+        direction,
+        block_ids,
+        lmcache_chunk_size,
+        skip_prefix_n_blocks,
         shape_desc,
     )
 

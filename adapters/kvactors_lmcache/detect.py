@@ -135,9 +135,7 @@ def detect() -> dict[str, Any]:
     else:
         out["outcome"] = "selected"
         out["backend"] = str(backend)
-        out["kvactors"] = any(
-            r["backend"] == backend and r["kvactors"] for r in out["registry"]
-        )
+        out["kvactors"] = any(r["backend"] == backend and r["kvactors"] for r in out["registry"])
     out["transfer_mode"] = _transfer_mode(dd, str(device_type))
     return out
 

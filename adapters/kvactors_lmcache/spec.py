@@ -174,7 +174,8 @@ class KvactorsSpecBase(DeviceSpec):
 
         raise DeviceOpError(
             f"stream {stream!r} exposes no integer native handle",
-            device=str(self.backend_name), op="get_stream_handle",
+            device=str(self.backend_name),
+            op="get_stream_handle",
         )
 
 

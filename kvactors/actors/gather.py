@@ -208,8 +208,9 @@ class GatherActor(Actor[GatherRequest]):
         def settled_early() -> bool:
             return env not in self._deferred
 
-        work = Work(kernel, keepalive=(paged, objects),
-                    on_enqueued=None if msg.complete else on_enqueued)
+        work = Work(
+            kernel, keepalive=(paged, objects), on_enqueued=None if msg.complete else on_enqueued
+        )
         try:
             stream.ask_into(_Callback(on_done), launch, work)
         except Exception as exc:
@@ -244,7 +245,9 @@ class GatherActor(Actor[GatherRequest]):
         plan, ticket = self.plans.lookup(request, paged, objects)
         memo = None if ticket is None else ticket.memo
         kernel = self.backend.transfer_kernel(
-            plan, paged, objects,
+            plan,
+            paged,
+            objects,
             lambda: run_fast(plan, paged, objects, memo=memo, checked=memo is not None),
         )
         if not lane.claim_inline():
@@ -298,5 +301,6 @@ class GatherActor(Actor[GatherRequest]):
 def _inline_failed(err: BaseException, transfer_id: int, device: str) -> BaseException:
     if isinstance(err, KvactorsError):
         return err
-    return TransferFailedError(str(err) or type(err).__name__, transfer_id=transfer_id,
-                               device=device)
+    return TransferFailedError(
+        str(err) or type(err).__name__, transfer_id=transfer_id, device=device
+    )

@@ -130,8 +130,13 @@ class IPCOwnerActor(Actor[IPCRequest]):
                     # The first failure, as the vocabulary maps it: a kvactors error (a
                     # stream's failed barrier, a live view) as it is; a foreign one (a vendor
                     # close) becomes an IPCError naming the context and every failure.
-                    done(translate(errors[0], lambda _m: IPCError(
-                        f"context {ctx} closed with errors: {errors!r}")), None)
+                    done(
+                        translate(
+                            errors[0],
+                            lambda _m: IPCError(f"context {ctx} closed with errors: {errors!r}"),
+                        ),
+                        None,
+                    )
                 else:
                     done(None, ContextClosed(context_id=ctx, owners_closed=closed))
 

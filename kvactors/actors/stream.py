@@ -132,8 +132,12 @@ class StreamActor(Actor[StreamRequest]):
                 # The threads stay alive as daemons and may still touch device memory: say so,
                 # count it (DeviceStatistics.lanes_abandoned) and let Runtime.close() raise it.
                 self.lanes_abandoned += 1
-                _log.error("%s: lane threads did not end within %ss; abandoned", self.name,
-                           self._stop_timeout, extra={"actor": self.name, "device": self._device})
+                _log.error(
+                    "%s: lane threads did not end within %ss; abandoned",
+                    self.name,
+                    self._stop_timeout,
+                    extra={"actor": self.name, "device": self._device},
+                )
         finally:
             for outbox, seq in list(self._records):
                 outbox.withdraw(seq)

@@ -27,10 +27,17 @@ def build_parser() -> argparse.ArgumentParser:
     # The logging flags are accepted before and after the subcommand; SUPPRESS keeps a
     # subcommand's parser from resetting a value given before it.
     common = argparse.ArgumentParser(add_help=False)
-    common.add_argument("--log-level", default=argparse.SUPPRESS,
-                        help="logging level of the kvactors loggers (default WARNING)")
-    common.add_argument("--log-json", action="store_true", default=argparse.SUPPRESS,
-                        help="log as JSON lines to stderr")
+    common.add_argument(
+        "--log-level",
+        default=argparse.SUPPRESS,
+        help="logging level of the kvactors loggers (default WARNING)",
+    )
+    common.add_argument(
+        "--log-json",
+        action="store_true",
+        default=argparse.SUPPRESS,
+        help="log as JSON lines to stderr",
+    )
     ap = argparse.ArgumentParser(
         prog="kvactors",
         description="KV-cache transfer runtime for LMCache on MLU, MUSA and CPU.",
@@ -43,8 +50,12 @@ def build_parser() -> argparse.ArgumentParser:
 
     doc = add_parser("doctor", help="backends, LMCache plugin selection, environment")
     doc.add_argument("--json", action="store_true", help="print the report as JSON")
-    doc.add_argument("--fake", choices=("mlu", "musa"), default=None,
-                     help="answer as on a host with one such device (kvactors' fake vendor)")
+    doc.add_argument(
+        "--fake",
+        choices=("mlu", "musa"),
+        default=None,
+        help="answer as on a host with one such device (kvactors' fake vendor)",
+    )
 
     demo = add_parser("demo", help="simulated serving workload, verified bit for bit")
     demo.add_argument("--device", choices=DEVICE_KINDS, default="cpu")
@@ -53,10 +64,17 @@ def build_parser() -> argparse.ArgumentParser:
     demo.add_argument("--stats", action="store_true", help="print every actor's statistics")
     demo.add_argument("--json", action="store_true", help="print the report as JSON")
     demo.add_argument("--trace", metavar="FILE", help="record a replayable message trace")
-    demo.add_argument("--prometheus-port", type=int, metavar="PORT",
-                      help="serve Prometheus metrics on PORT while the demo runs")
-    demo.add_argument("--unsafe-skip-fences", action="store_true",
-                      help="negative control: reuse blocks without a fence (should FAIL)")
+    demo.add_argument(
+        "--prometheus-port",
+        type=int,
+        metavar="PORT",
+        help="serve Prometheus metrics on PORT while the demo runs",
+    )
+    demo.add_argument(
+        "--unsafe-skip-fences",
+        action="store_true",
+        help="negative control: reuse blocks without a fence (should FAIL)",
+    )
 
     bench = add_parser("bench", help="transfer and messaging benchmarks, JSON and PNG")
     from kvactors.cli.bench.suite import add_arguments as bench_args
@@ -86,8 +104,9 @@ def main(argv: Sequence[str] | None = None) -> int:
     from kvactors.logs import configure
 
     # Actions are shared between parsers (parents=), so defaults live here, not in set_defaults.
-    configure(level=getattr(args, "log_level", "WARNING"),
-              json_format=getattr(args, "log_json", False))
+    configure(
+        level=getattr(args, "log_level", "WARNING"), json_format=getattr(args, "log_json", False)
+    )
     if args.command == "doctor":
         return _doctor(args)
     if args.command == "demo":

@@ -50,7 +50,8 @@ def format_summary(r: DemoReport) -> str:
     transfers = r.stores + r.retrieves
     verdict = (
         "PASS: every restored block and every stored chunk is bit-identical"
-        if r.ok else "FAIL: see the mismatches and errors above"
+        if r.ok
+        else "FAIL: see the mismatches and errors above"
     )
     lines = [
         f"kvactors demo on {r.note}",
@@ -96,8 +97,9 @@ def run(args: argparse.Namespace) -> int:
             cleanups.append(calls.attach(rt))
             cleanups.append(register_prometheus(rt, calls=calls, port=args.prometheus_port))
 
-    _log.info("demo starting", extra={"device": cfg.device, "requests": cfg.requests,
-                                      "seed": cfg.seed})
+    _log.info(
+        "demo starting", extra={"device": cfg.device, "requests": cfg.requests, "seed": cfg.seed}
+    )
     try:
         report = run_demo(cfg, attach=attach)
     except (BackendUnavailableError, ImportError) as exc:

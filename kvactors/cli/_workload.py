@@ -51,7 +51,12 @@ class Geometry(msgspec.Struct, frozen=True, kw_only=True):
     def pool_shape(self) -> tuple[int, ...]:
         """``[NL, 2, NB, BS, NH, HS]``: every layer's paged tensor, stacked."""
         return (
-            self.num_layers, 2, self.num_blocks, self.block_size, self.num_heads, self.head_size
+            self.num_layers,
+            2,
+            self.num_blocks,
+            self.block_size,
+            self.num_heads,
+            self.head_size,
         )
 
     @property
@@ -80,9 +85,7 @@ def chunk_content(key: int, geo: Geometry) -> torch.Tensor:
     A cheap integer hash of (key, element index) reinterpreted as the KV dtype, so every
     element of every chunk differs with high probability (NaN patterns included: compare bits).
     """
-    shape = (
-        geo.num_layers, 2, geo.chunk_blocks, geo.block_size, geo.num_heads, geo.head_size
-    )
+    shape = (geo.num_layers, 2, geo.chunk_blocks, geo.block_size, geo.num_heads, geo.head_size)
     n = 1
     for d in shape:
         n *= d

@@ -158,8 +158,9 @@ class _Engine:
             shape=self.shape,
         )
 
-    def _submit(self, direction: Direction, blocks: list[int],
-                objects: list[torch.Tensor]) -> asyncio.Future[TransferDone]:
+    def _submit(
+        self, direction: Direction, blocks: list[int], objects: list[torch.Tensor]
+    ) -> asyncio.Future[TransferDone]:
         # Queues the transfer now (mailbox order = call order) and accounts the time during
         # which any transfer is in flight (the runtime's busy time).
         if self.inflight == 0:
@@ -178,8 +179,9 @@ class _Engine:
         if self.inflight == 0:
             self.report.busy_seconds += time.perf_counter() - self.busy_since
 
-    async def _transfer(self, direction: Direction, blocks: list[int],
-                        objects: list[torch.Tensor]) -> int:
+    async def _transfer(
+        self, direction: Direction, blocks: list[int], objects: list[torch.Tensor]
+    ) -> int:
         return (await self._submit(direction, blocks, objects)).nbytes
 
     def _blocks_of(self, req: Request, i: int) -> list[int]:
@@ -256,8 +258,9 @@ class _Engine:
         g = self.geo
         keys = req.keys[start:]
         blocks = req.blocks[start * g.chunk_blocks :]
-        objects = [self.rt.backend.pin(torch.empty(g.object_shape, dtype=g.torch_dtype))
-                   for _ in keys]
+        objects = [
+            self.rt.backend.pin(torch.empty(g.object_shape, dtype=g.torch_dtype)) for _ in keys
+        ]
         try:
             submitted = self._submit(Direction.D2H, blocks, objects)
         except Exception as exc:
@@ -267,8 +270,9 @@ class _Engine:
         self.storing.add(task)
         task.add_done_callback(self.storing.discard)
 
-    async def _store(self, keys: list[int], objects: list[torch.Tensor],
-                     submitted: asyncio.Future[TransferDone]) -> None:
+    async def _store(
+        self, keys: list[int], objects: list[torch.Tensor], submitted: asyncio.Future[TransferDone]
+    ) -> None:
         g, report = self.geo, self.report
         try:
             nbytes = (await submitted).nbytes
@@ -304,9 +308,7 @@ def _bad_positions(mismatches: list[Any]) -> set[int]:
     return {m.position for m in mismatches}
 
 
-def run_demo(
-    cfg: DemoConfig, *, attach: Callable[[Runtime], Any] | None = None
-) -> DemoReport:
+def run_demo(cfg: DemoConfig, *, attach: Callable[[Runtime], Any] | None = None) -> DemoReport:
     """Run the simulated workload; see the module docstring.
 
     Args:
@@ -321,8 +323,9 @@ def run_demo(
     """
     geo = cfg.geometry
     if geo.num_blocks < cfg.max_running * 6 * geo.chunk_blocks:
-        raise InvalidSettingError("geometry.num_blocks too small for max_running requests",
-                                  setting="geometry.num_blocks")
+        raise InvalidSettingError(
+            "geometry.num_blocks too small for max_running requests", setting="geometry.num_blocks"
+        )
     with device_env(cfg.device, seed=cfg.seed) as env:
         report = DemoReport(device=cfg.device, note=env.note)
         requests = list(make_requests(cfg.requests, seed=cfg.seed))

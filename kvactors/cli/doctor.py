@@ -169,7 +169,6 @@ def _plugins() -> dict[str, str]:
     return {ep.name: ep.value for ep in sorted(eps, key=lambda e: (e.name, e.value))}
 
 
-
 def _detect_script() -> Path | None:
     """``kvactors_lmcache/detect.py``, located without importing the adapter (or lmcache)."""
     try:
@@ -200,20 +199,23 @@ def ask_lmcache(env: dict[str, str], *, fake: str | None = None) -> Selection:
         return Selection(outcome="absent", error=f"lmcache cannot be found: {exc}")
     script = _detect_script()
     if script is None:
-        return Selection(outcome="unknown",
-                         error=f"the adapter package {_ADAPTER} (detect.py) cannot be found")
+        return Selection(
+            outcome="unknown", error=f"the adapter package {_ADAPTER} (detect.py) cannot be found"
+        )
     cmd = [sys.executable, "-c", _RUN_FILE, str(script)] + (["--fake", fake] if fake else [])
     sub_env = {"LMCACHE_TRACK_USAGE": "false", **env}
     try:
-        proc = subprocess.run(cmd, env=sub_env, capture_output=True, text=True,
-                              timeout=_DETECT_TIMEOUT_S, check=False)
+        proc = subprocess.run(
+            cmd, env=sub_env, capture_output=True, text=True, timeout=_DETECT_TIMEOUT_S, check=False
+        )
     except (OSError, subprocess.TimeoutExpired) as exc:
         return Selection(outcome="unknown", error=f"LMCache detection did not run: {exc}")
     lines = [ln for ln in proc.stdout.splitlines() if ln.startswith("{")]
     if proc.returncode != 0 or not lines:
         tail = (proc.stderr or proc.stdout).strip().splitlines()[-1:] or ["no output"]
-        return Selection(outcome="unknown",
-                         error=f"LMCache detection exited {proc.returncode}: {tail[0]}")
+        return Selection(
+            outcome="unknown", error=f"LMCache detection exited {proc.returncode}: {tail[0]}"
+        )
     try:
         raw = json.loads(lines[-1])
         registry = msgspec.convert(raw.get("registry", []), list[RegisteredBackend])
@@ -260,8 +262,7 @@ def collect(env: dict[str, str] | None = None, *, fake: str | None = None) -> Do
     with _maybe_fake(fake):
         # str() the details: a probe may hand back e.g. a TorchVersion, which JSON cannot encode.
         probes = {
-            p.backend: msgspec.structs.replace(
-                p, details={k: str(v) for k, v in p.details.items()})
+            p.backend: msgspec.structs.replace(p, details={k: str(v) for k, v in p.details.items()})
             for p in probe_all(BACKEND_KINDS)
         }
     plugins = _plugins()
@@ -293,11 +294,21 @@ def _pick_lines(r: DoctorReport) -> list[str]:
     avail = {p.backend for p in r.backends if p.available}
     kv = [b for b in r.selection.registry if b.kvactors]
     if not kv:  # lmcache absent or unreadable: kvactors' own entry points
-        kv = [RegisteredBackend(backend=n, device_type=n.removeprefix("kvactors_"),
-                                origin="plugin", kvactors=True, available=None)
-              for n in r.kvactors_plugins]
-    return [f"{BACKEND_ENV}={b.backend}" for b in kv
-            if b.device_type != "cpu" and b.device_type in avail]
+        kv = [
+            RegisteredBackend(
+                backend=n,
+                device_type=n.removeprefix("kvactors_"),
+                origin="plugin",
+                kvactors=True,
+                available=None,
+            )
+            for n in r.kvactors_plugins
+        ]
+    return [
+        f"{BACKEND_ENV}={b.backend}"
+        for b in kv
+        if b.device_type != "cpu" and b.device_type in avail
+    ]
 
 
 def _findings(r: DoctorReport, env: dict[str, str]) -> list[Finding]:
@@ -315,49 +326,80 @@ def _findings(r: DoctorReport, env: dict[str, str]) -> list[Finding]:
         }.get(p.backend, "")
         sim = (
             " `kvactors demo --device " + p.backend + "` still runs on the fake module"
-            if p.backend in ("mlu", "musa") else ""
+            if p.backend in ("mlu", "musa")
+            else ""
         )
-        out.append(Finding(level="info", topic=f"backend {p.backend}",
-                           message=f"unavailable: {p.reason}.{sim}", fix=fix))
+        out.append(
+            Finding(
+                level="info",
+                topic=f"backend {p.backend}",
+                message=f"unavailable: {p.reason}.{sim}",
+                fix=fix,
+            )
+        )
     lm = r.packages.get("lmcache")
     tested = " or ".join(LMCACHE_TESTED)
     if lm is None:
-        out.append(Finding(
-            level="info", topic="lmcache",
-            message="lmcache is not installed: kvactors works standalone; the LMCache plugin "
-            "is inactive",
-            fix=f"install lmcache {tested} with scripts/install-lmcache.sh (see README)"))
+        out.append(
+            Finding(
+                level="info",
+                topic="lmcache",
+                message="lmcache is not installed: kvactors works standalone; the LMCache plugin "
+                "is inactive",
+                fix=f"install lmcache {tested} with scripts/install-lmcache.sh (see README)",
+            )
+        )
     else:
         if lm not in LMCACHE_TESTED:
-            out.append(Finding(
-                level="warn", topic="lmcache",
-                message=f"lmcache {lm} is installed; the adapter is tested against {tested}",
-                fix="LMCACHE_VERSION=0.5.6 scripts/install-lmcache.sh"))
+            out.append(
+                Finding(
+                    level="warn",
+                    topic="lmcache",
+                    message=f"lmcache {lm} is installed; the adapter is tested against {tested}",
+                    fix="LMCACHE_VERSION=0.5.6 scripts/install-lmcache.sh",
+                )
+            )
         if not r.kvactors_plugins:
-            out.append(Finding(
-                level="warn", topic="plugins",
-                message="kvactors' LMCache entry points are not registered",
-                fix="reinstall kvactors into this environment (pip install -e . from the "
-                "repository, or the wheel) so its entry points are registered"))
+            out.append(
+                Finding(
+                    level="warn",
+                    topic="plugins",
+                    message="kvactors' LMCache entry points are not registered",
+                    fix="reinstall kvactors into this environment (pip install -e . from the "
+                    "repository, or the wheel) so its entry points are registered",
+                )
+            )
         if not r.adapter_importable:
-            out.append(Finding(
-                level="warn", topic="plugins",
-                message="the adapter package kvactors_lmcache cannot be found",
-                fix="reinstall kvactors (the wheel ships adapters/kvactors_lmcache)"))
+            out.append(
+                Finding(
+                    level="warn",
+                    topic="plugins",
+                    message="the adapter package kvactors_lmcache cannot be found",
+                    fix="reinstall kvactors (the wheel ships adapters/kvactors_lmcache)",
+                )
+            )
     out += _selection_findings(r, env)
     accel = [p.backend for p in r.backends if p.available and p.backend != "cpu"]
     if env.get("KVACTORS_LMCACHE_CPU", "").strip() == "1" and accel:
-        out.append(Finding(
-            level="warn", topic="KVACTORS_LMCACHE_CPU",
-            message=f"KVACTORS_LMCACHE_CPU=1 on a host with {', '.join(accel)}: the CPU plugin "
-            "wins LMCache's auto-detection (cpu comes first) and hijacks torch_dev",
-            fix="unset KVACTORS_LMCACHE_CPU outside tests"))
+        out.append(
+            Finding(
+                level="warn",
+                topic="KVACTORS_LMCACHE_CPU",
+                message=f"KVACTORS_LMCACHE_CPU=1 on a host with {', '.join(accel)}: the CPU plugin "
+                "wins LMCache's auto-detection (cpu comes first) and hijacks torch_dev",
+                fix="unset KVACTORS_LMCACHE_CPU outside tests",
+            )
+        )
     if r.torch_threads > 1 and "OMP_NUM_THREADS" not in env:
-        out.append(Finding(
-            level="info", topic="threads",
-            message=f"torch uses {r.torch_threads} intra-op threads; on small shared hosts "
-            "parallel copies stall when any other thread runs (docs/benchmarks.md)",
-            fix="benchmarks pin 1 thread and report 2 threads separately"))
+        out.append(
+            Finding(
+                level="info",
+                topic="threads",
+                message=f"torch uses {r.torch_threads} intra-op threads; on small shared hosts "
+                "parallel copies stall when any other thread runs (docs/benchmarks.md)",
+                fix="benchmarks pin 1 thread and report 2 threads separately",
+            )
+        )
     return out
 
 
@@ -367,15 +409,22 @@ def _selection_findings(r: DoctorReport, env: dict[str, str]) -> list[Finding]:
         return []
     picks = _pick_lines(r)
     how = (
-        "to use kvactors: " + " or ".join(f"export {p}" for p in picks)
+        "to use kvactors: "
+        + " or ".join(f"export {p}" for p in picks)
         + " in every LMCache worker process"
-        if picks else
-        "no device for kvactors here; for a CPU-only test of the plugin export "
+        if picks
+        else "no device for kvactors here; for a CPU-only test of the plugin export "
         "KVACTORS_LMCACHE_CPU=1 (tests only)"
     )
     if s.outcome == "unknown":
-        return [Finding(level="warn", topic="LMCache selection",
-                        message=f"could not ask LMCache: {s.error}", fix=how)]
+        return [
+            Finding(
+                level="warn",
+                topic="LMCache selection",
+                message=f"could not ask LMCache: {s.error}",
+                fix=how,
+            )
+        ]
     if s.outcome == "error":
         if "Multiple LMCache backends" in s.error:
             fix = f"choose one: export {BACKEND_ENV}=<backend_name> in every process; " + how
@@ -391,11 +440,15 @@ def _selection_findings(r: DoctorReport, env: dict[str, str]) -> list[Finding]:
             fix = how
         return [Finding(level="error", topic="LMCache selection", message=s.error, fix=fix)]
     who = f"{s.backend} (kvactors)" if s.kvactors else (s.backend or "StubCPUDevice")
-    return [Finding(
-        level="ok" if s.kvactors else "info", topic="LMCache selection",
-        message=f"LMCache selects {who} for device type {s.device_type!r}; MP transfer mode "
-        f"{s.transfer_mode} ({s.transfer_mode_reason})",
-        fix="" if s.kvactors else how)]
+    return [
+        Finding(
+            level="ok" if s.kvactors else "info",
+            topic="LMCache selection",
+            message=f"LMCache selects {who} for device type {s.device_type!r}; MP transfer mode "
+            f"{s.transfer_mode} ({s.transfer_mode_reason})",
+            fix="" if s.kvactors else how,
+        )
+    ]
 
 
 _MARK = {"ok": "[ ok ]", "info": "[info]", "warn": "[WARN]", "error": "[FAIL]"}
@@ -419,8 +472,11 @@ def format_doctor(r: DoctorReport) -> str:
     s = r.selection
     head = f"LMCache selection ({s.source or 'not asked'}): "
     if s.outcome == "selected" or s.outcome == "stub":
-        lines.append(head + f"{s.backend or 'StubCPUDevice'} [{s.device_type}]"
-                     + (" (kvactors)" if s.kvactors else ""))
+        lines.append(
+            head
+            + f"{s.backend or 'StubCPUDevice'} [{s.device_type}]"
+            + (" (kvactors)" if s.kvactors else "")
+        )
         lines.append(f"  MP transfer mode: {s.transfer_mode} ({s.transfer_mode_reason})")
     elif s.outcome == "absent":
         lines.append(head + "lmcache is not installed")
@@ -428,14 +484,20 @@ def format_doctor(r: DoctorReport) -> str:
         lines.append(head + f"{s.outcome.upper()}: {s.error}")
     for b in s.registry:
         state = {True: "available", False: "unavailable", None: f"raised {b.error}"}[b.available]
-        lines.append(f"  {b.backend:<14} [{b.device_type}] {b.origin:<7} {state}"
-                     + ("  (kvactors)" if b.kvactors else ""))
+        lines.append(
+            f"  {b.backend:<14} [{b.device_type}] {b.origin:<7} {state}"
+            + ("  (kvactors)" if b.kvactors else "")
+        )
     picks = _pick_lines(r)
     kv_names = sorted(r.kvactors_plugins)
-    lines.append("select kvactors: " + (
-        ", ".join(f"{BACKEND_ENV}={n}" for n in kv_names if n != PLUGIN_CPU)
-        + "; CPU tests: KVACTORS_LMCACHE_CPU=1"
-        + (f"  (here: {' or '.join(picks)})" if picks else "")))
+    lines.append(
+        "select kvactors: "
+        + (
+            ", ".join(f"{BACKEND_ENV}={n}" for n in kv_names if n != PLUGIN_CPU)
+            + "; CPU tests: KVACTORS_LMCACHE_CPU=1"
+            + (f"  (here: {' or '.join(picks)})" if picks else "")
+        )
+    )
     lines.append("environment:")
     lines += [f"  {k}={v}" for k, v in r.env.items()] or ["  (none of the relevant variables set)"]
     lines.append("findings:")

@@ -35,8 +35,11 @@ def run(args: argparse.Namespace) -> int:
             f"replayed {report.calls} calls ({report.transfers} transfers, "
             f"{report.bytes_moved / 2**20:.1f} MiB) in {report.seconds:.2f}s "
             f"(recorded run: {report.recorded_seconds:.2f}s): "
-            + ("every outcome as recorded" if report.ok else
-               f"{len(report.outcome_mismatches)} outcomes differ")
+            + (
+                "every outcome as recorded"
+                if report.ok
+                else f"{len(report.outcome_mismatches)} outcomes differ"
+            )
         )
         for m in report.outcome_mismatches[:20]:
             print(f"  {m}")

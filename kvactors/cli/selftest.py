@@ -25,14 +25,23 @@ def add_arguments(ap: argparse.ArgumentParser) -> None:
     from kvactors.cli._devenv import DEVICE_KINDS
     from kvactors.testing.check import CHECK_GROUPS
 
-    ap.add_argument("--device", choices=DEVICE_KINDS, default="cpu",
-                    help="the device to test (default cpu)")
+    ap.add_argument(
+        "--device", choices=DEVICE_KINDS, default="cpu", help="the device to test (default cpu)"
+    )
     ap.add_argument("--device-index", type=int, default=0, metavar="N")
-    ap.add_argument("--fake", action="store_true",
-                    help="run on kvactors.testing's fake vendor module (mlu, musa): SIMULATED")
+    ap.add_argument(
+        "--fake",
+        action="store_true",
+        help="run on kvactors.testing's fake vendor module (mlu, musa): SIMULATED",
+    )
     ap.add_argument("--json", metavar="FILE", help="also write the report as JSON to FILE")
-    ap.add_argument("--only", action="append", choices=CHECK_GROUPS, metavar="GROUP",
-                    help=f"run only these check groups (repeatable): {', '.join(CHECK_GROUPS)}")
+    ap.add_argument(
+        "--only",
+        action="append",
+        choices=CHECK_GROUPS,
+        metavar="GROUP",
+        help=f"run only these check groups (repeatable): {', '.join(CHECK_GROUPS)}",
+    )
 
 
 def run(args: argparse.Namespace) -> int:
@@ -42,8 +51,9 @@ def run(args: argparse.Namespace) -> int:
     if args.fake and args.device not in ("mlu", "musa"):
         print(f"kvactors selftest: --fake simulates mlu and musa only, not {args.device}")
         return 2
-    report = check_backend(args.device, fake=bool(args.fake), device_index=args.device_index,
-                           only=args.only)
+    report = check_backend(
+        args.device, fake=bool(args.fake), device_index=args.device_index, only=args.only
+    )
     print(format_report(report))
     if args.json:
         with open(args.json, "w", encoding="utf-8") as f:
@@ -74,7 +84,9 @@ def format_report(report: BackendReport) -> str:
     lines.append(f"{verdict}{tag}: {passed} passed, {skipped} skipped, {failed} failed")
     probe = report.checks[0]
     if probe.name == "probe" and not probe.ok and report.device.split(":")[0] in ("mlu", "musa"):
-        lines.append("hint: `kvactors selftest --device "
-                     f"{report.device.split(':')[0]} --fake` runs the suite on the simulated "
-                     "device")
+        lines.append(
+            "hint: `kvactors selftest --device "
+            f"{report.device.split(':')[0]} --fake` runs the suite on the simulated "
+            "device"
+        )
     return "\n".join(lines)

@@ -53,7 +53,11 @@ def view_from_pointer(
     if not isinstance(dtype, torch.dtype):
         raise InvalidPointerError(f"dtype must be a torch.dtype, got {dtype!r}", field="dtype")
     req = check_view_request(
-        ptr, shape, dtype.itemsize, stride=stride, storage_offset=storage_offset,
+        ptr,
+        shape,
+        dtype.itemsize,
+        stride=stride,
+        storage_offset=storage_offset,
         available_nbytes=nbytes,
     )
     if req.nbytes == 0:
@@ -66,8 +70,13 @@ def view_from_pointer(
     with device_errors(str(device), "tensor_from_ptr"):
         storage = make_storage(req.ptr, device, req.nbytes)
         if constructor is not None:
-            meta = {"dtype": dtype, "size": req.shape, "stride": req.stride,
-                    "storage_offset": req.storage_offset, "device": device}
+            meta = {
+                "dtype": dtype,
+                "size": req.shape,
+                "stride": req.stride,
+                "storage_offset": req.storage_offset,
+                "device": device,
+            }
             return constructor(meta, storage)
         view = torch.empty(0, dtype=dtype, device=device)
         return view.set_(storage, req.storage_offset, req.shape, req.stride)

@@ -137,8 +137,9 @@ class TorchLikeBackend(Backend):
         """Handle 0: ``default_stream(index)``; nonzero: borrow the caller's stream."""
         self._check_index(index)
         if isinstance(handle, bool) or not isinstance(handle, int) or handle < 0:
-            raise InvalidPointerError(f"stream handle must be an int >= 0, got {handle!r}",
-                                      field="stream")
+            raise InvalidPointerError(
+                f"stream handle must be an int >= 0, got {handle!r}", field="stream"
+            )
         self._check_handle(handle)
         with device_errors(self._name(index), "stream_from_handle"):
             if handle == 0:

@@ -48,16 +48,30 @@ class CudaBackend(TorchLikeBackend):
             built = bool(torch.backends.cuda.is_built())  # type: ignore[no-untyped-call]
             count = torch.cuda.device_count() if torch.cuda.is_available() else 0
         except Exception as exc:
-            return Probe(backend="cuda", available=False,
-                         reason=f"torch.cuda probe failed ({type(exc).__name__}: {exc})")
-        details = {"torch": str(torch.__version__), "cuda": str(torch.version.cuda),
-                   "device_count": str(count)}
+            return Probe(
+                backend="cuda",
+                available=False,
+                reason=f"torch.cuda probe failed ({type(exc).__name__}: {exc})",
+            )
+        details = {
+            "torch": str(torch.__version__),
+            "cuda": str(torch.version.cuda),
+            "device_count": str(count),
+        }
         if not built:
-            return Probe(backend="cuda", available=False, details=details,
-                         reason="this torch build has no CUDA support")
+            return Probe(
+                backend="cuda",
+                available=False,
+                details=details,
+                reason="this torch build has no CUDA support",
+            )
         if count == 0:
-            return Probe(backend="cuda", available=False, details=details,
-                         reason="no CUDA device is visible (check CUDA_VISIBLE_DEVICES)")
+            return Probe(
+                backend="cuda",
+                available=False,
+                details=details,
+                reason="no CUDA device is visible (check CUDA_VISIBLE_DEVICES)",
+            )
         return Probe(backend="cuda", available=True, details=details)
 
     def device(self, index: int) -> torch.device:
@@ -78,8 +92,14 @@ class CudaBackend(TorchLikeBackend):
     ) -> torch.Tensor:
         """A validated, non-owning view of CUDA memory at ``ptr`` (this process only)."""
         return view_from_pointer(
-            ptr, shape, dtype, self.device(index), backend="cuda", stride=stride,
-            storage_offset=storage_offset, nbytes=nbytes,
+            ptr,
+            shape,
+            dtype,
+            self.device(index),
+            backend="cuda",
+            stride=stride,
+            storage_offset=storage_offset,
+            nbytes=nbytes,
         )
 
     def ipc_export(self, t: torch.Tensor) -> IPCHandle:

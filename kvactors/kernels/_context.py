@@ -254,9 +254,7 @@ class KernelContext:
             ]
         return self._unit_views
 
-    def index_spec(
-        self, kind: str, seg: Segment
-    ) -> tuple[Hashable, Callable[[], list[int]]]:
+    def index_spec(self, kind: str, seg: Segment) -> tuple[Hashable, Callable[[], list[int]]]:
         """Key and values of the segment's ``"ids"`` (block ids) or ``"rows"`` (row numbers
         ``[P*NL, n]`` of :attr:`rows`, plane-major, flattened) index, for :attr:`indices`."""
         block_ids = self.plan.request.block_ids[seg.start : seg.stop]

@@ -61,9 +61,7 @@ def staged_segment(
     n = seg.count
     shape = ctx.plan.request.shape
     heads = 1 if ctx.plan.spec.is_mla else shape.nh
-    staging = scratch.get(
-        ctx.device, (ctx.planes, ctx.nl, n, shape.bs, heads, shape.hs), obj.dtype
-    )
+    staging = scratch.get(ctx.device, (ctx.planes, ctx.nl, n, shape.bs, heads, shape.hs), obj.dtype)
     if n == ctx.bpo:
         host = obj.view(staging.shape)  # the whole chunk: contiguous, one plain DMA
     else:
@@ -85,8 +83,7 @@ def _gather(ctx: KernelContext, seg: Segment, staging: torch.Tensor) -> None:
     assert stacked is not None
     order = physical_order(stacked)
     ov = staging.permute(1, 0, 2, 3, 4, 5)  # [L, P, n, S, H, D], like the stacked view
-    torch.index_select(stacked.permute(order), order.index(2), ctx.ids(seg),
-                       out=ov.permute(order))
+    torch.index_select(stacked.permute(order), order.index(2), ctx.ids(seg), out=ov.permute(order))
 
 
 def _scatter(ctx: KernelContext, seg: Segment, staging: torch.Tensor) -> None:

@@ -41,8 +41,21 @@ __all__ = ("Installation",)
 
 _MISSING = object()
 _FACTORIES = (
-    "empty", "zeros", "ones", "full", "empty_strided", "tensor", "as_tensor", "arange",
-    "empty_like", "zeros_like", "ones_like", "full_like", "rand", "randn", "randint",
+    "empty",
+    "zeros",
+    "ones",
+    "full",
+    "empty_strided",
+    "tensor",
+    "as_tensor",
+    "arange",
+    "empty_like",
+    "zeros_like",
+    "ones_like",
+    "full_like",
+    "rand",
+    "randn",
+    "randint",
 )
 
 
@@ -60,7 +73,9 @@ def _construct_from_storage(vendor: FakeVendor, metadata: dict[str, Any], storag
     if index is None:
         raise FakeDeviceError(f"storage is not {vendor.kind} device memory")
     view = torch.empty(0, dtype=metadata["dtype"]).set_(
-        storage, int(metadata.get("storage_offset", 0)), tuple(metadata["size"]),
+        storage,
+        int(metadata.get("storage_offset", 0)),
+        tuple(metadata["size"]),
         tuple(metadata["stride"]),
     )
     return wrap(view, vendor, index)
@@ -83,11 +98,13 @@ class Installation:
     def _build(self) -> dict[str, types.ModuleType]:
         v = self.vendor
         knobs = v.knobs
-        ctor = knobs.vendor_constructor if knobs.vendor_constructor is not None else (
-            v.kind == "musa"
+        ctor = (
+            knobs.vendor_constructor if knobs.vendor_constructor is not None else (v.kind == "musa")
         )
-        api = new_module(f"torch_{v.kind}" if v.kind == "musa" else "torch_mlu.mlu",
-                         f"Fake torch.{v.kind} (kvactors.testing).")
+        api = new_module(
+            f"torch_{v.kind}" if v.kind == "musa" else "torch_mlu.mlu",
+            f"Fake torch.{v.kind} (kvactors.testing).",
+        )
         for name, value in v.module_functions():
             setattr(api, name, value)
         if not knobs.event_ipc:
@@ -95,8 +112,11 @@ class Installation:
         cext = new_module(f"torch_{v.kind}._{v.kind.upper()}C", "Fake C extension.")
         setattr(cext, f"_{v.kind}_getDeviceCount", v.device_count)
         if ctor:
-            setattr(cext, f"_construct_{v.kind.upper()}_Tensor_From_Storage_And_Metadata",
-                    functools.partial(_construct_from_storage, v))
+            setattr(
+                cext,
+                f"_construct_{v.kind.upper()}_Tensor_From_Storage_And_Metadata",
+                functools.partial(_construct_from_storage, v),
+            )
         if v.kind == "musa":
             pkg = api
             pkg.__path__ = []  # a package, so "torch_musa.ipc" imports
@@ -134,8 +154,10 @@ class Installation:
     # ---- install / uninstall ------------------------------------------------------
 
     def _set(self, owner: Any, name: str, value: Any) -> None:
-        old = owner.__dict__.get(name, _MISSING) if isinstance(owner, type) else getattr(
-            owner, name, _MISSING
+        old = (
+            owner.__dict__.get(name, _MISSING)
+            if isinstance(owner, type)
+            else getattr(owner, name, _MISSING)
         )
 
         def undo() -> None:
@@ -163,20 +185,31 @@ class Installation:
         self._set(torch.Tensor, "to", self._to(torch.Tensor.to))
         self._set(torch.Tensor, v.kind, self._to_vendor())
         if f"is_{v.kind}" not in vars(torch.Tensor):
-            self._set(torch.Tensor, f"is_{v.kind}", property(
-                lambda t: isinstance(t, FakeDeviceTensor) and t._fake_vendor.kind == v.kind
-            ))
+            self._set(
+                torch.Tensor,
+                f"is_{v.kind}",
+                property(
+                    lambda t: isinstance(t, FakeDeviceTensor) and t._fake_vendor.kind == v.kind
+                ),
+            )
         for fname in _FACTORIES:
             self._set(torch, fname, self._factory(fname, getattr(torch, fname)))
-        self._set(torch._C, "_construct_storage_from_data_pointer",
-                  self._storage_from_ptr(torch._C._construct_storage_from_data_pointer))
+        self._set(
+            torch._C,
+            "_construct_storage_from_data_pointer",
+            self._storage_from_ptr(torch._C._construct_storage_from_data_pointer),
+        )
         self._set(torch.Tensor, "pin_memory", self._pin_memory(torch.Tensor.pin_memory))
         self._set(torch.Tensor, "is_pinned", self._is_pinned(torch.Tensor.is_pinned))
         if v.kind == "mlu" and v.knobs.ipc:
-            self._set(torch.UntypedStorage, "_share_mlu_",
-                      lambda storage: _ipc.share_storage(v, storage))
-            self._set(torch.UntypedStorage, "_new_shared_mlu",
-                      staticmethod(lambda *info: _ipc.new_shared(v, tuple(info))))
+            self._set(
+                torch.UntypedStorage, "_share_mlu_", lambda storage: _ipc.share_storage(v, storage)
+            )
+            self._set(
+                torch.UntypedStorage,
+                "_new_shared_mlu",
+                staticmethod(lambda *info: _ipc.new_shared(v, tuple(info))),
+            )
 
     def uninstall(self) -> None:
         """Undo every patch, in reverse order (idempotent)."""
@@ -199,9 +232,14 @@ class Installation:
                     return out
                 return orig(*args, **kwargs)
             first = args[0] if args else kwargs.get("data")
-            if fname == "as_tensor" and isinstance(first, FakeDeviceTensor) and (
-                first._fake_vendor is v and first._fake_index == idx
-                and kwargs.get("dtype") in (None, first.dtype)
+            if (
+                fname == "as_tensor"
+                and isinstance(first, FakeDeviceTensor)
+                and (
+                    first._fake_vendor is v
+                    and first._fake_index == idx
+                    and kwargs.get("dtype") in (None, first.dtype)
+                )
             ):
                 return first  # already there: as_tensor returns its input
             kwargs = {**kwargs, "device": "cpu"}
@@ -235,7 +273,9 @@ class Installation:
         v = self.vendor
 
         def to_vendor(
-            self_: torch.Tensor, device: object = None, non_blocking: bool = False,
+            self_: torch.Tensor,
+            device: object = None,
+            non_blocking: bool = False,
             **kwargs: Any,
         ) -> torch.Tensor:
             """``Tensor.mlu()`` / ``Tensor.musa()``: a copy on the fake device (or self)."""

@@ -136,7 +136,12 @@ class KVCase:
         """The shape descriptor, with the exact dtype name."""
         spec = FORMAT_SPECS[self.fmt]
         return ShapeDesc(
-            kv_size=spec.planes, nl=self.nl, nb=self.nb, bs=self.bs, nh=self.heads, hs=self.hs,
+            kv_size=spec.planes,
+            nl=self.nl,
+            nb=self.nb,
+            bs=self.bs,
+            nh=self.heads,
+            hs=self.hs,
             element_size=torch.empty(0, dtype=self.dtype).element_size(),
             dtype=str(self.dtype).removeprefix("torch."),
         )
@@ -144,8 +149,12 @@ class KVCase:
     def request(self, direction: int, block_ids: list[int], skip: int = 0) -> TransferRequest:
         """A request over ``block_ids`` (chunks of ``bpo`` blocks)."""
         return TransferRequest(
-            fmt=int(self.fmt), direction=direction, block_ids=tuple(block_ids),
-            chunk_size=self.bpo * self.bs, skip_blocks=skip, shape=self.shape(),
+            fmt=int(self.fmt),
+            direction=direction,
+            block_ids=tuple(block_ids),
+            chunk_size=self.bpo * self.bs,
+            skip_blocks=skip,
+            shape=self.shape(),
         )
 
     def n_objects(self, n_blocks: int) -> int:

@@ -84,12 +84,15 @@ class Exporter:
         self._kind = kind
         self._proc = subprocess.Popen(
             [sys.executable, "-m", __name__, kind, str(index), str(n)],
-            stdin=subprocess.PIPE, stdout=subprocess.PIPE, text=True,
+            stdin=subprocess.PIPE,
+            stdout=subprocess.PIPE,
+            text=True,
         )
         # A reader thread, so that every wait for the child has a deadline.
         self._lines: queue.Queue[str] = queue.Queue()
-        self._reader = threading.Thread(target=self._read, daemon=True,
-                                        name="kvactors-selftest-exporter-reader")
+        self._reader = threading.Thread(
+            target=self._read, daemon=True, name="kvactors-selftest-exporter-reader"
+        )
         self._reader.start()
 
     def _read(self) -> None:
@@ -103,8 +106,9 @@ class Exporter:
         try:
             line = self._lines.get(timeout=_TIMEOUT)
         except queue.Empty:
-            raise TimeoutError(f"the exporter process sent no {expected!r} in "
-                               f"{_TIMEOUT:.0f}s") from None
+            raise TimeoutError(
+                f"the exporter process sent no {expected!r} in {_TIMEOUT:.0f}s"
+            ) from None
         if not line:
             code = self._proc.wait(_TIMEOUT)
             raise RuntimeError(f"the exporter process exited ({code}) without {expected!r}")

@@ -51,9 +51,9 @@ class OpCounts:
         return self.h2d + self.d2h
 
     def __sub__(self, other: OpCounts) -> OpCounts:
-        return OpCounts(*(
-            getattr(self, f.name) - getattr(other, f.name) for f in dataclasses.fields(self)
-        ))
+        return OpCounts(
+            *(getattr(self, f.name) - getattr(other, f.name) for f in dataclasses.fields(self))
+        )
 
     def as_dict(self) -> dict[str, int]:
         """The fields (and ``copies``) as a plain dict, for reports and JSON."""

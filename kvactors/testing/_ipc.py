@@ -131,9 +131,13 @@ class MUSAIPCTensorHandle:
         if not isinstance(dtype, torch.dtype):
             raise ValueError(f"not a dtype: {d['dtype']!r}")
         return cls(
-            shared_storage_info=info, dtype=dtype, size=tuple(d["size"]),
-            stride=tuple(d["stride"]), storage_offset=int(d["storage_offset"]),
-            requires_grad=bool(d["requires_grad"]), device_uuid=str(d["device_uuid"]),
+            shared_storage_info=info,
+            dtype=dtype,
+            size=tuple(d["size"]),
+            stride=tuple(d["stride"]),
+            storage_offset=int(d["storage_offset"]),
+            requires_grad=bool(d["requires_grad"]),
+            device_uuid=str(d["device_uuid"]),
         )
 
 
@@ -185,8 +189,12 @@ def export_tensor(vendor: FakeVendor, t: object) -> MUSAIPCTensorHandle:
     info = share_storage(vendor, plain(t).untyped_storage())
     props = vendor.get_device_properties(t.device.index)
     return MUSAIPCTensorHandle(
-        shared_storage_info=info, dtype=t.dtype, size=tuple(t.shape), stride=tuple(t.stride()),
-        storage_offset=int(t.storage_offset()), requires_grad=False,
+        shared_storage_info=info,
+        dtype=t.dtype,
+        size=tuple(t.shape),
+        stride=tuple(t.stride()),
+        storage_offset=int(t.storage_offset()),
+        requires_grad=False,
         device_uuid=str(props.uuid) if props.uuid is not None else "",
     )
 

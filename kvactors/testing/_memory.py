@@ -111,9 +111,11 @@ class FakeMemory:
         if t.numel() == 0:
             return True
         start = t.data_ptr()
-        end = start + max(
-            1, sum((n - 1) * s for n, s in zip(t.shape, t.stride(), strict=True)) + 1
-        ) * t.element_size()
+        end = (
+            start
+            + max(1, sum((n - 1) * s for n, s in zip(t.shape, t.stride(), strict=True)) + 1)
+            * t.element_size()
+        )
         with self._lock:
             return any(r.start <= start and end <= r.end and r.live() for r in self._pinned)
 

@@ -92,7 +92,6 @@ class StreamOwner(Owner, Protocol):
         """The stream registered under ``handle``."""
 
 
-
 class FakeStream:
     """An asynchronous fake stream: work runs in FIFO order on its own thread."""
 
@@ -180,7 +179,9 @@ class FakeStream:
         if not isinstance(other, FakeStream):
             return NotImplemented
         return (self._handle, self._index, self._vendor) == (
-            other._handle, other._index, other._vendor,
+            other._handle,
+            other._index,
+            other._vendor,
         )
 
     def __hash__(self) -> int:

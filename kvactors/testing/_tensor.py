@@ -42,16 +42,48 @@ __all__ = ("FakeDeviceTensor", "move_to", "parse_to", "plain", "wrap")
 
 _NoTF = torch._C.DisableTorchFunctionSubclass
 
-_METADATA_INPLACE = frozenset({
-    "set_", "resize_", "resize_as_", "as_strided_", "squeeze_", "unsqueeze_", "transpose_",
-    "t_", "swapdims_", "swapaxes_", "requires_grad_", "share_memory_", "retain_grad",
-    "__set__", "_fix_weakref", "__setstate__",
-})
-_HOST_READS = frozenset({
-    "cpu", "item", "tolist", "numpy", "__bool__", "__float__", "__int__", "__index__",
-    "__complex__", "__repr__", "__str__", "__format__", "__array__", "equal", "allclose",
-    "__reduce_ex__", "__deepcopy__", "__dlpack__",
-})
+_METADATA_INPLACE = frozenset(
+    {
+        "set_",
+        "resize_",
+        "resize_as_",
+        "as_strided_",
+        "squeeze_",
+        "unsqueeze_",
+        "transpose_",
+        "t_",
+        "swapdims_",
+        "swapaxes_",
+        "requires_grad_",
+        "share_memory_",
+        "retain_grad",
+        "__set__",
+        "_fix_weakref",
+        "__setstate__",
+    }
+)
+_HOST_READS = frozenset(
+    {
+        "cpu",
+        "item",
+        "tolist",
+        "numpy",
+        "__bool__",
+        "__float__",
+        "__int__",
+        "__index__",
+        "__complex__",
+        "__repr__",
+        "__str__",
+        "__format__",
+        "__array__",
+        "equal",
+        "allclose",
+        "__reduce_ex__",
+        "__deepcopy__",
+        "__dlpack__",
+    }
+)
 
 
 class FakeDeviceTensor(torch.Tensor):
@@ -144,8 +176,10 @@ def _dispatch(func: Callable[..., Any], args: tuple[Any, ...], kwargs: dict[str,
         return _host_read(func, args, kwargs, vendor, index)
     if name == "copy_":
         return _copy(args, kwargs, vendor, index)
-    if (name.endswith("_") and not name.startswith("__")) or name == "__setitem__" or (
-        "out" in kwargs and kwargs["out"] is not None
+    if (
+        (name.endswith("_") and not name.startswith("__"))
+        or name == "__setitem__"
+        or ("out" in kwargs and kwargs["out"] is not None)
     ):
         return _enqueue_mutation(func, args, kwargs, vendor, index)
     return _compute(func, args, kwargs, vendor, index)
@@ -164,8 +198,10 @@ def parse_to(
     if rest and isinstance(rest[0], torch.Tensor):
         other = rest.pop(0)
         device, dtype = other.device, other.dtype
-    elif rest and isinstance(rest[0], (str, torch.device, FakeDevice, int)) and not isinstance(
-        rest[0], bool
+    elif (
+        rest
+        and isinstance(rest[0], (str, torch.device, FakeDevice, int))
+        and not isinstance(rest[0], bool)
     ):
         device = rest.pop(0)
     if rest and isinstance(rest[0], torch.dtype):
@@ -191,8 +227,10 @@ def move_to(
     an asynchronous kernel. From the host or another device: a fresh device tensor filled
     by an emulated copy (asynchronous only for ``non_blocking`` from pinned memory).
     """
-    if isinstance(src, FakeDeviceTensor) and src._fake_vendor is vendor and (
-        src._fake_index == index
+    if (
+        isinstance(src, FakeDeviceTensor)
+        and src._fake_vendor is vendor
+        and (src._fake_index == index)
     ):
         if (dtype is None or dtype == src.dtype) and not copy:
             return src
@@ -232,8 +270,10 @@ def _count_uploads(vendor: Owner, tree: Any, keep: tuple[object, ...]) -> None:
     """Count host tensors handed to a device kernel as implicit synchronous uploads."""
     for x in pytree.tree_flatten(tree)[0]:
         if (
-            isinstance(x, torch.Tensor) and not isinstance(x, FakeDeviceTensor)
-            and x.dim() > 0 and not any(x is k for k in keep)
+            isinstance(x, torch.Tensor)
+            and not isinstance(x, FakeDeviceTensor)
+            and x.dim() > 0
+            and not any(x is k for k in keep)
         ):
             vendor.tally.add("h2d")
             vendor.tally.add("syncs")
@@ -250,9 +290,7 @@ def _targets_cpu(args: tuple[Any, ...], kwargs: dict[str, Any]) -> bool:
     return False
 
 
-def _host_read(
-    func: Callable[..., Any], args: Any, kwargs: Any, vendor: Owner, index: int
-) -> Any:
+def _host_read(func: Callable[..., Any], args: Any, kwargs: Any, vendor: Owner, index: int) -> Any:
     vendor.current_stream(index).synchronize()
     pa, pk = _unwrap((args, kwargs), snapshot_host=False)
     with _NoTF():
@@ -319,9 +357,7 @@ def _to_meta(x: Any) -> Any:
     return x
 
 
-def _compute(
-    func: Callable[..., Any], args: Any, kwargs: Any, vendor: Owner, index: int
-) -> Any:
+def _compute(func: Callable[..., Any], args: Any, kwargs: Any, vendor: Owner, index: int) -> Any:
     margs, mkwargs = pytree.tree_map(_to_meta, (args, kwargs))
     try:
         with _NoTF():

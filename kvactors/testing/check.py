@@ -173,14 +173,22 @@ def check_backend(
         simulated = vendor is not None
         versions = _versions(backend, simulated)
         if problem:
-            return BackendReport(device=name, simulated=simulated, versions=versions,
-                                 checks=(CheckResult(name="probe", ok=False, detail=problem),))
+            return BackendReport(
+                device=name,
+                simulated=simulated,
+                versions=versions,
+                checks=(CheckResult(name="probe", ok=False, detail=problem),),
+            )
         probe = backend.probe()
         versions.update(probe.details)
         if not probe.available:
             detail = f"{backend.kind.upper()} is not available: {probe.reason}"
-            return BackendReport(device=name, simulated=simulated, versions=versions,
-                                 checks=(CheckResult(name="probe", ok=False, detail=detail),))
+            return BackendReport(
+                device=name,
+                simulated=simulated,
+                versions=versions,
+                checks=(CheckResult(name="probe", ok=False, detail=detail),),
+            )
         first = CheckResult(name="probe", ok=True, detail=_probe_detail(probe.details, vendor))
         io = DeviceIO(backend, device_index, vendor)
         suite = _Suite(backend, io, simulated)
@@ -215,8 +223,12 @@ def _installed(
 def _versions(backend: Backend, simulated: bool) -> dict[str, str]:
     from kvactors import __version__
 
-    out = {"kvactors": __version__, "torch": str(torch.__version__),
-           "python": platform.python_version(), "backend": type(backend).__qualname__}
+    out = {
+        "kvactors": __version__,
+        "torch": str(torch.__version__),
+        "python": platform.python_version(),
+        "backend": type(backend).__qualname__,
+    }
     if simulated:
         out["vendor"] = f"fake {_SIMULATED_VENDOR[backend.kind]} (kvactors.testing)"
     return out
@@ -274,8 +286,11 @@ class _Suite:
                 for skip in (0, 1):
                     name = f"roundtrip.{fmt.name}.{direction.name.lower()}.skip{skip}"
                     seed = 100 * n + 10 * int(direction) + skip
-                    out.append(_timed(name, functools.partial(
-                        self._roundtrip, rt, fmt, direction, skip, seed)))
+                    out.append(
+                        _timed(
+                            name, functools.partial(self._roundtrip, rt, fmt, direction, skip, seed)
+                        )
+                    )
         passed = {c.name.split(".")[1] for c in out if c.ok and not c.skipped}
         detail = f"{len(passed)} of {len(FORMAT_SPECS)} formats moved bit-exact"
         out.append(CheckResult(name="roundtrip.supported", ok=bool(passed), detail=detail))
@@ -289,7 +304,13 @@ class _Suite:
         return self._move(rt, case, int(direction), ids, skip, seed)
 
     def _move(
-        self, rt: Runtime, case: KVCase, direction: int, ids: list[int], skip: int, seed: int,
+        self,
+        rt: Runtime,
+        case: KVCase,
+        direction: int,
+        ids: list[int],
+        skip: int,
+        seed: int,
     ) -> _Outcome:
         gen = torch.Generator().manual_seed(seed)
         io = self.io
@@ -342,8 +363,7 @@ class _Suite:
             host.copy_(dev, non_blocking=True)
 
     def _buffers(self) -> tuple[torch.Tensor, torch.Tensor]:
-        return (self.io.to_device(torch.zeros(self.elems)),
-                self.io.host(torch.zeros(self.elems)))
+        return (self.io.to_device(torch.zeros(self.elems)), self.io.host(torch.zeros(self.elems)))
 
     def _publish_after_sync(self, rt: Runtime) -> _Outcome:
         mod = self._accelerator()
@@ -363,18 +383,27 @@ class _Suite:
                 rt.record_completion(handle, *record)
                 drain = rt.drain_completions
             else:
-                record = EventRecord(event_type="kvactors.selftest", session_id=str(trial),
-                                     wall_ts=time.time(), str_fields={}, int_fields={})
+                record = EventRecord(
+                    event_type="kvactors.selftest",
+                    session_id=str(trial),
+                    wall_ts=time.time(),
+                    str_fields={},
+                    int_fields={},
+                )
                 rt.record_event(handle, record)
                 drain = rt.drain_events
             if not self._await_record(rt, drain, record, functools.partial(_holds, host, value)):
                 early.append("completion" if trial % 2 == 0 else "event")
             stream.synchronize()
         if early:
-            raise _Fail(f"{len(early)} of {2 * self.trials} records ({', '.join(early)}) were "
-                        "drainable before the earlier work on their stream completed")
-        return _Outcome(f"{self.trials} completion and {self.trials} event records on a caller "
-                        "stream, each published only after the earlier work on it completed")
+            raise _Fail(
+                f"{len(early)} of {2 * self.trials} records ({', '.join(early)}) were "
+                "drainable before the earlier work on their stream completed"
+            )
+        return _Outcome(
+            f"{self.trials} completion and {self.trials} event records on a caller "
+            "stream, each published only after the earlier work on it completed"
+        )
 
     @staticmethod
     def _await_record(
@@ -402,10 +431,13 @@ class _Suite:
             self._slow_write(default, dev, host, value)
             rt.synchronize(0)
             if not bool((host == value).all()):
-                raise _Fail(f"trial {trial}: synchronize(0) returned before the work on the "
-                            "default stream completed (handle 0 is not the default stream)")
-        return _Outcome("synchronize(0) waited for the default stream's work "
-                        f"({self.trials} trials)")
+                raise _Fail(
+                    f"trial {trial}: synchronize(0) returned before the work on the "
+                    "default stream completed (handle 0 is not the default stream)"
+                )
+        return _Outcome(
+            f"synchronize(0) waited for the default stream's work ({self.trials} trials)"
+        )
 
     def _borrowed_stream(self, rt: Runtime) -> _Outcome:
         mod = self._accelerator()
@@ -424,18 +456,27 @@ class _Suite:
                 with mod.stream(stream):
                     for d in dev:
                         d.fill_(value)
-                _transfer(own, case.request(int(Direction.D2H), ids), case.paged(dev), objs,
-                          stream_handle=handle)
+                _transfer(
+                    own,
+                    case.request(int(Direction.D2H), ids),
+                    case.paged(dev),
+                    objs,
+                    stream_handle=handle,
+                )
                 own.synchronize(handle)
                 if not all(bool((o == value).all()) for o in objs):
-                    raise _Fail(f"trial {trial}: a transfer on the caller's stream handle ran "
-                                "before the caller's earlier work on that stream")
+                    raise _Fail(
+                        f"trial {trial}: a transfer on the caller's stream handle ran "
+                        "before the caller's earlier work on that stream"
+                    )
         self._slow_write(stream, big, host, 42.0)
         stream.synchronize()
         if not bool((host == 42.0).all()):
             raise _Fail("the borrowed stream no longer works after the runtime closed")
-        return _Outcome(f"transfers on a borrowed stream ordered after its work ({self.trials} "
-                        "trials); the stream outlived the runtime")
+        return _Outcome(
+            f"transfers on a borrowed stream ordered after its work ({self.trials} "
+            "trials); the stream outlived the runtime"
+        )
 
     # ---- IPC -------------------------------------------------------------------------------
 
@@ -445,8 +486,13 @@ class _Suite:
             exported = self.io.to_device(torch.zeros(self.elems))
             try:
                 handle = self._export(exported)
-                return self._ipc_round(rt, handle, lambda: bool(
-                    torch.equal(self.io.read_unordered(exported), pattern(self.elems))))
+                return self._ipc_round(
+                    rt,
+                    handle,
+                    lambda: bool(
+                        torch.equal(self.io.read_unordered(exported), pattern(self.elems))
+                    ),
+                )
             finally:
                 # With the rule broken, work on the (non-owning) opened view may still be
                 # queued: the exporter's memory must outlive it.
@@ -471,7 +517,10 @@ class _Suite:
             raise _Skip(f"no IPC on this backend: {exc}") from exc
 
     def _ipc_round(
-        self, rt: Runtime, handle: Any, exporter_sees_pattern: Callable[[], bool],
+        self,
+        rt: Runtime,
+        handle: Any,
+        exporter_sees_pattern: Callable[[], bool],
         where: str = "in one process (simulated)",
     ) -> _Outcome:
         src = pattern(self.elems)
@@ -492,22 +541,25 @@ class _Suite:
         del view
         closed = rt.close_ipc_context(context, stream_handles=handles)
         if not exporter_sees_pattern():
-            raise _Fail("close_ipc_context returned (owner closed) before the work on the "
-                        "opened view completed")
+            raise _Fail(
+                "close_ipc_context returned (owner closed) before the work on the "
+                "opened view completed"
+            )
         if closed.owners_closed != 1:
             raise _Fail(f"close reported {closed.owners_closed} owners closed, expected 1")
         again = rt.close_ipc_context(context, stream_handles=handles)
         if again.owners_closed != 0:
             raise _Fail(f"a second close closed {again.owners_closed} owners, expected 0")
-        return _Outcome(f"{handle.backend} IPC {where}: export, open, write on a stream, close "
-                        "after sync; a second close is a no-op")
+        return _Outcome(
+            f"{handle.backend} IPC {where}: export, open, write on a stream, close "
+            "after sync; a second close is a no-op"
+        )
 
     # ---- throughput -------------------------------------------------------------------------
 
     def _throughput(self, rt: Runtime) -> _Outcome:
         nb = 32 if self.simulated or self.io.is_host else 256
-        case = KVCase(fmt=KVFormat.NL_X_TWO_NB_BS_NH_HS, nl=4, nb=nb, bs=16, nh=8, hs=128,
-                      bpo=16)
+        case = KVCase(fmt=KVFormat.NL_X_TWO_NB_BS_NH_HS, nl=4, nb=nb, bs=16, nh=8, hs=128, bpo=16)
         gen = torch.Generator().manual_seed(3)
         ids = list(torch.randperm(nb, generator=gen).tolist())
         units = case.units(gen)
@@ -531,7 +583,9 @@ class _Suite:
                     raise _Fail("the large gather differs from the reference kernel's")
         return _Outcome(
             f"{nbytes / 2**20:.0f} MiB per transfer: D2H {figures['d2h_gbps']:.2f} GB/s, "
-            f"H2D {figures['h2d_gbps']:.2f} GB/s (median of 3)", figures)
+            f"H2D {figures['h2d_gbps']:.2f} GB/s (median of 3)",
+            figures,
+        )
 
 
 def _transfer(
@@ -561,12 +615,26 @@ def _timed(name: str, fn: Callable[[], _Outcome]) -> CheckResult:
     try:
         outcome = fn()
     except _Skip as exc:
-        return CheckResult(name=name, ok=True, skipped=True, detail=f"skipped: {exc}",
-                           seconds=time.perf_counter() - t0)
+        return CheckResult(
+            name=name,
+            ok=True,
+            skipped=True,
+            detail=f"skipped: {exc}",
+            seconds=time.perf_counter() - t0,
+        )
     except _Fail as exc:
         return CheckResult(name=name, ok=False, detail=str(exc), seconds=time.perf_counter() - t0)
     except Exception as exc:
-        return CheckResult(name=name, ok=False, detail=f"{type(exc).__name__}: {exc}",
-                           seconds=time.perf_counter() - t0)
-    return CheckResult(name=name, ok=True, detail=outcome.detail, metrics=outcome.metrics,
-                       seconds=time.perf_counter() - t0)
+        return CheckResult(
+            name=name,
+            ok=False,
+            detail=f"{type(exc).__name__}: {exc}",
+            seconds=time.perf_counter() - t0,
+        )
+    return CheckResult(
+        name=name,
+        ok=True,
+        detail=outcome.detail,
+        metrics=outcome.metrics,
+        seconds=time.perf_counter() - t0,
+    )

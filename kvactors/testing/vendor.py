@@ -199,8 +199,12 @@ class FakeVendor:
         idx = self.device_index(device)
         uuid = f"fake-{self.kind}-{idx:04d}" if self.knobs.uuid else None
         return FakeDeviceProperties(
-            name=f"Fake {self.kind.upper()}", major=1, minor=0, total_memory=1 << 34,
-            multi_processor_count=8, uuid=uuid,
+            name=f"Fake {self.kind.upper()}",
+            major=1,
+            minor=0,
+            total_memory=1 << 34,
+            multi_processor_count=8,
+            uuid=uuid,
         )
 
     def mem_get_info(self, device: object = None) -> tuple[int, int]:
@@ -243,7 +247,8 @@ class FakeVendor:
             worker = StreamWorker(
                 f"fake-{self.kind}{stream.device_index}-stream-{stream.handle:#x}",
                 seed=hash((self.knobs.seed, stream.handle)) & 0xFFFF_FFFF,
-                delay=self.knobs.delay, jitter=self.knobs.jitter,
+                delay=self.knobs.delay,
+                jitter=self.knobs.jitter,
             )
             self._workers.append(worker)
             self._streams[stream.handle] = stream
@@ -387,10 +392,26 @@ class FakeVendor:
     def module_functions(self) -> Iterator[tuple[str, Any]]:
         """(name, value) pairs shared by both vendors' module objects."""
         for name in (
-            "is_available", "device_count", "current_device", "set_device", "device",
-            "device_of", "synchronize", "get_device_properties", "mem_get_info",
-            "empty_cache", "ipc_collect", "init", "is_initialized", "current_stream",
-            "default_stream", "set_stream", "stream", "Stream", "ExternalStream", "Event",
+            "is_available",
+            "device_count",
+            "current_device",
+            "set_device",
+            "device",
+            "device_of",
+            "synchronize",
+            "get_device_properties",
+            "mem_get_info",
+            "empty_cache",
+            "ipc_collect",
+            "init",
+            "is_initialized",
+            "current_stream",
+            "default_stream",
+            "set_stream",
+            "stream",
+            "Stream",
+            "ExternalStream",
+            "Event",
             "StreamContext",
         ):
             yield name, getattr(self, name)

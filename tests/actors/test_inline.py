@@ -27,10 +27,16 @@ T = 2 * BS
 def _request(
     ids: tuple[int, ...] = (1, 4), direction: Direction = Direction.D2H
 ) -> TransferRequest:
-    shape = ShapeDesc(kv_size=2, nl=NL, nb=NB, bs=BS, nh=NH, hs=HS, element_size=2,
-                      dtype="bfloat16")
-    return TransferRequest(fmt=int(KVFormat.NL_X_TWO_NB_BS_NH_HS), direction=int(direction),
-                           block_ids=ids, chunk_size=T, shape=shape)
+    shape = ShapeDesc(
+        kv_size=2, nl=NL, nb=NB, bs=BS, nh=NH, hs=HS, element_size=2, dtype="bfloat16"
+    )
+    return TransferRequest(
+        fmt=int(KVFormat.NL_X_TWO_NB_BS_NH_HS),
+        direction=int(direction),
+        block_ids=ids,
+        chunk_size=T,
+        shape=shape,
+    )
 
 
 def _operands() -> tuple[list[torch.Tensor], list[torch.Tensor]]:
@@ -70,6 +76,7 @@ def test_no_inline_claim_while_a_job_is_queued_and_concurrent_claims_overlap() -
     lane = _lane()
     try:
         gate = threading.Event()
+
         def hold() -> None:
             gate.wait(10)
 

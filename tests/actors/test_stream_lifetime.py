@@ -59,8 +59,13 @@ def test_a_retired_handle_gets_a_fresh_actor_that_keeps_working() -> None:
 
 def _request() -> TransferRequest:
     shape = ShapeDesc(kv_size=2, nl=1, nb=4, bs=2, nh=1, hs=4, element_size=2, dtype="bfloat16")
-    return TransferRequest(fmt=int(KVFormat.NL_X_TWO_NB_BS_NH_HS), direction=int(Direction.D2H),
-                           block_ids=(1,), chunk_size=2, shape=shape)
+    return TransferRequest(
+        fmt=int(KVFormat.NL_X_TWO_NB_BS_NH_HS),
+        direction=int(Direction.D2H),
+        block_ids=(1,),
+        chunk_size=2,
+        shape=shape,
+    )
 
 
 def _blocked_store(backend: ManualBackend, rt: Runtime) -> threading.Thread:

@@ -39,8 +39,12 @@ def _lmcache_request(layers: list[torch.Tensor], hint: str) -> tuple[Any, Any, A
     )
     bs = get_block_size(norm, fmt)
     desc = make_page_buffer_shape_desc(
-        norm, fmt, layer_idx=0, num_layers_in_group=get_num_layers(norm, fmt),
-        num_blocks=get_num_blocks(norm, fmt), block_size=bs,
+        norm,
+        fmt,
+        layer_idx=0,
+        num_layers_in_group=get_num_layers(norm, fmt),
+        num_blocks=get_num_blocks(norm, fmt),
+        block_size=bs,
     )
     return fmt, norm, desc, BPC * bs
 
@@ -48,10 +52,12 @@ def _lmcache_request(layers: list[torch.Tensor], hint: str) -> tuple[Any, Any, A
 def _hnd_chunks(cpu: list[torch.Tensor]) -> list[torch.Tensor]:
     out = []
     for c in range(0, len(IDS), BPC):
-        ids = IDS[c:c + BPC]
-        out.append(torch.stack(
-            [t[:, ids].permute(0, 1, 3, 2, 4).reshape(2, BPC * BS, NH * HS) for t in cpu], dim=1
-        ))
+        ids = IDS[c : c + BPC]
+        out.append(
+            torch.stack(
+                [t[:, ids].permute(0, 1, 3, 2, 4).reshape(2, BPC * BS, NH * HS) for t in cpu], dim=1
+            )
+        )
     return out
 
 
@@ -120,7 +126,7 @@ def test_mlu_plugin_default_layout_source_follows_the_installed_lmcache(
             ops.multi_layer_block_kv_transfer(*args)
             fake.synchronize()
             for c, got in enumerate(objs):
-                ids = IDS[c * BPC:(c + 1) * BPC]
+                ids = IDS[c * BPC : (c + 1) * BPC]
                 want = torch.stack([t[:, ids].reshape(2, BPC * BS, NH * HS) for t in cpu], dim=1)
                 assert torch.equal(got, want)
         finally:

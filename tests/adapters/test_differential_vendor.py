@@ -46,11 +46,15 @@ F = KVFormat
 #: LMCache's own ops and the formats its backend serves there (lmcache-057.md section 1, 3).
 VENDORS: dict[str, tuple[str, str, str, frozenset[KVFormat]]] = {
     "mlu": (
-        "lmcache.v1.platform.devices.mlu.device_ops", "MluDeviceOps", "KvactorsMluOps",
+        "lmcache.v1.platform.devices.mlu.device_ops",
+        "MluDeviceOps",
+        "KvactorsMluOps",
         frozenset({F.NL_X_TWO_NB_BS_NH_HS, F.NL_X_TWO_NB_NH_BS_HS, F.NL_X_NB_BS_HS}),
     ),
     "musa": (
-        "lmcache.v1.platform.devices.musa.device_ops", "MusaDeviceOps", "KvactorsMusaOps",
+        "lmcache.v1.platform.devices.musa.device_ops",
+        "MusaDeviceOps",
+        "KvactorsMusaOps",
         frozenset({F.NL_X_TWO_NB_BS_NH_HS, F.NL_X_NB_BS_HS, F.TWO_X_NL_X_NB_BS_NH_HS}),
     ),
 }
@@ -131,10 +135,17 @@ def _random_case(kind: str, rng: random.Random, seed: int) -> tuple[Case, list[i
     fmt = rng.choice(sorted(VENDORS[kind][3]) * 3 + sorted(REFUSED[kind]))
     mla = fmt is F.NL_X_NB_BS_HS
     case = Case(
-        fmt=fmt, nl=rng.randint(1, 3), nb=rng.randint(8, 14), bs=rng.choice((2, 4, 8)),
-        nh=1 if mla else rng.randint(1, 3), hs=rng.choice((4, 8, 16)),
-        dtype=rng.choice(DTYPES), alloc=rng.choice(ALLOCS), seed=seed,
-        n_objects=rng.randint(1, 3), bpo=rng.randint(1, 3),
+        fmt=fmt,
+        nl=rng.randint(1, 3),
+        nb=rng.randint(8, 14),
+        bs=rng.choice((2, 4, 8)),
+        nh=1 if mla else rng.randint(1, 3),
+        hs=rng.choice((4, 8, 16)),
+        dtype=rng.choice(DTYPES),
+        alloc=rng.choice(ALLOCS),
+        seed=seed,
+        n_objects=rng.randint(1, 3),
+        bpo=rng.randint(1, 3),
     )
     capacity = min(case.n_objects * case.bpo, case.nb)
     n_ids = rng.randint(max(1, capacity - case.bpo + 1), capacity)  # the last chunk may be partial
@@ -214,8 +225,18 @@ def test_random_cases_match_lmcache_ops_byte_for_byte(vendor: tuple[Any, ...]) -
 
 def _refusal_specs(kind: str) -> list[tuple[str, tuple[Any, ...]]]:
     nhd = F.NL_X_TWO_NB_BS_NH_HS
-    base: dict[str, Any] = {"nl": 2, "nb": 10, "bs": 4, "nh": 2, "hs": 8, "dtype": torch.bfloat16,
-            "alloc": "separate", "seed": 5, "n_objects": 2, "bpo": 2}
+    base: dict[str, Any] = {
+        "nl": 2,
+        "nb": 10,
+        "bs": 4,
+        "nh": 2,
+        "hs": 8,
+        "dtype": torch.bfloat16,
+        "alloc": "separate",
+        "seed": 5,
+        "n_objects": 2,
+        "bpo": 2,
+    }
     return [
         ("negative skip", (Case(fmt=nhd, **base), [1, 2, 3], -1, 1)),
         ("chunk size not a block multiple", (Case(fmt=nhd, **base), [1, 2, 3], 0, 1)),
@@ -223,8 +244,9 @@ def _refusal_specs(kind: str) -> list[tuple[str, tuple[Any, ...]]]:
     ]
 
 
-@pytest.mark.parametrize("what", ["negative skip", "chunk size not a block multiple",
-                                  "block id out of range"])
+@pytest.mark.parametrize(
+    "what", ["negative skip", "chunk size not a block multiple", "block id out of range"]
+)
 def test_refusals_match(vendor: tuple[Any, ...], what: str) -> None:
     """Where LMCache's ops refuse, kvactors refuses too and leaves every byte alone."""
     kind, fake, lm, ours = vendor

@@ -227,11 +227,22 @@ class _RecordingRuntime:
         self.backend = _Backend()
 
     def transfer(
-        self, request: Any, paged: Any, objects: Any, *, stream_handle: int = 0,
+        self,
+        request: Any,
+        paged: Any,
+        objects: Any,
+        *,
+        stream_handle: int = 0,
         complete: bool = True,
     ) -> None:
-        self.calls.append({"request": request, "paged": paged, "stream_handle": stream_handle,
-                           "complete": complete})
+        self.calls.append(
+            {
+                "request": request,
+                "paged": paged,
+                "stream_handle": stream_handle,
+                "complete": complete,
+            }
+        )
 
     def record_completion(self, handle: int, kind: str, payload: bytes) -> None:
         self.completions.append((handle, kind, payload))

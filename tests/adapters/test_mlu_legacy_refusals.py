@@ -32,8 +32,17 @@ def test_mlu_legacy_connector_ops_refuse_before_touching_memory(op: str) -> None
         kv = torch.full((2, 2, 8, 16), 7.0)
         ops = KvactorsMluOps(runtime_factory=lambda b, i: pytest.fail("no runtime needed"))
         # The argument shapes LMCache's torch baseline takes for multi_layer_kv_transfer.
-        args = (kv, dev, torch.arange(8), dev[0].device, 16, native.TransferDirection.D2H,
-                native.EngineKVFormat.NL_X_TWO_NB_BS_NH_HS, 4, 8)
+        args = (
+            kv,
+            dev,
+            torch.arange(8),
+            dev[0].device,
+            16,
+            native.TransferDirection.D2H,
+            native.EngineKVFormat.NL_X_TWO_NB_BS_NH_HS,
+            4,
+            8,
+        )
         with pytest.raises(NotImplementedError, match="MLU requires the MP engine_driven") as info:
             getattr(ops, op)(*args)
         assert isinstance(info.value, UnsupportedOperationError)

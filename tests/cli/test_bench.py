@@ -19,7 +19,9 @@ def test_bench_tiny(tmp_path: pathlib.Path, capsys: pytest.CaptureFixture[str]) 
     assert rc == 0
     data = json.loads((out / "bench.json").read_text())
     assert [(r["layout"], r["direction"]) for r in data["transfer"]] == [
-        ("nhd", "gather"), ("nhd", "scatter")]
+        ("nhd", "gather"),
+        ("nhd", "scatter"),
+    ]
     for r in data["transfer"]:
         assert r["kvactors_gbps"] > 0
         assert r["raw_gbps"] > 0

@@ -11,9 +11,18 @@ import pytest
 
 ROOT = pathlib.Path(__file__).resolve().parents[2]
 SURFACE = [
-    "kvactors.cli", "kvactors.cli.doctor", "kvactors.cli.demo", "kvactors.cli.bench.suite",
-    "kvactors.cli.replay", "kvactors.metrics", "kvactors.logs", "kvactors.trace",
-    "kvactors.cli.validate", "kvactors.validate", "kvactors.observe", "kvactors.plugins",
+    "kvactors.cli",
+    "kvactors.cli.doctor",
+    "kvactors.cli.demo",
+    "kvactors.cli.bench.suite",
+    "kvactors.cli.replay",
+    "kvactors.metrics",
+    "kvactors.logs",
+    "kvactors.trace",
+    "kvactors.cli.validate",
+    "kvactors.validate",
+    "kvactors.observe",
+    "kvactors.plugins",
 ]
 
 
@@ -25,10 +34,14 @@ def _lmcache_imports(path: pathlib.Path) -> list[int]:
             names = [a.name for a in node.names]
         elif isinstance(node, ast.ImportFrom) and node.module:
             names = [node.module]
-        elif (isinstance(node, ast.Call) and isinstance(node.func, (ast.Attribute, ast.Name))
-              and getattr(node.func, "attr", getattr(node.func, "id", "")) in
-              ("import_module", "__import__")
-              and node.args and isinstance(node.args[0], ast.Constant)):
+        elif (
+            isinstance(node, ast.Call)
+            and isinstance(node.func, (ast.Attribute, ast.Name))
+            and getattr(node.func, "attr", getattr(node.func, "id", ""))
+            in ("import_module", "__import__")
+            and node.args
+            and isinstance(node.args[0], ast.Constant)
+        ):
             names = [str(node.args[0].value)]
         if any(n.split(".")[0] == "lmcache" for n in names):
             lines.append(getattr(node, "lineno", 0))
@@ -37,15 +50,20 @@ def _lmcache_imports(path: pathlib.Path) -> list[int]:
 
 def test_kvactors_never_imports_lmcache() -> None:
     # ast.walk visits imports at any depth: inside functions, try blocks, conditionals.
-    bad = {str(p.relative_to(ROOT)): ln for p in (ROOT / "kvactors").rglob("*.py")
-           if (ln := _lmcache_imports(p))}
+    bad = {
+        str(p.relative_to(ROOT)): ln
+        for p in (ROOT / "kvactors").rglob("*.py")
+        if (ln := _lmcache_imports(p))
+    }
     assert not bad
 
 
 def test_the_scan_catches_indented_and_dynamic_imports(tmp_path: pathlib.Path) -> None:
     src = tmp_path / "m.py"
-    src.write_text("def f():\n    if True:\n        from lmcache.v1 import x\n"
-                   "import importlib\nimportlib.import_module('lmcache')\n")
+    src.write_text(
+        "def f():\n    if True:\n        from lmcache.v1 import x\n"
+        "import importlib\nimportlib.import_module('lmcache')\n"
+    )
     assert sorted(_lmcache_imports(src)) == [3, 5]
 
 

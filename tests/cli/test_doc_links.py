@@ -74,8 +74,9 @@ def test_relative_links_resolve(doc: pathlib.Path) -> None:
 
 def test_the_checker_sees_links_and_anchors(tmp_path: pathlib.Path) -> None:
     doc = tmp_path / "a.md"
-    doc.write_text("# Top `x` (y)\n## Top x y\n[a](b.md#z) ![i](img.png) `[no](c.md)`\n"
-                   "```\n[no](d.md)\n```\n")
+    doc.write_text(
+        "# Top `x` (y)\n## Top x y\n[a](b.md#z) ![i](img.png) `[no](c.md)`\n```\n[no](d.md)\n```\n"
+    )
     assert _links(doc) == ["b.md#z", "img.png"]
     assert _anchors(doc) == {"top-x-y", "top-x-y-1"}
 
@@ -140,8 +141,11 @@ def _name_problems(text: str) -> list[str]:
             bad.append(f"python -m {mod}")
     for mod, names in _FROM.findall(text):
         if _first_party(mod):
-            bad += [f"from {mod} import {n}" for n in (x.strip() for x in names.split(","))
-                    if n and not _resolve(f"{mod}.{n}")]
+            bad += [
+                f"from {mod} import {n}"
+                for n in (x.strip() for x in names.split(","))
+                if n and not _resolve(f"{mod}.{n}")
+            ]
     for mod in _IMPORT.findall(text):
         if _first_party(mod) and not _resolve(mod):
             bad.append(f"import {mod}")
@@ -157,10 +161,16 @@ def test_documented_modules_and_names_resolve(doc: pathlib.Path) -> None:
 
 
 def test_the_name_checker_sees_broken_names() -> None:
-    text = ("python -m kvactors.validate\npython -m kvactors.no_such\n"
-            "    from kvactors.validate import dump_paged, nope\nimport kvactors.gone\n"
-            "see `kvactors.metrics.snapshot` and `kvactors.metrics.missing`\n")
+    text = (
+        "python -m kvactors.validate\npython -m kvactors.no_such\n"
+        "    from kvactors.validate import dump_paged, nope\nimport kvactors.gone\n"
+        "see `kvactors.metrics.snapshot` and `kvactors.metrics.missing`\n"
+    )
     assert _name_problems(text) == [
-        "from kvactors.validate import nope", "import kvactors.gone", "kvactors.gone",
-        "kvactors.metrics.missing", "kvactors.no_such", "python -m kvactors.no_such",
+        "from kvactors.validate import nope",
+        "import kvactors.gone",
+        "kvactors.gone",
+        "kvactors.metrics.missing",
+        "kvactors.no_such",
+        "python -m kvactors.no_such",
     ]

@@ -75,7 +75,7 @@ def _finish(proc: subprocess.Popen[str]) -> subprocess.CompletedProcess[str]:
 
 def _doctor_json(proc: subprocess.CompletedProcess[str]) -> dict[str, Any]:
     assert "{" in proc.stdout, proc.stderr[-3000:]
-    data: dict[str, Any] = json.loads(proc.stdout[proc.stdout.index("{"):])
+    data: dict[str, Any] = json.loads(proc.stdout[proc.stdout.index("{") :])
     assert proc.returncode == (0 if data["ok"] else 1)
     return data
 

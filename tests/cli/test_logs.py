@@ -26,8 +26,14 @@ def test_text_appends_extras_and_reconfigure_replaces() -> None:
     configure("INFO", stream=io.StringIO())
     handler = configure("INFO", stream=buf)
     try:
-        assert sum(1 for h in logging.getLogger("kvactors").handlers
-                   if getattr(h, "_kvactors_handler", False)) == 1
+        assert (
+            sum(
+                1
+                for h in logging.getLogger("kvactors").handlers
+                if getattr(h, "_kvactors_handler", False)
+            )
+            == 1
+        )
         get_logger("demo").warning("slow", extra={"seconds": 1.5})
     finally:
         logging.getLogger("kvactors").removeHandler(handler)

@@ -30,8 +30,12 @@ def test_snapshot_and_samples() -> None:
     assert snap["device"] == "cpu:0"
     assert snap["mailbox_depth_total"] == 0
     names = {s.name for s in samples(stats)}
-    assert {"kvactors_bytes_moved_total", "kvactors_transfers_total",
-            "kvactors_mailbox_depth", "kvactors_actor_up"} <= names
+    assert {
+        "kvactors_bytes_moved_total",
+        "kvactors_transfers_total",
+        "kvactors_mailbox_depth",
+        "kvactors_actor_up",
+    } <= names
     assert calls.calls == {"ping": 1, "synchronize": 1, "fence": 1}
     text = render_text(samples(stats) + calls.samples("cpu:0"))
     assert "# TYPE kvactors_bytes_moved_total counter" in text

@@ -57,9 +57,14 @@ def test_cpu_passes_and_writes_json(tmp_path: Path, capsys: pytest.CaptureFixtur
     assert {"kvactors", "torch", "python"} <= set(data["versions"])
     by_name = {c["name"]: c for c in data["checks"]}
     assert set(next(iter(by_name.values()))) >= {"name", "ok", "detail", "seconds", "skipped"}
-    for name in ("probe", "roundtrip.NL_X_TWO_NB_BS_NH_HS.d2h.skip1",
-                 "roundtrip.TWO_X_NL_X_NB_BS_NH_HS.h2d.skip0", "strided_d2h",
-                 "ipc.close_after_sync", "throughput"):
+    for name in (
+        "probe",
+        "roundtrip.NL_X_TWO_NB_BS_NH_HS.d2h.skip1",
+        "roundtrip.TWO_X_NL_X_NB_BS_NH_HS.h2d.skip0",
+        "strided_d2h",
+        "ipc.close_after_sync",
+        "throughput",
+    ):
         assert by_name[name]["ok"] is True
         assert by_name[name]["skipped"] is False, name
     assert "across processes" in by_name["ipc.close_after_sync"]["detail"]
@@ -89,9 +94,16 @@ def test_fake_passes_and_says_simulated(
 
 @pytest.mark.parametrize(
     "kind",
-    [pytest.param(k, marks=pytest.mark.skipif(importlib.util.find_spec(f"torch_{k}") is not None,
-                                              reason=f"torch_{k} is installed here"))
-     for k in KINDS],
+    [
+        pytest.param(
+            k,
+            marks=pytest.mark.skipif(
+                importlib.util.find_spec(f"torch_{k}") is not None,
+                reason=f"torch_{k} is installed here",
+            ),
+        )
+        for k in KINDS
+    ],
 )
 def test_missing_runtime_fails_and_names_it(
     kind: str, tmp_path: Path, capsys: pytest.CaptureFixture[str]
@@ -152,15 +164,19 @@ def _broken(kind: str, verb: str) -> Any:
 
 
 def _fails(make: Any, name: str, **kw: Any) -> bool:
-    return any(not _check(check_backend(make(), only=[name], **kw), name).ok
-               for _ in range(ATTEMPTS))
+    return any(
+        not _check(check_backend(make(), only=[name], **kw), name).ok for _ in range(ATTEMPTS)
+    )
 
 
 @pytest.mark.parametrize("kind", KINDS)
 @pytest.mark.parametrize(
     ("name", "verb"),
-    [("order.publish_after_sync", "sync"), ("order.handle0_default_stream", "handle0"),
-     ("order.borrowed_stream", "borrow")],
+    [
+        ("order.publish_after_sync", "sync"),
+        ("order.handle0_default_stream", "handle0"),
+        ("order.borrowed_stream", "borrow"),
+    ],
 )
 def test_ordering_check_fails_when_rule_broken(kind: str, name: str, verb: str) -> None:
     good = _check(check_backend(_backend(kind), fake=True, only=[name]), name)
@@ -184,8 +200,11 @@ def test_strided_d2h_check_fails_without_blocking_policy(kind: str) -> None:
     good = check_backend(BACKENDS[kind](**extra), fake=knobs, only=["strided_d2h", "roundtrip"])
     assert good.ok, good.failed
     assert not _check(good, "strided_d2h").skipped
-    bad = check_backend(BACKENDS[kind](blocking_strided_d2h=False, **extra), fake=knobs,
-                        only=["strided_d2h", "roundtrip"])
+    bad = check_backend(
+        BACKENDS[kind](blocking_strided_d2h=False, **extra),
+        fake=knobs,
+        only=["strided_d2h", "roundtrip"],
+    )
     assert not _check(bad, "strided_d2h").ok
     failed = {c.name for c in bad.failed}
     assert "roundtrip.NL_X_TWO_NB_BS_NH_HS.d2h.skip1" in failed

@@ -23,8 +23,13 @@ SHAPE = ShapeDesc(kv_size=2, nl=2, nb=8, bs=4, nh=2, hs=8, element_size=2, dtype
 
 
 def _req(direction: int, ids: tuple[int, ...]) -> TransferRequest:
-    return TransferRequest(fmt=int(KVFormat.NL_X_TWO_NB_BS_NH_HS), direction=direction,
-                           block_ids=ids, chunk_size=8, shape=SHAPE)
+    return TransferRequest(
+        fmt=int(KVFormat.NL_X_TWO_NB_BS_NH_HS),
+        direction=direction,
+        block_ids=ids,
+        chunk_size=8,
+        shape=SHAPE,
+    )
 
 
 def _record(path: pathlib.Path) -> int:
@@ -48,8 +53,14 @@ def test_round_trip(tmp_path: pathlib.Path) -> None:
     header, entries = read_trace(str(path))
     assert header.device == "cpu"
     calls = [e for e in entries if e.kind == "call"]
-    assert [e.op for e in calls] == ["transfer", "fence", "transfer", "synchronize", "ping",
-                                     "transfer"]
+    assert [e.op for e in calls] == [
+        "transfer",
+        "fence",
+        "transfer",
+        "synchronize",
+        "ping",
+        "transfer",
+    ]
     assert [e.seq for e in calls] == sorted(e.seq for e in calls)
     msgs = [m for _, m in iter_messages(str(path))]
     assert isinstance(msgs[0], Transfer)

@@ -58,11 +58,17 @@ def test_nan_bits_compare_exactly() -> None:
 @pytest.mark.parametrize(
     ("fmt", "make"),
     [
-        (KVFormat.NB_NL_TWO_BS_NH_HS, lambda: torch.arange(6 * 3 * 2 * 4 * 2 * 2.0)
-         .reshape(6, 3, 2, 4, 2, 2)),
-        (KVFormat.TWO_X_NL_X_NB_BS_NH_HS, lambda: [
-            [torch.arange(48.0).reshape(6, 4, 2) + 100 * i for i in range(3)],
-            [torch.arange(48.0).reshape(6, 4, 2) - 100 * i for i in range(3)]]),
+        (
+            KVFormat.NB_NL_TWO_BS_NH_HS,
+            lambda: torch.arange(6 * 3 * 2 * 4 * 2 * 2.0).reshape(6, 3, 2, 4, 2, 2),
+        ),
+        (
+            KVFormat.TWO_X_NL_X_NB_BS_NH_HS,
+            lambda: [
+                [torch.arange(48.0).reshape(6, 4, 2) + 100 * i for i in range(3)],
+                [torch.arange(48.0).reshape(6, 4, 2) - 100 * i for i in range(3)],
+            ],
+        ),
     ],
 )
 def test_dump_paged_layouts(fmt: KVFormat, make: object) -> None:

@@ -30,8 +30,11 @@ if TYPE_CHECKING:
 
 FORMATS = {
     "mlu": (KVFormat.NL_X_TWO_NB_NH_BS_HS, KVFormat.NL_X_NB_BS_HS, KVFormat.NL_X_TWO_NB_BS_NH_HS),
-    "musa": (KVFormat.NL_X_TWO_NB_BS_NH_HS, KVFormat.NL_X_NB_BS_HS,
-             KVFormat.TWO_X_NL_X_NB_BS_NH_HS),
+    "musa": (
+        KVFormat.NL_X_TWO_NB_BS_NH_HS,
+        KVFormat.NL_X_NB_BS_HS,
+        KVFormat.TWO_X_NL_X_NB_BS_NH_HS,
+    ),
 }
 BACKENDS: dict[str, type[MluBackend] | type[MusaBackend]] = {"mlu": MluBackend, "musa": MusaBackend}
 SEEDS = 6
@@ -65,9 +68,18 @@ def _device_paged(fake: Any, paged: Any) -> Any:
 def _round_trip(kind: str, fmt: KVFormat, seed: int) -> None:
     rng = random.Random(seed)
     nh = 1 if fmt is KVFormat.NL_X_NB_BS_HS else 2
-    case = Case(fmt=fmt, nl=2, nb=8, bs=4, nh=nh, hs=8, dtype=torch.bfloat16,
-                alloc=rng.choice(["stacked", "permuted", "padded", "separate"]), seed=seed,
-                declare_stride=True)
+    case = Case(
+        fmt=fmt,
+        nl=2,
+        nb=8,
+        bs=4,
+        nh=nh,
+        hs=8,
+        dtype=torch.bfloat16,
+        alloc=rng.choice(["stacked", "permuted", "padded", "separate"]),
+        seed=seed,
+        declare_stride=True,
+    )
     ids = rng.sample(range(case.nb), 4)
     skip = rng.choice([0, 1])
     with fake_vendor(kind, seed=seed, jitter=0.0005) as fake:
@@ -82,19 +94,19 @@ def _round_trip(kind: str, fmt: KVFormat, seed: int) -> None:
         for o in ref_objs:
             o.zero_()
         src, dst = _device_paged(fake, src_cpu), _device_paged(fake, dst_cpu)
-        d2h = plan_transfer(case.request(1, ids, skip), src, objs, device_type=kind,
-                            device_index=0)
-        h2d = plan_transfer(case.request(0, ids, skip), dst, objs, device_type=kind,
-                            device_index=0)
+        d2h = plan_transfer(case.request(1, ids, skip), src, objs, device_type=kind, device_index=0)
+        h2d = plan_transfer(case.request(0, ids, skip), dst, objs, device_type=kind, device_index=0)
         stream = backend.new_stream(0)
         scratch = ScratchCache()
 
         def work() -> None:
-            backend.launch(stream, lambda: run_fast(d2h, src, objs, copy=backend.copy_,
-                                                     scratch=scratch))
+            backend.launch(
+                stream, lambda: run_fast(d2h, src, objs, copy=backend.copy_, scratch=scratch)
+            )
             backend.synchronize(stream)
-            backend.launch(stream, lambda: run_fast(h2d, dst, objs, copy=backend.copy_,
-                                                     scratch=scratch))
+            backend.launch(
+                stream, lambda: run_fast(h2d, dst, objs, copy=backend.copy_, scratch=scratch)
+            )
             backend.synchronize(stream)
 
         on_lane(backend, stream, work)
@@ -290,8 +302,17 @@ def test_rule_blocking_strided_d2h(kind: str) -> None:
 def test_strided_bug_breaks_round_trip_without_policy(kind: str) -> None:
     """The kernels' partial-segment D2H goes through copy_: the policy is what saves it."""
     with fake_vendor(kind, strided_d2h_bug=True) as fake:
-        case = Case(fmt=FORMATS[kind][0], nl=2, nb=8, bs=4, nh=2, hs=8, dtype=torch.float32,
-                    alloc="stacked", seed=1)
+        case = Case(
+            fmt=FORMATS[kind][0],
+            nl=2,
+            nb=8,
+            bs=4,
+            nh=2,
+            hs=8,
+            dtype=torch.float32,
+            alloc="stacked",
+            seed=1,
+        )
         for blocking in (True, False):
             backend = BACKENDS[kind](blocking_strided_d2h=blocking)
             src_cpu, _, _ = case.build()
@@ -303,12 +324,21 @@ def test_strided_bug_breaks_round_trip_without_policy(kind: str) -> None:
             req = case.request(1, [0, 1, 2, 3], 1)
             plan = plan_transfer(req, src, objs, device_type=kind, device_index=0)
             s = backend.new_stream(0)
-            on_lane(backend, s, lambda p=plan, b=backend, st=s, src=src, objs=objs: (  # type: ignore[misc]
-                b.launch(st, lambda: run_fast(p, src, objs, copy=b.copy_)), b.synchronize(st)))
-            run_reference(plan_transfer(req, ref_paged, ref_objs, device_type="cpu"),
-                          ref_paged, ref_objs)
-            same = all(torch.equal(a.view(torch.int32), b.view(torch.int32))
-                       for a, b in zip(objs, ref_objs, strict=True))
+            on_lane(
+                backend,
+                s,
+                lambda p=plan, b=backend, st=s, src=src, objs=objs: (  # type: ignore[misc]
+                    b.launch(st, lambda: run_fast(p, src, objs, copy=b.copy_)),
+                    b.synchronize(st),
+                ),
+            )
+            run_reference(
+                plan_transfer(req, ref_paged, ref_objs, device_type="cpu"), ref_paged, ref_objs
+            )
+            same = all(
+                torch.equal(a.view(torch.int32), b.view(torch.int32))
+                for a, b in zip(objs, ref_objs, strict=True)
+            )
             assert same is blocking
 
 

@@ -87,14 +87,16 @@ def test_native_extension_point_on_mlu(fake_mlu: FakeVendor, opted_in: bool) -> 
     backend = MluBackend(native=native, env=env)
     cpu = [torch.randn(2, 8, 2, 4, 8) for _ in range(2)]  # HND, as vLLM-MLU allocates
     objs = [torch.zeros(2, 2, 8, 16)]
-    req = TransferRequest(fmt=6, direction=1, block_ids=(5, 1), chunk_size=8,
-                          shape=ShapeDesc(kv_size=2, nl=2, nb=8, bs=4, nh=2, hs=8,
-                                          element_size=4, dtype="float32"))
+    req = TransferRequest(
+        fmt=6,
+        direction=1,
+        block_ids=(5, 1),
+        chunk_size=8,
+        shape=ShapeDesc(kv_size=2, nl=2, nb=8, bs=4, nh=2, hs=8, element_size=4, dtype="float32"),
+    )
     with Runtime(backend) as rt:
         rt.transfer(req, [fake_mlu.to_device(t) for t in cpu], objs)
-    want = torch.stack(
-        [t[:, [5, 1]].permute(0, 1, 3, 2, 4).reshape(2, 8, 16) for t in cpu], dim=1
-    )
+    want = torch.stack([t[:, [5, 1]].permute(0, 1, 3, 2, 4).reshape(2, 8, 16) for t in cpu], dim=1)
     assert torch.equal(objs[0], want)
     assert native.moved == (1 if opted_in else 0)
     assert backend.native.counters.native_transfers == native.moved

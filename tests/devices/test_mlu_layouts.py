@@ -33,23 +33,30 @@ def _hnd_chunks(layers: list[torch.Tensor], bs: int, nh: int) -> list[torch.Tens
     """Token-major chunks of HND layers for IDS, BPO blocks per chunk."""
     out = []
     for c in range(len(IDS) // BPO):
-        ids = list(IDS[c * BPO:(c + 1) * BPO])
-        per_layer = [
-            t[:, ids].permute(0, 1, 3, 2, 4).reshape(2, BPO * bs, nh * HS) for t in layers
-        ]
+        ids = list(IDS[c * BPO : (c + 1) * BPO])
+        per_layer = [t[:, ids].permute(0, 1, 3, 2, 4).reshape(2, BPO * bs, nh * HS) for t in layers]
         out.append(torch.stack(per_layer, dim=1))
     return out
 
 
 def _desc(bs: int, nh: int, **kw: Any) -> ShapeDesc:
-    d: dict[str, Any] = {"kv_size": 2, "nl": NL, "nb": NB, "bs": bs, "nh": nh, "hs": HS,
-                         "element_size": 4, "dtype": "float32"}
+    d: dict[str, Any] = {
+        "kv_size": 2,
+        "nl": NL,
+        "nb": NB,
+        "bs": bs,
+        "nh": nh,
+        "hs": HS,
+        "element_size": 4,
+        "dtype": "float32",
+    }
     return ShapeDesc(**(d | kw))
 
 
 def _req(fmt: int, direction: int, shape: ShapeDesc, chunk: int) -> TransferRequest:
-    return TransferRequest(fmt=fmt, direction=direction, block_ids=IDS, chunk_size=chunk,
-                           shape=shape)
+    return TransferRequest(
+        fmt=fmt, direction=direction, block_ids=IDS, chunk_size=chunk, shape=shape
+    )
 
 
 @pytest.mark.parametrize(("nh", "bs"), [(4, 4), (2, 4), (4, 2)], ids=["nh==bs", "nh<bs", "nh>bs"])
@@ -111,8 +118,7 @@ def test_resolved_nhd_is_kept(fake_mlu: FakeVendor) -> None:
     cpu = [torch.randn(2, NB, bs, nh, HS) for _ in range(NL)]  # real NHD memory
     with Runtime(MluBackend(layout_source="resolved")) as rt:
         objs = [torch.zeros(2, NL, BPO * bs, nh * HS) for _ in range(2)]
-        rt.transfer(_req(1, 1, _desc(bs, nh), BPO * bs), [fake_mlu.to_device(t) for t in cpu],
-                    objs)
+        rt.transfer(_req(1, 1, _desc(bs, nh), BPO * bs), [fake_mlu.to_device(t) for t in cpu], objs)
         # NHD memory seen through HND eyes: transpose heads and slots back.
         want = _hnd_chunks([t.transpose(2, 3) for t in cpu], bs, nh)
         assert all(torch.equal(g, w) for g, w in zip(objs, want, strict=True))
@@ -155,13 +161,12 @@ def test_five_d_mla_caches_are_squeezed(fake_mlu: FakeVendor, padded: bool) -> N
     width = hs + 2 if padded else hs
     cpu = [torch.randn(1, NB, 1, bs, width) for _ in range(NL)]
     layers = [fake_mlu.to_device(t)[..., :hs] for t in cpu]
-    desc = ShapeDesc(kv_size=1, nl=NL, nb=NB, bs=bs, nh=1, hs=hs, element_size=4,
-                     dtype="float32")
+    desc = ShapeDesc(kv_size=1, nl=NL, nb=NB, bs=bs, nh=1, hs=hs, element_size=4, dtype="float32")
     with Runtime("mlu") as rt:
         objs = [torch.zeros(NL, BPO * bs, hs) for _ in range(2)]
         rt.transfer(_req(3, 1, desc, BPO * bs), layers, objs)
         for c, got in enumerate(objs):
-            ids = list(IDS[c * BPO:(c + 1) * BPO])
+            ids = list(IDS[c * BPO : (c + 1) * BPO])
             want = torch.stack([t[0, ids, 0, :, :hs].reshape(BPO * bs, hs) for t in cpu])
             assert torch.equal(got, want)
 
@@ -169,5 +174,8 @@ def test_five_d_mla_caches_are_squeezed(fake_mlu: FakeVendor, padded: bool) -> N
 def test_formats_outside_the_mlu_set_are_refused(fake_mlu: FakeVendor) -> None:
     k = [fake_mlu.to_device(torch.randn(NB, 4, 2, HS)) for _ in range(NL)]
     with Runtime("mlu") as rt, pytest.raises(TransferValidationError, match="MLU transfers take"):
-        rt.transfer(_req(int(KVFormat.TWO_X_NL_X_NB_BS_NH_HS), 1, _desc(4, 2), BPO * 4),
-                    [k, list(k)], [torch.zeros(2, NL, BPO * 4, 2 * HS)] * 2)
+        rt.transfer(
+            _req(int(KVFormat.TWO_X_NL_X_NB_BS_NH_HS), 1, _desc(4, 2), BPO * 4),
+            [k, list(k)],
+            [torch.zeros(2, NL, BPO * 4, 2 * HS)] * 2,
+        )

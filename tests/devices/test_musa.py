@@ -34,8 +34,9 @@ def test_tensor_from_ptr_both_routes(ctor: bool) -> None:
     with fake_vendor("musa", vendor_constructor=ctor) as fake:
         b = MusaBackend()
         dev = fake.to_device(torch.arange(24.0))
-        v = b.tensor_from_ptr(dev.data_ptr(), (2, 3), torch.float32, stride=(4, 1),
-                              storage_offset=1)
+        v = b.tensor_from_ptr(
+            dev.data_ptr(), (2, 3), torch.float32, stride=(4, 1), storage_offset=1
+        )
         assert isinstance(v, FakeDeviceTensor)
         assert torch.equal(v.cpu(), torch.tensor([[1.0, 2, 3], [5, 6, 7]]))
         v.fill_(-1.0)
@@ -109,8 +110,9 @@ def test_contract_layouts_dtypes_pointers() -> None:
     assert exact_dtype(4, None) is torch.float32
     with pytest.raises(TransferValidationError):
         exact_dtype(2, "float32")
-    shape = ShapeDesc(kv_size=1, nl=2, nb=6, bs=4, nh=1, hs=8, element_size=2,
-                      block_stride_elems=40)
+    shape = ShapeDesc(
+        kv_size=1, nl=2, nb=6, bs=4, nh=1, hs=8, element_size=2, block_stride_elems=40
+    )
     assert paged_view_geometry(3, shape) == ((6, 4, 8), (40, 8, 1))
     assert group_pointers([101, 102, 201, 202], 9, 2) == [[101, 102], [201, 202]]
     assert check_pointer_tensor(torch.tensor([1, 2, 3, 4]), 9, 2) == (1, 2, 3, 4)
@@ -143,21 +145,29 @@ class CountingNative:
         return True
 
 
-def _nhd_transfer(backend: MusaBackend, fake: FakeVendor, *, fmt: int = 1,
-                  skip: int = 0) -> tuple[list[torch.Tensor], list[torch.Tensor]]:
+def _nhd_transfer(
+    backend: MusaBackend, fake: FakeVendor, *, fmt: int = 1, skip: int = 0
+) -> tuple[list[torch.Tensor], list[torch.Tensor]]:
     """D2H of blocks (3, 5, 0, 6) through Runtime(backend); returns (got, want) chunks."""
     from kvactors.plans import TransferRequest
     from kvactors.runtime import Runtime
 
     cpu = [torch.randn(2, NB, BS, NH, HS) for _ in range(NL)]
     ids = [3, 5, 0, 6]
-    want = [torch.stack([t[:, ids[c:c + 2]].reshape(2, 2 * BS, NH * HS) for t in cpu], dim=1)
-            for c in (0, 2)]
+    want = [
+        torch.stack([t[:, ids[c : c + 2]].reshape(2, 2 * BS, NH * HS) for t in cpu], dim=1)
+        for c in (0, 2)
+    ]
     objs = [torch.zeros(2, NL, 2 * BS, NH * HS) for _ in range(2)]
     req = TransferRequest(
-        fmt=fmt, direction=1, block_ids=tuple(ids), chunk_size=2 * BS, skip_blocks=skip,
-        shape=ShapeDesc(kv_size=2, nl=NL, nb=NB, bs=BS, nh=NH, hs=HS, element_size=4,
-                        dtype="float32"),
+        fmt=fmt,
+        direction=1,
+        block_ids=tuple(ids),
+        chunk_size=2 * BS,
+        skip_blocks=skip,
+        shape=ShapeDesc(
+            kv_size=2, nl=NL, nb=NB, bs=BS, nh=NH, hs=HS, element_size=4, dtype="float32"
+        ),
     )
     with Runtime(backend) as rt:
         rt.transfer(req, [fake.to_device(t) for t in cpu], objs)
@@ -204,8 +214,9 @@ def test_native_is_registered_through_the_entry_point(
     )
     dist = tmp_path / "counting_native_kernels-1.0.dist-info"
     dist.mkdir()
-    (dist / "METADATA").write_text("Metadata-Version: 2.1\nName: counting-native-kernels\n"
-                                   "Version: 1.0\n")
+    (dist / "METADATA").write_text(
+        "Metadata-Version: 2.1\nName: counting-native-kernels\nVersion: 1.0\n"
+    )
     (dist / "entry_points.txt").write_text(
         "[kvactors.native_kernels]\nmusa = counting_native_kernels:make\n"
     )
@@ -230,9 +241,15 @@ def test_ineligible_plans_never_reach_the_native(fake_musa: FakeVendor, why: str
     else:
         k = [fake_musa.to_device(torch.randn(NB, BS, NH, HS)) for _ in range(NL)]
         v = [fake_musa.to_device(torch.randn(NB, BS, NH, HS)) for _ in range(NL)]
-        req = TransferRequest(fmt=9, direction=1, block_ids=(1, 2), chunk_size=2 * BS,
-                              shape=ShapeDesc(kv_size=2, nl=NL, nb=NB, bs=BS, nh=NH, hs=HS,
-                                              element_size=4, dtype="float32"))
+        req = TransferRequest(
+            fmt=9,
+            direction=1,
+            block_ids=(1, 2),
+            chunk_size=2 * BS,
+            shape=ShapeDesc(
+                kv_size=2, nl=NL, nb=NB, bs=BS, nh=NH, hs=HS, element_size=4, dtype="float32"
+            ),
+        )
         with Runtime(backend) as rt:
             rt.transfer(req, [k, v], [torch.zeros(2, NL, 2 * BS, NH * HS)])
     assert native.calls == 0

@@ -21,19 +21,29 @@ DTYPE = torch.bfloat16
 def shape(**overrides: Any) -> ShapeDesc:
     """The shape descriptor of :func:`paged` (fields overridable)."""
     fields: dict[str, Any] = {
-        "kv_size": 2, "nl": NL, "nb": NB, "bs": BS, "nh": NH, "hs": HS,
-        "element_size": 2, "dtype": "bfloat16",
+        "kv_size": 2,
+        "nl": NL,
+        "nb": NB,
+        "bs": BS,
+        "nh": NH,
+        "hs": HS,
+        "element_size": 2,
+        "dtype": "bfloat16",
     }
     fields.update(overrides)
     return ShapeDesc(**fields)
 
 
-def request(direction: Direction | int, ids: list[int] | tuple[int, ...], **overrides: Any
-            ) -> TransferRequest:
+def request(
+    direction: Direction | int, ids: list[int] | tuple[int, ...], **overrides: Any
+) -> TransferRequest:
     """A transfer request over :func:`paged` (request fields overridable)."""
     fields: dict[str, Any] = {
-        "fmt": int(FMT), "direction": int(direction), "block_ids": tuple(ids),
-        "chunk_size": CHUNK, "shape": shape(),
+        "fmt": int(FMT),
+        "direction": int(direction),
+        "block_ids": tuple(ids),
+        "chunk_size": CHUNK,
+        "shape": shape(),
     }
     fields.update(overrides)
     return TransferRequest(**fields)

@@ -19,8 +19,13 @@ ROOT = pathlib.Path(__file__).resolve().parents[2]
 def _run(*args: str, timeout: float = 120) -> str:
     env = {**os.environ, "PYTHONPATH": str(ROOT)}
     proc = subprocess.run(
-        [sys.executable, *args], cwd=ROOT, env=env, capture_output=True, text=True,
-        timeout=timeout, check=False,
+        [sys.executable, *args],
+        cwd=ROOT,
+        env=env,
+        capture_output=True,
+        text=True,
+        timeout=timeout,
+        check=False,
     )
     assert proc.returncode == 0, proc.stdout + proc.stderr
     return proc.stdout
@@ -55,7 +60,6 @@ def test_ipc_cross_process_example() -> None:
 
 
 def test_soak_benchmark_small() -> None:
-    out = _run("benchmarks/soak.py", "--transfers", "300", "--warmup", "50", "--fault-every",
-               "100")
+    out = _run("benchmarks/soak.py", "--transfers", "300", "--warmup", "50", "--fault-every", "100")
     assert "RESULT: OK" in out
     assert "silent 0" in out

@@ -99,8 +99,11 @@ async def test_device_error_is_reported_as_failure_and_others_complete() -> None
         asks = []
         for i, (o, b) in enumerate(zip(outs, ids, strict=True)):
             backend.fail_next = 1 if i == 1 else 0
-            asks.append(dev.gather.ask_nowait(
-                Transfer(transfer_id=i, request=request(D2H, b)), TransferOperands(src, o)))
+            asks.append(
+                dev.gather.ask_nowait(
+                    Transfer(transfer_id=i, request=request(D2H, b)), TransferOperands(src, o)
+                )
+            )
             await _until(backend, lambda bk, n=i + 1: bk.queued() == n)
         fence = dev.gather.ask_nowait(Fence(block_ids=(2, 3)))
         backend.release()

@@ -196,7 +196,9 @@ class Interpreter:
         # launches fail is fixed by stream position, not by timing.
         want = self.launched
         ok = await asyncio.to_thread(
-            self.backend.wait_for, lambda b: b.queried >= want or b.in_sync > 0, 10.0  # type: ignore[attr-defined]
+            self.backend.wait_for,
+            lambda b: b.queried >= want or b.in_sync > 0,
+            10.0,  # type: ignore[attr-defined]
         )
         assert ok, "a launch never reached the device"
 
@@ -293,13 +295,15 @@ class Interpreter:
         ids = tuple(self.owned[r][-2:])
         if len(ids) < 2 or self._pending_scatter(ids):
             return
-        shared = self.backend.alloc_shared((2, NL, CHUNK, NH * (self.src[0].shape[-1])),
-                                           self.src[0].dtype)
+        shared = self.backend.alloc_shared(
+            (2, NL, CHUNK, NH * (self.src[0].shape[-1])), self.src[0].dtype
+        )
         ctx = next(self.ids)
         self.contexts[ctx] = [shared]
         assert shared.tensor is not None
         _, view = await self.dev.ipc.ask(
-            OpenHandle(context_id=ctx, handle=self.backend.ipc_export(shared.tensor)))
+            OpenHandle(context_id=ctx, handle=self.backend.ipc_export(shared.tensor))
+        )
         expected = expected_gather(self.src, list(ids))[0]
         fut = self._submit(request(D2H, ids), [view], stream)
         del view  # only the in-flight transfer may hold the view now
@@ -387,8 +391,12 @@ class Interpreter:
                 x.close()
 
 
-_STORE = st.tuples(st.just("store"), st.integers(0, N_REQ - 1), st.integers(0, 1),
-                   st.sampled_from([False, False, False, True]))
+_STORE = st.tuples(
+    st.just("store"),
+    st.integers(0, N_REQ - 1),
+    st.integers(0, 1),
+    st.sampled_from([False, False, False, True]),
+)
 _OPS = st.one_of(
     _STORE,
     _STORE,

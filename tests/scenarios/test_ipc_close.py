@@ -31,8 +31,12 @@ class _Rig:
     def __init__(self) -> None:
         self.backend = ManualBackend()
         self.streams = StreamDirectory(
-            backend=self.backend, index=0, completions=Outbox(), events=Outbox(),
-            capacity=64, stop_timeout=5,
+            backend=self.backend,
+            index=0,
+            completions=Outbox(),
+            events=Outbox(),
+            capacity=64,
+            stop_timeout=5,
         )
         self.ipc = IPCOwnerActor("ipc", backend=self.backend, streams=self.streams, capacity=16)
         self.shared: list[Any] = []

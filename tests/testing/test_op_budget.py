@@ -45,12 +45,14 @@ def _rows(kind: str) -> dict[tuple[str, str], VendorRow]:
 def _param(case: tuple[str, str, str]) -> object:
     marks = []
     if case in OVER_BUDGET:
-        marks.append(pytest.mark.xfail(
-            strict=True,
-            raises=AssertionError,
-            reason="OVER BUDGET TODAY (issue 11 item 6): kvactors exceeds the per-call device "
-                   "op budget here; see the assertion text and docs/comparison.md",
-        ))
+        marks.append(
+            pytest.mark.xfail(
+                strict=True,
+                raises=AssertionError,
+                reason="OVER BUDGET TODAY (issue 11 item 6): kvactors exceeds the per-call device "
+                "op budget here; see the assertion text and docs/comparison.md",
+            )
+        )
     return pytest.param(*case, id="-".join(case).replace(" ", "_"), marks=marks)
 
 
@@ -61,8 +63,7 @@ def test_kvactors_transfer_meets_the_device_op_budget(
     row = _rows(kind)[(layout, direction)]
     assert row.counts is not None
     assert not row.violations, (
-        f"{kind} {layout} {direction}: {'; '.join(row.violations)} (counts per call: "
-        f"{row.counts})"
+        f"{kind} {layout} {direction}: {'; '.join(row.violations)} (counts per call: {row.counts})"
     )
 
 
@@ -75,10 +76,17 @@ def test_budget_check_catches_each_excess() -> None:
     for field, value in (("launches", 5), ("d2h", 3), ("syncs", 1), ("allocations", 1)):
         bad = {**ok, field: value}
         assert budget_violations(bad, chunks=2, planes=2, gather=True, contiguous=True)
-    assert budget_violations({**ok, "syncs": 1}, chunks=2, planes=2, gather=False,
-                             contiguous=True) == []
+    assert (
+        budget_violations({**ok, "syncs": 1}, chunks=2, planes=2, gather=False, contiguous=True)
+        == []
+    )
     # A background completion wait is set apart, and only that many.
-    assert budget_violations({**ok, "syncs": 1}, chunks=2, planes=2, gather=True,
-                             contiguous=True, background_syncs=1) == []
-    assert budget_violations({**ok, "syncs": 2}, chunks=2, planes=2, gather=True,
-                             contiguous=True, background_syncs=1)
+    assert (
+        budget_violations(
+            {**ok, "syncs": 1}, chunks=2, planes=2, gather=True, contiguous=True, background_syncs=1
+        )
+        == []
+    )
+    assert budget_violations(
+        {**ok, "syncs": 2}, chunks=2, planes=2, gather=True, contiguous=True, background_syncs=1
+    )

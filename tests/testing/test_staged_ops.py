@@ -35,19 +35,29 @@ def _setup(fake, layout: str, seed: int = 0):  # type: ignore[no-untyped-def]
 
 
 def _request(layout: str, ids: tuple[int, ...], direction: int, skip: int = 0) -> TransferRequest:
-    shape = ShapeDesc(kv_size=2, nl=NL, nb=NB, bs=BS, nh=NH, hs=HS, element_size=2,
-                      dtype="bfloat16")
-    return TransferRequest(fmt=FMTS[layout], direction=direction, block_ids=ids,
-                           chunk_size=BPO * BS, skip_blocks=skip, shape=shape)
+    shape = ShapeDesc(
+        kv_size=2, nl=NL, nb=NB, bs=BS, nh=NH, hs=HS, element_size=2, dtype="bfloat16"
+    )
+    return TransferRequest(
+        fmt=FMTS[layout],
+        direction=direction,
+        block_ids=ids,
+        chunk_size=BPO * BS,
+        skip_blocks=skip,
+        shape=shape,
+    )
 
 
 def _objects(n: int) -> list[torch.Tensor]:
-    return [torch.full((2, NL, BPO * BS, NH * HS), -1.0, dtype=torch.bfloat16).pin_memory()
-            for _ in range(n)]
+    return [
+        torch.full((2, NL, BPO * BS, NH * HS), -1.0, dtype=torch.bfloat16).pin_memory()
+        for _ in range(n)
+    ]
 
 
-def _expected(host_pool: torch.Tensor, layout: str, ids: tuple[int, ...], skip: int
-              ) -> list[torch.Tensor]:
+def _expected(
+    host_pool: torch.Tensor, layout: str, ids: tuple[int, ...], skip: int
+) -> list[torch.Tensor]:
     nhd = host_pool if layout == "NHD" else host_pool.transpose(3, 4)  # [L, 2, NB, BS, NH, HS]
     out = _objects(len(ids) // BPO)
     for k, b in enumerate(ids):
@@ -72,8 +82,9 @@ def test_new_block_ids_cost_one_upload_per_call_and_a_repeat_none(layout: str) -
         for attempt in range(2):
             ids = tuple(rng.sample(range(NB), 2 * BPO))
             objs = _objects(2)
-            plan = plan_transfer(_request(layout, ids, 1), paged, objs, device_type=KIND,
-                                 device_index=0)
+            plan = plan_transfer(
+                _request(layout, ids, 1), paged, objs, device_type=KIND, device_index=0
+            )
             with fake.counting() as first:
                 run_fast(plan, paged, objs, copy=backend.copy_, scratch=scratch)
             fake.synchronize()
@@ -95,8 +106,9 @@ def test_partial_segment_takes_one_kernel_and_its_strided_d2h_blocks() -> None:
         backend, scratch = _backend(), ScratchCache()
         ids = tuple(random.Random(3).sample(range(NB), 2 * BPO))
         objs = _objects(2)
-        plan = plan_transfer(_request("NHD", ids, 1, skip=1), paged, objs, device_type=KIND,
-                             device_index=0)
+        plan = plan_transfer(
+            _request("NHD", ids, 1, skip=1), paged, objs, device_type=KIND, device_index=0
+        )
         run_fast(plan, paged, objs, copy=backend.copy_, scratch=scratch)
         fake.synchronize()
         with fake.counting() as ops:

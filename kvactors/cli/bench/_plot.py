@@ -16,8 +16,13 @@ if TYPE_CHECKING:
 __all__ = ("plot",)
 
 _SHORT = {"nhd_separate": "nhd-sep"}
-_COLORS = {"kvactors": "#1f77b4", "raw copy": "#7f7f7f", "LMCache torch path": "#d62728",
-           "C ceiling": "#2ca02c", "kvactors, plan reused": "#aec7e8"}
+_COLORS = {
+    "kvactors": "#1f77b4",
+    "raw copy": "#7f7f7f",
+    "LMCache torch path": "#d62728",
+    "C ceiling": "#2ca02c",
+    "kvactors, plan reused": "#aec7e8",
+}
 
 
 def plot(report: BenchReport, path: str) -> None:
@@ -35,11 +40,15 @@ def plot(report: BenchReport, path: str) -> None:
     matplotlib.use("Agg")
     import matplotlib.pyplot as plt
 
-    rows = [r for r in report.transfer if r.threads == min((x.threads for x in report.transfer),
-                                                            default=1)]
+    rows = [
+        r
+        for r in report.transfer
+        if r.threads == min((x.threads for x in report.transfer), default=1)
+    ]
     fig = plt.figure(figsize=(12, 6.5), dpi=110)
-    grid = fig.add_gridspec(2, 2, width_ratios=[3.3, 1], height_ratios=[3, 1], wspace=0.22,
-                            hspace=0.35)
+    grid = fig.add_gridspec(
+        2, 2, width_ratios=[3.3, 1], height_ratios=[3, 1], wspace=0.22, hspace=0.35
+    )
     ax = fig.add_subplot(grid[:, 0])
     labels = []
     for r in rows:
@@ -65,8 +74,10 @@ def plot(report: BenchReport, path: str) -> None:
     ax.set_xticks(range(len(rows)), labels, fontsize=7.5)
     ax.set_ylabel("GB/s (median of interleaved repetitions)")
     thr = rows[0].threads if rows else 1
-    ax.set_title(f"KV gather (device->host) / scatter (host->device), {thr} thread, "
-                 "same operands, one run", fontsize=10)
+    ax.set_title(
+        f"KV gather (device->host) / scatter (host->device), {thr} thread, same operands, one run",
+        fontsize=10,
+    )
     ax.legend(fontsize=8, loc="upper left", ncols=len(series))
     ax.grid(axis="y", alpha=0.3)
     ax.margins(y=0.12)
@@ -75,12 +86,25 @@ def plot(report: BenchReport, path: str) -> None:
     if report.runtime:
         names = [f"{r.direction}" for r in report.runtime]
         xs = list(range(len(names)))
-        side.bar([x - 0.2 for x in xs], [r.runtime_gbps for r in report.runtime], 0.4,
-                 label="through Runtime", color=_COLORS["kvactors"])
-        side.bar([x + 0.2 for x in xs], [r.raw_gbps for r in report.runtime], 0.4,
-                 label="raw copy", color=_COLORS["raw copy"])
-        side.set_xticks(xs, [f"{n}\n{rr.vs_raw:.0%} raw" for n, rr in
-                             zip(names, report.runtime, strict=True)], fontsize=8)
+        side.bar(
+            [x - 0.2 for x in xs],
+            [r.runtime_gbps for r in report.runtime],
+            0.4,
+            label="through Runtime",
+            color=_COLORS["kvactors"],
+        )
+        side.bar(
+            [x + 0.2 for x in xs],
+            [r.raw_gbps for r in report.runtime],
+            0.4,
+            label="raw copy",
+            color=_COLORS["raw copy"],
+        )
+        side.set_xticks(
+            xs,
+            [f"{n}\n{rr.vs_raw:.0%} raw" for n, rr in zip(names, report.runtime, strict=True)],
+            fontsize=8,
+        )
         sim = " (simulated)" if report.runtime[0].simulated else ""
         side.set_title(f"NHD through the actors, {report.runtime[0].device}{sim}", fontsize=9)
         top = max(max(rr.runtime_gbps, rr.raw_gbps) for rr in report.runtime)
@@ -93,16 +117,23 @@ def plot(report: BenchReport, path: str) -> None:
     text.axis("off")
     m = report.messaging
     if m is not None:
-        text.text(0.0, 1.0,
-                  f"messaging round trip (median)\n"
-                  f"actor ask: {m['ask_us']:.1f} us, {m['ask_ratio']:.2f}x bare asyncio\n"
-                  f"blocking call: {m['blocking_us']:.1f} us, {m['blocking_ratio']:.2f}x "
-                  "thread hop",
-                  transform=text.transAxes, fontsize=8.5, va="top")
+        text.text(
+            0.0,
+            1.0,
+            f"messaging round trip (median)\n"
+            f"actor ask: {m['ask_us']:.1f} us, {m['ask_ratio']:.2f}x bare asyncio\n"
+            f"blocking call: {m['blocking_us']:.1f} us, {m['blocking_ratio']:.2f}x "
+            "thread hop",
+            transform=text.transAxes,
+            fontsize=8.5,
+            va="top",
+        )
     meta = report.meta
-    fig.suptitle(f"kvactors bench{' --quick' if meta.get('quick') else ''}: "
-                 f"{meta.get('cpus')} CPUs, torch {meta.get('torch')}, {meta.get('when')}",
-                 fontsize=11)
+    fig.suptitle(
+        f"kvactors bench{' --quick' if meta.get('quick') else ''}: "
+        f"{meta.get('cpus')} CPUs, torch {meta.get('torch')}, {meta.get('when')}",
+        fontsize=11,
+    )
     fig.subplots_adjust(left=0.06, right=0.98, top=0.9, bottom=0.16)
     fig.savefig(path)
     plt.close(fig)

@@ -136,13 +136,26 @@ class _Case:
         self.ids = [tuple(ids[c * bpo : (c + 1) * bpo]) for c in range(callers)]
         self.ids_t = [torch.tensor(i, dtype=torch.int64) for i in self.ids]
         self.spec, self.nl, self.nh, self.hs, self.bpo = spec, nl, nh, hs, bpo
-        self.shape = ShapeDesc(kv_size=spec.planes, nl=nl, nb=nb, bs=_BS, nh=nh, hs=hs,
-                               element_size=2, dtype="bfloat16")
+        self.shape = ShapeDesc(
+            kv_size=spec.planes,
+            nl=nl,
+            nb=nb,
+            bs=_BS,
+            nh=nh,
+            hs=hs,
+            element_size=2,
+            dtype="bfloat16",
+        )
         self.nbytes = self.objects[0][0].nbytes
 
     def request(self, c: int, direction: Direction) -> TransferRequest:
-        return TransferRequest(fmt=int(self.fmt), direction=int(direction), block_ids=self.ids[c],
-                               chunk_size=_TOKENS, shape=self.shape)
+        return TransferRequest(
+            fmt=int(self.fmt),
+            direction=int(direction),
+            block_ids=self.ids[c],
+            chunk_size=_TOKENS,
+            shape=self.shape,
+        )
 
     def chunk_view(self, c: int) -> torch.Tensor:
         """Caller ``c``'s chunk seen in the stacked pool's axis order, blocks on block_dim."""
@@ -233,8 +246,12 @@ def _many_callers(
             start = threading.Barrier(len(per_caller) + 1)
             samples: list[list[float]] = [[] for _ in per_caller]
 
-            def work(i: int, n: str = n, start: threading.Barrier = start,
-                     samples: list[list[float]] = samples) -> None:
+            def work(
+                i: int,
+                n: str = n,
+                start: threading.Barrier = start,
+                samples: list[list[float]] = samples,
+            ) -> None:
                 fn = per_caller[i][n]
                 start.wait()
                 for _ in range(reps):
@@ -256,18 +273,35 @@ def _many_callers(
     return lat, {n: statistics.median(v) for n, v in rate.items()}
 
 
-def _row(case: _Case, model: str, layout: str, direction: Direction, callers: int, reps: int,
-         times: dict[str, list[float]], rates: dict[str, float] | None) -> PercallRow:
+def _row(
+    case: _Case,
+    model: str,
+    layout: str,
+    direction: Direction,
+    callers: int,
+    reps: int,
+    times: dict[str, list[float]],
+    rates: dict[str, float] | None,
+) -> PercallRow:
     p50 = {n: statistics.median(v) * 1e6 for n, v in times.items()}
     p99 = {n: _pct(v, 0.99) * 1e6 for n, v in times.items()}
     cps = rates if rates is not None else {n: 1e6 / v for n, v in p50.items()}
     vs = {n: (cps["torch"] / cps[n]) for n in cps if n != "torch"}
     # op time over LMCache torch-path time (below 1: the op is faster).
     ovl = cps["lmcache"] / cps["op"] if "op" in cps and "lmcache" in cps else None
-    return PercallRow(model=model, layout=layout,
-                      direction="gather" if direction is Direction.D2H else "scatter",
-                      callers=callers, nbytes=case.nbytes, reps=reps, p50_us=p50, p99_us=p99,
-                      calls_per_s=cps, vs_torch=vs, op_vs_lmcache=ovl)
+    return PercallRow(
+        model=model,
+        layout=layout,
+        direction="gather" if direction is Direction.D2H else "scatter",
+        callers=callers,
+        nbytes=case.nbytes,
+        reps=reps,
+        p50_us=p50,
+        p99_us=p99,
+        calls_per_s=cps,
+        vs_torch=vs,
+        op_vs_lmcache=ovl,
+    )
 
 
 def _planning(rt: Runtime, case: _Case, reps: int) -> tuple[float, float, float]:
@@ -336,36 +370,49 @@ def run_percall_bench(
                         else:
                             r = reps or ((3 if quick else 10) if big else (20 if quick else 60))
                             times, rates = _many_callers(per, r, 3 if quick else 5)
-                        rows.append(_row(case, model, layout, direction, n_callers, r,
-                                         times, rates))
+                        rows.append(
+                            _row(case, model, layout, direction, n_callers, r, times, rates)
+                        )
                         step(f"percall {model} {layout} {d} x{n_callers}")
                     del cases, case, per
-        plan_warm, plan_cold, ping = _planning(rt, _Case("small", "nhd", 1, seed),
-                                               200 if quick else 1000)
-    return PercallReport(rows=rows, plan_warm_us=plan_warm, plan_cold_us=plan_cold,
-                         ping_us=ping, seconds=time.perf_counter() - t_start)
+        plan_warm, plan_cold, ping = _planning(
+            rt, _Case("small", "nhd", 1, seed), 200 if quick else 1000
+        )
+    return PercallReport(
+        rows=rows,
+        plan_warm_us=plan_warm,
+        plan_cold_us=plan_cold,
+        ping_us=ping,
+        seconds=time.perf_counter() - t_start,
+    )
 
 
 def format_percall(report: PercallReport) -> str:
     """The report as a text table (p50 latencies in us, ratios vs the single torch call)."""
-    head = (f"{'model':<6}{'layout':<8}{'dir':<8}{'call':>5}{'torch':>9}{'runtime':>9}"
-            f"{'op':>9}{'lmcache':>9}{'rt/t':>7}{'op/t':>7}{'op p99/p50':>11}{'t p99/p50':>10}"
-            f"{'op/lmc':>8}")
+    head = (
+        f"{'model':<6}{'layout':<8}{'dir':<8}{'call':>5}{'torch':>9}{'runtime':>9}"
+        f"{'op':>9}{'lmcache':>9}{'rt/t':>7}{'op/t':>7}{'op p99/p50':>11}{'t p99/p50':>10}"
+        f"{'op/lmc':>8}"
+    )
     lines = ["per-call p50 (us); ratios are time per call vs the single torch call", head]
     for r in report.rows:
+
         def g(d: dict[str, float], k: str, fmt: str = "9.0f") -> str:
             return format(d[k], fmt) if k in d else " " * (int(fmt[0]) - 1) + "-"
 
-        p99r = (f"{r.p99_us['op'] / r.p50_us['op']:11.2f}" if "op" in r.p50_us
-                else " " * 10 + "-")
+        p99r = f"{r.p99_us['op'] / r.p50_us['op']:11.2f}" if "op" in r.p50_us else " " * 10 + "-"
         tp99 = f"{r.p99_us['torch'] / r.p50_us['torch']:10.2f}"  # the machine's own tail
         lmc = f"{r.op_vs_lmcache:8.2f}" if r.op_vs_lmcache is not None else " " * 7 + "-"
-        lines.append(f"{r.model:<6}{r.layout:<8}{r.direction:<8}{r.callers:>5}"
-                     f"{g(r.p50_us, 'torch')}{g(r.p50_us, 'runtime')}{g(r.p50_us, 'op')}"
-                     f"{g(r.p50_us, 'lmcache')}{g(r.vs_torch, 'runtime', '7.2f')}"
-                     f"{g(r.vs_torch, 'op', '7.2f')}{p99r}{tp99}{lmc}")
-    lines.append(f"planning: warm {report.plan_warm_us:.1f} us, cold {report.plan_cold_us:.1f} us;"
-                 f" Runtime.ping {report.ping_us:.1f} us")
+        lines.append(
+            f"{r.model:<6}{r.layout:<8}{r.direction:<8}{r.callers:>5}"
+            f"{g(r.p50_us, 'torch')}{g(r.p50_us, 'runtime')}{g(r.p50_us, 'op')}"
+            f"{g(r.p50_us, 'lmcache')}{g(r.vs_torch, 'runtime', '7.2f')}"
+            f"{g(r.vs_torch, 'op', '7.2f')}{p99r}{tp99}{lmc}"
+        )
+    lines.append(
+        f"planning: warm {report.plan_warm_us:.1f} us, cold {report.plan_cold_us:.1f} us;"
+        f" Runtime.ping {report.ping_us:.1f} us"
+    )
     return "\n".join(lines)
 
 
@@ -384,8 +431,11 @@ def plot_percall(report: PercallReport, path: str) -> None:
     rows = report.rows
     names = [n for n in ("runtime", "op", "lmcache") if any(n in r.vs_torch for r in rows)]
     colors = {"runtime": "#1f77b4", "op": "#2ca02c", "lmcache": "#d62728"}
-    labels = {"runtime": "Runtime.transfer", "op": "LMCache op (kvactors_cpu)",
-              "lmcache": "LMCache torch path"}
+    labels = {
+        "runtime": "Runtime.transfer",
+        "op": "LMCache op (kvactors_cpu)",
+        "lmcache": "LMCache torch path",
+    }
     fig, ax = plt.subplots(figsize=(max(8.0, 0.55 * len(rows) + 2), 5), dpi=110)
     width = 0.8 / max(len(names), 1)
     for i, n in enumerate(names):
@@ -394,13 +444,19 @@ def plot_percall(report: PercallReport, path: str) -> None:
         p99 = [r.p99_us[n] / r.p50_us["torch"] if n in r.p99_us else 0.0 for r in rows]
         ax.scatter(xs, p99, marker="_", color="black", s=40, zorder=3)
     ax.axhline(1.0, color="#7f7f7f", lw=1, label="one torch call")
-    ax.set_xticks(range(len(rows)), [f"{r.model} {r.layout}\n{r.direction} x{r.callers}"
-                                     for r in rows], fontsize=7, rotation=0)
+    ax.set_xticks(
+        range(len(rows)),
+        [f"{r.model} {r.layout}\n{r.direction} x{r.callers}" for r in rows],
+        fontsize=7,
+        rotation=0,
+    )
     ax.set_ylabel("time per call / single torch call (p50; ticks: p99)")
     ax.set_yscale("log")
-    ax.set_title(f"per-call cost, 1 chunk of {_TOKENS} tokens, bf16, 1 torch thread; warm "
-                 f"planning {report.plan_warm_us:.0f} us, ping {report.ping_us:.0f} us",
-                 fontsize=9)
+    ax.set_title(
+        f"per-call cost, 1 chunk of {_TOKENS} tokens, bf16, 1 torch thread; warm "
+        f"planning {report.plan_warm_us:.0f} us, ping {report.ping_us:.0f} us",
+        fontsize=9,
+    )
     ax.legend(fontsize=8, ncols=4, loc="upper left")
     ax.grid(axis="y", alpha=0.3)
     fig.tight_layout()
@@ -414,15 +470,22 @@ def main(argv: Sequence[str] | None = None) -> int:
     ap.add_argument("--quick", action="store_true")
     ap.add_argument("--models", nargs="+", choices=tuple(MODELS), default=list(MODELS))
     ap.add_argument("--layouts", nargs="+", choices=tuple(_FORMATS), default=list(_FORMATS))
-    ap.add_argument("--directions", nargs="+", choices=("gather", "scatter"),
-                    default=["gather", "scatter"])
+    ap.add_argument(
+        "--directions", nargs="+", choices=("gather", "scatter"), default=["gather", "scatter"]
+    )
     ap.add_argument("--callers", nargs="+", type=int, default=[1, 4])
     ap.add_argument("--reps", type=int, default=None)
     ap.add_argument("--json", default=None, metavar="FILE")
     ap.add_argument("--plot", default=None, metavar="PNG")
     args = ap.parse_args(argv)
-    report = run_percall_bench(quick=args.quick, models=args.models, layouts=args.layouts,
-                               directions=args.directions, callers=args.callers, reps=args.reps)
+    report = run_percall_bench(
+        quick=args.quick,
+        models=args.models,
+        layouts=args.layouts,
+        directions=args.directions,
+        callers=args.callers,
+        reps=args.reps,
+    )
     print(format_percall(report))
     if args.json:
         with open(args.json, "w") as f:

@@ -83,8 +83,7 @@ class _Progress:
         width = 30
         filled = width * self.done // self.total
         bar = "#" * filled + "." * (width - filled)
-        line = (f"[{bar}] {self.done}/{self.total} {time.perf_counter() - self.t0:5.1f}s "
-                f"{label}")
+        line = f"[{bar}] {self.done}/{self.total} {time.perf_counter() - self.t0:5.1f}s {label}"
         if self.tty:
             sys.stderr.write("\r\x1b[2K" + line + ("\n" if self.done >= self.total else ""))
         else:
@@ -108,14 +107,27 @@ def _runtime_rows(env: DeviceEnv, w: BenchWorkload, reps: int, seed: int) -> lis
     raw_dev = env.zeros((w.chunks_per_call, *oshape), dtype)
     raw_host = torch.zeros((w.chunks_per_call, *oshape), dtype=dtype)
     ids = tuple(random.Random(seed).sample(range(nb), w.chunk_tokens // bs * w.chunks_per_call))
-    shape = ShapeDesc(kv_size=2, nl=nl, nb=nb, bs=bs, nh=nh, hs=hs,
-                      element_size=torch.empty(0, dtype=dtype).element_size(), dtype=w.dtype)
+    shape = ShapeDesc(
+        kv_size=2,
+        nl=nl,
+        nb=nb,
+        bs=bs,
+        nh=nh,
+        hs=hs,
+        element_size=torch.empty(0, dtype=dtype).element_size(),
+        dtype=w.dtype,
+    )
     nbytes = sum(o.nbytes for o in objects)
     rows: list[RuntimeRow] = []
     with Runtime(env.backend(), default_timeout=120.0) as rt:
         for d, direction in (("gather", Direction.D2H), ("scatter", Direction.H2D)):
-            req = TransferRequest(fmt=int(KVFormat.NL_X_TWO_NB_BS_NH_HS), direction=int(direction),
-                                  block_ids=ids, chunk_size=w.chunk_tokens, shape=shape)
+            req = TransferRequest(
+                fmt=int(KVFormat.NL_X_TWO_NB_BS_NH_HS),
+                direction=int(direction),
+                block_ids=ids,
+                chunk_size=w.chunk_tokens,
+                shape=shape,
+            )
 
             def through() -> None:
                 rt.transfer(req, paged, objects)  # noqa: B023 - used in this iteration only
@@ -136,9 +148,18 @@ def _runtime_rows(env: DeviceEnv, w: BenchWorkload, reps: int, seed: int) -> lis
                     fn()
                     times[name].append(time.perf_counter() - t0)
             g = {k: nbytes / statistics.median(v) / 1e9 for k, v in times.items()}
-            rows.append(RuntimeRow(device=env.kind, simulated=env.simulated, direction=d,
-                                   nbytes=nbytes, reps=reps, runtime_gbps=g["runtime"],
-                                   raw_gbps=g["raw"], vs_raw=g["runtime"] / g["raw"]))
+            rows.append(
+                RuntimeRow(
+                    device=env.kind,
+                    simulated=env.simulated,
+                    direction=d,
+                    nbytes=nbytes,
+                    reps=reps,
+                    runtime_gbps=g["runtime"],
+                    raw_gbps=g["raw"],
+                    vs_raw=g["runtime"] / g["raw"],
+                )
+            )
     return rows
 
 
@@ -155,17 +176,27 @@ def run_bench(cfg: BenchConfig, *, progress: Callable[[str], None] | None = None
     step = progress or (lambda _label: None)
     threads = cfg.threads if not cfg.quick or cfg.threads != (1, 2) else (1,)
     meta: dict[str, Any] = {
-        "host": platform.node(), "platform": platform.platform(), "cpus": os.cpu_count(),
-        "python": platform.python_version(), "torch": str(torch.__version__),
-        "device": cfg.device, "quick": cfg.quick, "threads": list(threads),
+        "host": platform.node(),
+        "platform": platform.platform(),
+        "cpus": os.cpu_count(),
+        "python": platform.python_version(),
+        "torch": str(torch.__version__),
+        "device": cfg.device,
+        "quick": cfg.quick,
+        "threads": list(threads),
         "when": time.strftime("%Y-%m-%dT%H:%M:%SZ", time.gmtime()),
     }
     reps = cfg.reps if cfg.reps is not None else (9 if cfg.quick else 15)
     rows: list[BenchRow] = []
     if cfg.layouts:
         rows = run_transfer_bench(
-            list(cfg.layouts), list(cfg.directions), list(threads), quick=cfg.quick,
-            reps=reps, include_lmcache=cfg.include_lmcache, seed=cfg.seed,
+            list(cfg.layouts),
+            list(cfg.directions),
+            list(threads),
+            quick=cfg.quick,
+            reps=reps,
+            include_lmcache=cfg.include_lmcache,
+            seed=cfg.seed,
             progress=lambda line: step(" ".join(line.split()[:3])),
         )
     meta["lmcache_baseline"] = any(r.lmcache_gbps is not None for r in rows)
@@ -199,35 +230,73 @@ def run_bench(cfg: BenchConfig, *, progress: Callable[[str], None] | None = None
         from kvactors.cli.bench.percall import run_percall_bench
 
         kinds = ("nhd", "hnd", "mla", "kv_list")
-        percall = run_percall_bench(quick=cfg.quick, seed=cfg.seed, reps=cfg.reps,
-                                    layouts=[x for x in cfg.layouts if x in kinds] or ["nhd"])
+        percall = run_percall_bench(
+            quick=cfg.quick,
+            seed=cfg.seed,
+            reps=cfg.reps,
+            layouts=[x for x in cfg.layouts if x in kinds] or ["nhd"],
+        )
         step("per call")
-    return BenchReport(meta=meta, transfer=rows, runtime=runtime, messaging=messaging,
-                       vendor=vendor, percall=percall, seconds=time.perf_counter() - t0)
+    return BenchReport(
+        meta=meta,
+        transfer=rows,
+        runtime=runtime,
+        messaging=messaging,
+        vendor=vendor,
+        percall=percall,
+        seconds=time.perf_counter() - t0,
+    )
 
 
 def add_arguments(ap: argparse.ArgumentParser) -> None:
     """The command line of ``kvactors bench``."""
     from kvactors.cli._devenv import DEVICE_KINDS
 
-    ap.add_argument("--device", choices=DEVICE_KINDS, default="cpu",
-                    help="device of the runtime figures (kernel figures are host-side)")
-    ap.add_argument("--quick", action="store_true",
-                    help="small pool, few repetitions, 1 thread (under 2 minutes on 2 cores)")
-    ap.add_argument("--out", default="bench-out", metavar="DIR",
-                    help="where bench.json and bench.png go (default bench-out)")
-    ap.add_argument("--layouts", nargs="+", type=str.lower, choices=LAYOUTS, default=None,
-                    metavar="LAYOUT", help=f"subset of {', '.join(LAYOUTS)}")
-    ap.add_argument("--directions", nargs="+", choices=("gather", "scatter"),
-                    default=["gather", "scatter"])
-    ap.add_argument("--threads", nargs="+", type=int, default=None,
-                    help="torch intra-op thread counts (default 1 2; --quick: 1)")
+    ap.add_argument(
+        "--device",
+        choices=DEVICE_KINDS,
+        default="cpu",
+        help="device of the runtime figures (kernel figures are host-side)",
+    )
+    ap.add_argument(
+        "--quick",
+        action="store_true",
+        help="small pool, few repetitions, 1 thread (under 2 minutes on 2 cores)",
+    )
+    ap.add_argument(
+        "--out",
+        default="bench-out",
+        metavar="DIR",
+        help="where bench.json and bench.png go (default bench-out)",
+    )
+    ap.add_argument(
+        "--layouts",
+        nargs="+",
+        type=str.lower,
+        choices=LAYOUTS,
+        default=None,
+        metavar="LAYOUT",
+        help=f"subset of {', '.join(LAYOUTS)}",
+    )
+    ap.add_argument(
+        "--directions", nargs="+", choices=("gather", "scatter"), default=["gather", "scatter"]
+    )
+    ap.add_argument(
+        "--threads",
+        nargs="+",
+        type=int,
+        default=None,
+        help="torch intra-op thread counts (default 1 2; --quick: 1)",
+    )
     ap.add_argument("--reps", type=int, default=None, help="timed repetitions per contender")
     ap.add_argument("--no-lmcache", action="store_true", help="skip LMCache's torch path")
     ap.add_argument("--no-messaging", action="store_true", help="skip the messaging figures")
     ap.add_argument("--no-runtime", action="store_true", help="skip the through-runtime figures")
-    ap.add_argument("--no-vendor", action="store_true",
-                    help="skip kvactors vs LMCache's own MLU/MUSA ops on the fake vendors")
+    ap.add_argument(
+        "--no-vendor",
+        action="store_true",
+        help="skip kvactors vs LMCache's own MLU/MUSA ops on the fake vendors",
+    )
     ap.add_argument("--no-percall", action="store_true", help="skip the per-call figures")
     ap.add_argument("--no-plot", action="store_true", help="write the JSON only")
 
@@ -239,15 +308,25 @@ def run(args: argparse.Namespace) -> int:
 
     threads = tuple(args.threads) if args.threads else ((1,) if args.quick else (1, 2))
     cfg = BenchConfig(
-        device=args.device, quick=args.quick,
+        device=args.device,
+        quick=args.quick,
         layouts=tuple(args.layouts) if args.layouts else LAYOUTS,
-        directions=tuple(args.directions), threads=threads, reps=args.reps,
-        include_lmcache=not args.no_lmcache, messaging=not args.no_messaging,
-        runtime=not args.no_runtime, vendor=not args.no_vendor,
+        directions=tuple(args.directions),
+        threads=threads,
+        reps=args.reps,
+        include_lmcache=not args.no_lmcache,
+        messaging=not args.no_messaging,
+        runtime=not args.no_runtime,
+        vendor=not args.no_vendor,
         percall=not args.no_percall,
     )
-    n_steps = (len(cfg.layouts) * len(cfg.directions) * len(threads) + int(cfg.runtime)
-               + int(cfg.messaging) + int(cfg.vendor) + int(cfg.percall))
+    n_steps = (
+        len(cfg.layouts) * len(cfg.directions) * len(threads)
+        + int(cfg.runtime)
+        + int(cfg.messaging)
+        + int(cfg.vendor)
+        + int(cfg.percall)
+    )
     bar = _Progress(n_steps)
     try:
         report = run_bench(cfg, progress=bar.step)
@@ -263,19 +342,25 @@ def run(args: argparse.Namespace) -> int:
     print(format_table(report.transfer))
     for r in report.runtime:
         sim = " (SIMULATED device: not a throughput figure)" if r.simulated else ""
-        print(f"runtime {r.device} {r.direction:<8} {r.runtime_gbps:6.2f} GB/s vs raw copy "
-              f"{r.raw_gbps:6.2f} GB/s = {r.vs_raw:.2f}{sim}")
+        print(
+            f"runtime {r.device} {r.direction:<8} {r.runtime_gbps:6.2f} GB/s vs raw copy "
+            f"{r.raw_gbps:6.2f} GB/s = {r.vs_raw:.2f}{sim}"
+        )
     if report.messaging is not None:
         m = report.messaging
-        print(f"messaging: ask {m['ask_us']:.2f} us (bare {m['bare_ask_us']:.2f}, ratio "
-              f"{m['ask_ratio']:.2f}); blocking call {m['blocking_us']:.2f} us (bare "
-              f"{m['bare_thread_us']:.2f}, ratio {m['blocking_ratio']:.2f})")
+        print(
+            f"messaging: ask {m['ask_us']:.2f} us (bare {m['bare_ask_us']:.2f}, ratio "
+            f"{m['ask_ratio']:.2f}); blocking call {m['blocking_us']:.2f} us (bare "
+            f"{m['bare_thread_us']:.2f}, ratio {m['blocking_ratio']:.2f})"
+        )
     if report.vendor is not None:
         from kvactors.cli.bench.vendor import VendorRow, format_vendor_table
 
-        print(format_vendor_table(
-            [VendorRow(**{**d, "violations": tuple(d["violations"])}) for d in report.vendor]
-        ))
+        print(
+            format_vendor_table(
+                [VendorRow(**{**d, "violations": tuple(d["violations"])}) for d in report.vendor]
+            )
+        )
     if report.percall is not None:
         from kvactors.cli.bench.percall import format_percall
 

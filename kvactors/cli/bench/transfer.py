@@ -136,8 +136,17 @@ class _Setup:
         from kvactors.cli.bench.ceiling import ceiling_movers
 
         units = paged_units(self.spec, self.paged)
-        return ceiling_movers(self.spec, units, self.objects, self.block_ids, nl=self.nl,
-                             nh=self.nh, hs=self.hs, bs=self.bs, gather=direction == 1)
+        return ceiling_movers(
+            self.spec,
+            units,
+            self.objects,
+            self.block_ids,
+            nl=self.nl,
+            nh=self.nh,
+            hs=self.hs,
+            bs=self.bs,
+            gather=direction == 1,
+        )
 
     def kvactors(self, direction: int) -> Callable[[], None]:
         req = TransferRequest(
@@ -252,8 +261,9 @@ def run_transfer_bench(
     thread_list = [threads] if isinstance(threads, int) else list(threads)
     bad = [x for x in layouts if x not in _FORMATS]
     if bad or any(d not in ("gather", "scatter") for d in directions):
-        raise InvalidSettingError(f"unknown layouts {bad} or directions {list(directions)}",
-                                  setting="layouts")
+        raise InvalidSettingError(
+            f"unknown layouts {bad} or directions {list(directions)}", setting="layouts"
+        )
     old_threads = torch.get_num_threads()
     rows: list[BenchRow] = []
     try:
@@ -262,8 +272,9 @@ def run_transfer_bench(
             for nt in thread_list:
                 torch.set_num_threads(nt)
                 for d in directions:
-                    rows.append(_measure(setup, layout, d, nt, n_reps, include_lmcache,
-                                         include_ceiling))
+                    rows.append(
+                        _measure(setup, layout, d, nt, n_reps, include_lmcache, include_ceiling)
+                    )
                     if progress is not None:
                         progress(format_table(rows[-1:], header=False))
             del setup
@@ -355,8 +366,12 @@ def main(argv: Sequence[str] | None = None) -> int:
     ap.add_argument("--blocks", type=int, default=None, help="paged pool size in blocks")
     ap.add_argument("--quick", action="store_true")
     ap.add_argument("--no-lmcache", action="store_true")
-    ap.add_argument("--ceiling", action=argparse.BooleanOptionalAction, default=True,
-                    help="also time the C ceiling of each access pattern (needs a C compiler)")
+    ap.add_argument(
+        "--ceiling",
+        action=argparse.BooleanOptionalAction,
+        default=True,
+        help="also time the C ceiling of each access pattern (needs a C compiler)",
+    )
     args = ap.parse_args(argv)
     w = BenchWorkload() if args.blocks is None else BenchWorkload(num_blocks=args.blocks)
     if args.ceiling:

@@ -162,8 +162,14 @@ def _operands(
     oshape = (shape.nl, tokens, hs) if mla else (2, shape.nl, tokens, nh * hs)
     objects = [torch.zeros(oshape, dtype=dtype).pin_memory() for _ in range(shape.chunks)]
     desc = ShapeDesc(
-        kv_size=1 if mla else 2, nl=shape.nl, nb=shape.nb, bs=shape.bs, nh=nh, hs=hs,
-        element_size=torch.empty(0, dtype=dtype).element_size(), dtype=shape.dtype,
+        kv_size=1 if mla else 2,
+        nl=shape.nl,
+        nb=shape.nb,
+        bs=shape.bs,
+        nh=nh,
+        hs=hs,
+        element_size=torch.empty(0, dtype=dtype).element_size(),
+        dtype=shape.dtype,
     )
     return paged, objects, desc
 
@@ -180,9 +186,9 @@ def _lmcache_contender(kind: str) -> Callable[..., Callable[[], None]] | None:
     return None
 
 
-def _time(fns: dict[str, Callable[[], None]], sync: Callable[[], None], reps: int) -> dict[
-    str, tuple[float, float]
-]:
+def _time(
+    fns: dict[str, Callable[[], None]], sync: Callable[[], None], reps: int
+) -> dict[str, tuple[float, float]]:
     ret: dict[str, list[float]] = {k: [] for k in fns}
     done: dict[str, list[float]] = {k: [] for k in fns}
     for _ in range(reps):
@@ -244,12 +250,16 @@ def measure_vendor(
                 planes = 1 if layout == "MLA" else 2
                 for dname, direction in (("gather", Direction.D2H), ("scatter", Direction.H2D)):
                     req = TransferRequest(
-                        fmt=_FORMATS[layout], direction=int(direction), block_ids=ids,
-                        chunk_size=shape.chunk_blocks * shape.bs, shape=desc,
+                        fmt=_FORMATS[layout],
+                        direction=int(direction),
+                        block_ids=ids,
+                        chunk_size=shape.chunk_blocks * shape.bs,
+                        shape=desc,
                     )
 
                     def ours(
-                        req: TransferRequest = req, paged: Any = paged,
+                        req: TransferRequest = req,
+                        paged: Any = paged,
                         objects: list[torch.Tensor] = objects,
                     ) -> None:
                         # As the kvactors_mlu/_musa LMCache op calls it: enqueue-return; the
@@ -285,25 +295,55 @@ def measure_vendor(
                                 rt.fence(ids)
                         mod.synchronize()
                         counts[name] = ops.counts.as_dict()
-                    times = _time(fns, mod.synchronize, reps) if reps > 0 else {
-                        k: (float("nan"), float("nan")) for k in fns
-                    }
+                    times = (
+                        _time(fns, mod.synchronize, reps)
+                        if reps > 0
+                        else {k: (float("nan"), float("nan")) for k in fns}
+                    )
                     for name in ("kvactors", "lmcache"):
                         if name not in fns:
-                            rows.append(VendorRow(kind, layout, dname, name, shape.chunks,
-                                                  planes, None, None, None, note))
+                            rows.append(
+                                VendorRow(
+                                    kind,
+                                    layout,
+                                    dname,
+                                    name,
+                                    shape.chunks,
+                                    planes,
+                                    None,
+                                    None,
+                                    None,
+                                    note,
+                                )
+                            )
                             continue
                         viol: tuple[str, ...] = ()
                         if name == "kvactors":
-                            viol = tuple(budget_violations(
-                                counts[name], chunks=shape.chunks, planes=planes,
-                                gather=dname == "gather", contiguous=True,
-                                background_syncs=BACKGROUND_SYNCS,
-                            ))
-                        rows.append(VendorRow(
-                            kind, layout, dname, name, shape.chunks, planes, counts[name],
-                            times[name][0], times[name][1], "", viol,
-                        ))
+                            viol = tuple(
+                                budget_violations(
+                                    counts[name],
+                                    chunks=shape.chunks,
+                                    planes=planes,
+                                    gather=dname == "gather",
+                                    contiguous=True,
+                                    background_syncs=BACKGROUND_SYNCS,
+                                )
+                            )
+                        rows.append(
+                            VendorRow(
+                                kind,
+                                layout,
+                                dname,
+                                name,
+                                shape.chunks,
+                                planes,
+                                counts[name],
+                                times[name][0],
+                                times[name][1],
+                                "",
+                                viol,
+                            )
+                        )
     return rows
 
 
@@ -313,12 +353,27 @@ def run_vendor_bench(
     """Run :func:`measure_vendor` for each kind in its own interpreter; gather the rows."""
     rows: list[VendorRow] = []
     for kind in kinds:
-        env = {**os.environ, "KVACTORS_FAKE_VENDOR": kind, "OMP_NUM_THREADS": "1",
-               "LMCACHE_TRACK_USAGE": "false"}
+        env = {
+            **os.environ,
+            "KVACTORS_FAKE_VENDOR": kind,
+            "OMP_NUM_THREADS": "1",
+            "LMCACHE_TRACK_USAGE": "false",
+        }
         proc = subprocess.run(
-            [sys.executable, "-m", "kvactors.cli.bench.vendor", "--kind", kind,
-             "--reps", str(reps)],
-            env=env, capture_output=True, text=True, timeout=timeout, check=False,
+            [
+                sys.executable,
+                "-m",
+                "kvactors.cli.bench.vendor",
+                "--kind",
+                kind,
+                "--reps",
+                str(reps),
+            ],
+            env=env,
+            capture_output=True,
+            text=True,
+            timeout=timeout,
+            check=False,
         )
         lines = [ln for ln in proc.stdout.splitlines() if ln.startswith("[")]
         if proc.returncode != 0 or not lines:
@@ -335,14 +390,15 @@ def run_vendor_bench(
 def _fmt_counts(c: dict[str, int] | None) -> str:
     if c is None:
         return "-"
-    return (f"{c['launches']}L {c['h2d']}/{c['d2h']}/{c['d2d']} {c['syncs']}S "
-            f"{c['allocations']}A")
+    return f"{c['launches']}L {c['h2d']}/{c['d2h']}/{c['d2d']} {c['syncs']}S {c['allocations']}A"
 
 
 def format_vendor_table(rows: Sequence[VendorRow]) -> str:
     """A plain-text side-by-side table (kvactors | LMCache's own backend)."""
-    head = (f"{'vendor':6} {'layout':9} {'dir':8} | {'kvactors ops':18} {'ret us':>8} "
-            f"{'done us':>8} | {'lmcache ops':18} {'ret us':>8} {'done us':>8} | budget")
+    head = (
+        f"{'vendor':6} {'layout':9} {'dir':8} | {'kvactors ops':18} {'ret us':>8} "
+        f"{'done us':>8} | {'lmcache ops':18} {'ret us':>8} {'done us':>8} | budget"
+    )
     lines = [head, "-" * len(head)]
     by = {(r.vendor, r.layout, r.direction, r.contender): r for r in rows}
     seen: list[tuple[str, str, str]] = []
@@ -358,12 +414,16 @@ def format_vendor_table(rows: Sequence[VendorRow]) -> str:
                 return f"{'-':18} {'-':>8} {'-':>8}"
             return f"{_fmt_counts(r.counts):18} {r.host_us or 0:8.0f} {r.complete_us or 0:8.0f}"
 
-        budget = "ok" if k is not None and not k.violations else "; ".join(
-            k.violations if k is not None else ("-",)
+        budget = (
+            "ok"
+            if k is not None and not k.violations
+            else "; ".join(k.violations if k is not None else ("-",))
         )
         lines.append(f"{key[0]:6} {key[1]:9} {key[2]:8} | {cell(k)} | {cell(lm)} | {budget}")
-    lines.append("ops: <L>aunches <h2d>/<d2h>/<d2d> copies <S>yncs <A>llocations, per call; "
-                 "ret: host time to return, done: to completion (fake devices)")
+    lines.append(
+        "ops: <L>aunches <h2d>/<d2h>/<d2d> copies <S>yncs <A>llocations, per call; "
+        "ret: host time to return, done: to completion (fake devices)"
+    )
     return "\n".join(lines)
 
 

@@ -106,26 +106,37 @@ class MluBackend(TorchLikeBackend):
             pkg = importlib.import_module("torch_mlu")
         except Exception as exc:
             return Probe(
-                backend="mlu", available=False,
+                backend="mlu",
+                available=False,
                 reason=f"torch_mlu is not importable ({type(exc).__name__}: {exc})",
             )
         try:
             mod = getattr(torch, "mlu", None)
             if mod is None:
-                return Probe(backend="mlu", available=False,
-                             reason="torch_mlu imported but torch.mlu is missing")
+                return Probe(
+                    backend="mlu",
+                    available=False,
+                    reason="torch_mlu imported but torch.mlu is missing",
+                )
             count = int(mod.device_count()) if mod.is_available() else 0
         except Exception as exc:
-            return Probe(backend="mlu", available=False,
-                         reason=f"torch.mlu probe failed ({type(exc).__name__}: {exc})")
-        details = {"torch_mlu": str(getattr(pkg, "__version__", "unknown")),
-                   "device_count": str(count)}
+            return Probe(
+                backend="mlu",
+                available=False,
+                reason=f"torch.mlu probe failed ({type(exc).__name__}: {exc})",
+            )
+        details = {
+            "torch_mlu": str(getattr(pkg, "__version__", "unknown")),
+            "device_count": str(count),
+        }
         details.update({k: os.environ[k] for k in _VISIBILITY_ENV if k in os.environ})
         if count == 0:
             return Probe(
-                backend="mlu", available=False, details=details,
+                backend="mlu",
+                available=False,
+                details=details,
                 reason="torch_mlu is installed but no MLU device is visible "
-                       "(check CN_VISIBLE_DEVICES / MLU_VISIBLE_DEVICES)",
+                "(check CN_VISIBLE_DEVICES / MLU_VISIBLE_DEVICES)",
             )
         return Probe(backend="mlu", available=True, details=details)
 
@@ -201,8 +212,12 @@ class MluBackend(TorchLikeBackend):
         )
         if (fmt, shape, chunk) != (request.fmt, request.shape, request.chunk_size):
             request = TransferRequest(
-                fmt=int(fmt), direction=request.direction, block_ids=request.block_ids,
-                chunk_size=chunk, skip_blocks=request.skip_blocks, shape=shape,
+                fmt=int(fmt),
+                direction=request.direction,
+                block_ids=request.block_ids,
+                chunk_size=chunk,
+                skip_blocks=request.skip_blocks,
+                shape=shape,
             )
         return request, layers, objs
 

@@ -102,7 +102,8 @@ def unwrap_layer(value: object, layer: int) -> object:
     if not value or not all(isinstance(x, torch.Tensor) for x in value):
         raise OperandTypeError(
             f"MLU layer {layer}: a vLLM-MLU layer entry must be [cache, scale, index_cache] "
-            "tensors", field="paged",
+            "tensors",
+            field="paged",
         )
     cache, *rest = value
     for name, extra in zip(("scale", "index_cache"), rest, strict=False):
@@ -110,7 +111,8 @@ def unwrap_layer(value: object, layer: int) -> object:
             raise TransferValidationError(
                 f"MLU layer {layer}: non-empty {name} {tuple(extra.shape)}; kvactors moves the "
                 f"KV cache only, so the {name} would be lost (int8 KV scales and the DeepSeek "
-                "indexer cache are not supported)", field="paged",
+                "indexer cache are not supported)",
+                field="paged",
             )
     if len(rest) > 2:
         raise OperandTypeError(
@@ -159,7 +161,8 @@ def normalize_mlu_transfer(
             "the shapes cannot tell the two apart. Declare where the format came from: "
             f"{LAYOUT_SOURCE_ENV}=legacy (LMCache 0.5.6 with vLLM-MLU: the memory is HND) or "
             f"{LAYOUT_SOURCE_ENV}=resolved (the engine resolved NHD explicitly), or "
-            "MluBackend(layout_source=...)", field="fmt",
+            "MluBackend(layout_source=...)",
+            field="fmt",
         )
     if source == "resolved":
         return f, shape, chunk_size, layers, objects
@@ -179,7 +182,8 @@ def _legacy_as_hnd(
     if (shape.bs, shape.nh) != (nh, bs):
         raise TransferValidationError(
             f"legacy MLU request: descriptor bs={shape.bs}, nh={shape.nh} matches neither "
-            f"reading of the cache {tuple(first.shape)} (HND: bs={bs}, nh={nh})", field="shape",
+            f"reading of the cache {tuple(first.shape)} (HND: bs={bs}, nh={nh})",
+            field="shape",
         )
     if shape.bs <= 0 or chunk_size % shape.bs:
         raise TransferValidationError(
@@ -189,8 +193,14 @@ def _legacy_as_hnd(
     per_chunk = chunk_size // shape.bs
     new_chunk = per_chunk * bs
     new_shape = ShapeDesc(
-        kv_size=shape.kv_size, nl=shape.nl, nb=shape.nb, bs=bs, nh=nh, hs=shape.hs,
-        element_size=shape.element_size, block_stride_elems=shape.block_stride_elems,
+        kv_size=shape.kv_size,
+        nl=shape.nl,
+        nb=shape.nb,
+        bs=bs,
+        nh=nh,
+        hs=shape.hs,
+        element_size=shape.element_size,
+        block_stride_elems=shape.block_stride_elems,
         dtype=shape.dtype,
     )
     old_obj = (2, shape.nl, chunk_size, shape.nh * shape.hs)

@@ -98,8 +98,9 @@ class MusaIPCOwner:
             try:
                 self._owner.close()
             except Exception as exc:
-                raise IPCError(f"closing MUSA IPC owner failed: {exc}",
-                               handle=self.handle.name) from exc
+                raise IPCError(
+                    f"closing MUSA IPC owner failed: {exc}", handle=self.handle.name
+                ) from exc
 
 
 @final
@@ -159,14 +160,20 @@ class MusaBackend(TorchLikeBackend):
         try:
             mod = self._load_module()
         except Exception as exc:
-            return Probe(backend="musa", available=False,
-                         reason=f"torch_musa is not importable ({type(exc).__name__}: {exc})")
+            return Probe(
+                backend="musa",
+                available=False,
+                reason=f"torch_musa is not importable ({type(exc).__name__}: {exc})",
+            )
         try:
             count = int(mod.device_count()) if mod.is_available() else 0  # type: ignore[attr-defined]
             caps = probe_capabilities(mod, self._env)
         except Exception as exc:
-            return Probe(backend="musa", available=False,
-                         reason=f"torch.musa probe failed ({type(exc).__name__}: {exc})")
+            return Probe(
+                backend="musa",
+                available=False,
+                reason=f"torch.musa probe failed ({type(exc).__name__}: {exc})",
+            )
         details = {
             "torch_musa": str(getattr(mod, "__version__", "unknown")),
             "device_count": str(count),
@@ -177,9 +184,13 @@ class MusaBackend(TorchLikeBackend):
         if "MUSA_VISIBLE_DEVICES" in os.environ:
             details["MUSA_VISIBLE_DEVICES"] = os.environ["MUSA_VISIBLE_DEVICES"]
         if count == 0:
-            return Probe(backend="musa", available=False, details=details,
-                         reason="torch_musa is installed but no MUSA device is visible "
-                                "(check MUSA_VISIBLE_DEVICES)")
+            return Probe(
+                backend="musa",
+                available=False,
+                details=details,
+                reason="torch_musa is installed but no MUSA device is visible "
+                "(check MUSA_VISIBLE_DEVICES)",
+            )
         return Probe(backend="musa", available=True, details=details)
 
     # ---- capabilities -----------------------------------------------------------------
@@ -213,8 +224,15 @@ class MusaBackend(TorchLikeBackend):
     ) -> torch.Tensor:
         """A validated, non-owning view of MUSA memory at ``ptr`` (this process only)."""
         return view_from_pointer(
-            ptr, shape, dtype, self.device(index), backend="musa", stride=stride,
-            storage_offset=storage_offset, nbytes=nbytes, constructor=self._constructor(),
+            ptr,
+            shape,
+            dtype,
+            self.device(index),
+            backend="musa",
+            stride=stride,
+            storage_offset=storage_offset,
+            nbytes=nbytes,
+            constructor=self._constructor(),
         )
 
     def _ipc_module(self) -> Any:
@@ -233,10 +251,14 @@ class MusaBackend(TorchLikeBackend):
         with device_errors(str(t.device), "ipc_export"):
             vendor_handle = ipc.export_tensor(t)
         return IPCHandle(
-            backend="musa", name=f"musa-ipc-{id(vendor_handle):x}",
-            dtype=str(t.dtype).removeprefix("torch."), shape=tuple(t.shape),
-            stride=tuple(t.stride()), storage_offset=int(t.storage_offset()),
-            nbytes=t.numel() * t.element_size(), device_index=int(t.device.index or 0),
+            backend="musa",
+            name=f"musa-ipc-{id(vendor_handle):x}",
+            dtype=str(t.dtype).removeprefix("torch."),
+            shape=tuple(t.shape),
+            stride=tuple(t.stride()),
+            storage_offset=int(t.storage_offset()),
+            nbytes=t.numel() * t.element_size(),
+            device_index=int(t.device.index or 0),
             extra={_HANDLE_KEY: json.dumps(vendor_handle.to_dict())},
         )
 
@@ -244,8 +266,9 @@ class MusaBackend(TorchLikeBackend):
         """Open an exported handle; fails closed if its metadata disagrees with the view."""
         ipc = self._ipc_module()
         if handle.backend != "musa" or _HANDLE_KEY not in handle.extra:
-            raise IPCError(f"not a MUSA IPC handle (backend {handle.backend!r})",
-                           handle=handle.name)
+            raise IPCError(
+                f"not a MUSA IPC handle (backend {handle.backend!r})", handle=handle.name
+            )
         try:
             vendor_handle = ipc.MUSAIPCTensorHandle.from_dict(json.loads(handle.extra[_HANDLE_KEY]))
             owner = MusaIPCOwner(ipc.open_tensor(vendor_handle), handle)

@@ -75,8 +75,10 @@ def exact_dtype(element_size: int, dtype: str | torch.dtype | None) -> torch.dty
             dtype name, or a dtype whose size disagrees with ``element_size``.
     """
     if dtype is not None:
-        dt = dtype if isinstance(dtype, torch.dtype) else getattr(
-            torch, str(dtype).removeprefix("torch."), None
+        dt = (
+            dtype
+            if isinstance(dtype, torch.dtype)
+            else getattr(torch, str(dtype).removeprefix("torch."), None)
         )
         if not isinstance(dt, torch.dtype):
             raise TransferValidationError(f"unknown dtype {dtype!r}", field="dtype")
@@ -90,7 +92,8 @@ def exact_dtype(element_size: int, dtype: str | torch.dtype | None) -> torch.dty
         return _BY_SIZE[element_size]
     raise TransferValidationError(
         f"element_size {element_size} without an exact shape_desc.dtype is ambiguous "
-        "(float16 or bfloat16?); pass the exact shape_desc.dtype", field="dtype",
+        "(float16 or bfloat16?); pass the exact shape_desc.dtype",
+        field="dtype",
     )
 
 
@@ -119,8 +122,14 @@ def check_pointer_tensor(ptrs: object, fmt: int, nl: int) -> tuple[int, ...]:
         TransferValidationError: wrong count (NL, or 2*NL for K/V lists) or a null pointer.
     """
     f = check_format(fmt)
-    if not isinstance(ptrs, torch.Tensor) or ptrs.dim() != 1 or ptrs.dtype not in (
-        torch.int64, torch.uint64,
+    if (
+        not isinstance(ptrs, torch.Tensor)
+        or ptrs.dim() != 1
+        or ptrs.dtype
+        not in (
+            torch.int64,
+            torch.uint64,
+        )
     ):
         raise OperandTypeError("pointer operand must be a 1-D int64/uint64 tensor", field="ptrs")
     want = 2 * nl if f is KVFormat.TWO_X_NL_X_NB_BS_NH_HS else nl
@@ -212,6 +221,8 @@ def probe_capabilities(module: object, env: Mapping[str, str]) -> MusaCapabiliti
     if not opt_in:
         problems.append(f"{HANDLE_TRANSFER_ENV} is not set (handle mode is opt-in)")
     return MusaCapabilities(
-        memory_ipc=not mem, event_ipc=not ev, handle_opt_in=opt_in,
+        memory_ipc=not mem,
+        event_ipc=not ev,
+        handle_opt_in=opt_in,
         problems=tuple(problems),
     )
