@@ -107,9 +107,9 @@ def test_the_adapter_s_errors_keep_their_builtin_compatibility(make: str, builti
     calls = {
         "stream_ptr": lambda: ops.KvactorsDeviceOps.record_completion_on_stream(
             object.__new__(ops.KvactorsDeviceOps),
-            "0",
+            "0",  # type: ignore[arg-type]
             "k",
-            b"",  # type: ignore[arg-type]
+            b"",
         ),
         "alignments": lambda: ops.KvactorsDeviceOps.lmcache_memcpy_async(
             object.__new__(ops.KvactorsDeviceOps), 1, 2, 8, 0, 0, 3

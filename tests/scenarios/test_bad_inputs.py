@@ -264,8 +264,8 @@ ROWS: tuple[Row, ...] = (
         "block-id-not-int",
         OperandTypeError,
         "block_ids must hold ints",
-        lambda e: e.transfer(request(D2H, [1.0, 2])),
-    ),  # type: ignore[list-item]
+        lambda e: e.transfer(request(D2H, [1.0, 2])),  # type: ignore[list-item]
+    ),
     Row(
         "duplicate-ids-on-scatter",
         TransferValidationError,

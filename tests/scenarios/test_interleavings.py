@@ -197,8 +197,8 @@ class Interpreter:
         want = self.launched
         ok = await asyncio.to_thread(
             self.backend.wait_for,
-            lambda b: b.queried >= want or b.in_sync > 0,
-            10.0,  # type: ignore[attr-defined]
+            lambda b: b.queried >= want or b.in_sync > 0,  # type: ignore[attr-defined]
+            10.0,
         )
         assert ok, "a launch never reached the device"
 
