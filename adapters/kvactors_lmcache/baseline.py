@@ -1,9 +1,10 @@
-"""LMCache's own torch transfer path as a benchmark baseline for ``kvactors bench``.
+"""LMCache's own transfer paths as benchmark baselines for ``kvactors bench``.
 
 kvactors never imports lmcache; its benchmarks find baselines through the entry-point group
-``kvactors.baselines``. This one runs LMCache's
-``lmcache.v1.platform.torch_ops.multi_layer_block_kv_transfer`` (the path MLU/MUSA users run
-today) on exactly the operands kvactors moves.
+``kvactors.baselines``. Each entry point returns a zero-argument callable making one
+``multi_layer_block_kv_transfer`` call with LMCache's own argument types on exactly the
+operands kvactors moves: LMCache's torch path (what MLU/MUSA users without kvactors run),
+LMCache's own MLU and MUSA ops (on the fake vendors), and the ``kvactors_cpu`` plugin's op.
 """
 
 from __future__ import annotations
@@ -17,33 +18,46 @@ if TYPE_CHECKING:
 
     from kvactors.plans import TransferRequest
 
-__all__ = ("lmcache_mlu_ops", "lmcache_musa_ops", "lmcache_torch_transfer")
+__all__ = ("kvactors_op_transfer", "lmcache_mlu_ops", "lmcache_musa_ops", "lmcache_torch_transfer")
+
+_OPS: list[Any] = []
+
+
+def _call(
+    op: Callable[..., None],
+    request: TransferRequest,
+    paged: Any,
+    objects: Sequence[torch.Tensor],
+    device: torch.device | None = None,
+) -> Callable[[], None]:
+    # The arguments LMCache's engine-driven context passes, built once; the callable makes
+    # the call only (the figure is the op's cost, not the argument conversion).
+    import torch
+    from lmcache import lmcache_native as native
+
+    sd = native.PageBufferShapeDesc()
+    for f in ("kv_size", "nl", "nb", "bs", "nh", "hs", "element_size", "block_stride_elems"):
+        setattr(sd, f, getattr(request.shape, f))
+    sd.dtype = objects[0].dtype
+    fmt = native.EngineKVFormat(int(request.fmt))
+    direction = native.TransferDirection(int(request.direction))
+    ids, objs = list(request.block_ids), list(objects)
+    dev = torch.device("cpu") if device is None else device
+    chunk, skip = request.chunk_size, request.skip_blocks
+
+    def run() -> None:
+        op(paged, objs, ids, dev, direction, sd, chunk, fmt, skip)
+
+    return run
 
 
 def lmcache_torch_transfer(
     request: TransferRequest, paged: Any, objects: Sequence[torch.Tensor]
 ) -> Callable[[], None]:
     """A zero-argument callable running LMCache's torch path for ``request`` on the operands."""
-    import torch
-    from lmcache import lmcache_native as native
     from lmcache.v1.platform.torch_ops import multi_layer_block_kv_transfer
 
-    shape = request.shape
-    sd = native.PageBufferShapeDesc()
-    for f in ("kv_size", "nl", "nb", "bs", "nh", "hs", "element_size", "block_stride_elems"):
-        setattr(sd, f, getattr(shape, f))
-    sd.dtype = objects[0].dtype
-    fmt = native.EngineKVFormat(int(request.fmt))
-    direction = native.TransferDirection(int(request.direction))
-    ids, cpu = list(request.block_ids), torch.device("cpu")
-    objs = list(objects)
-
-    def run() -> None:
-        multi_layer_block_kv_transfer(
-            paged, objs, ids, cpu, direction, sd, request.chunk_size, fmt, request.skip_blocks
-        )
-
-    return run
+    return _call(multi_layer_block_kv_transfer, request, paged, objects)
 
 
 def _vendor_ops_transfer(
@@ -56,8 +70,6 @@ def _vendor_ops_transfer(
 ) -> Callable[[], None]:
     import importlib
 
-    from lmcache import lmcache_native as native
-
     from kvactors.errors import MissingDependencyError
 
     try:
@@ -68,21 +80,7 @@ def _vendor_ops_transfer(
         raise MissingDependencyError(
             f"lmcache {getattr(lmcache, '__version__', '?')} has no {cls}", package="lmcache"
         ) from exc
-    shape = request.shape
-    sd = native.PageBufferShapeDesc()
-    for f in ("kv_size", "nl", "nb", "bs", "nh", "hs", "element_size", "block_stride_elems"):
-        setattr(sd, f, getattr(shape, f))
-    sd.dtype = objects[0].dtype
-    fmt = native.EngineKVFormat(int(request.fmt))
-    direction = native.TransferDirection(int(request.direction))
-    ids, objs = list(request.block_ids), list(objects)
-
-    def run() -> None:
-        ops.multi_layer_block_kv_transfer(
-            paged, objs, ids, device, direction, sd, request.chunk_size, fmt, request.skip_blocks
-        )
-
-    return run
+    return _call(ops.multi_layer_block_kv_transfer, request, paged, objects, device)
 
 
 def lmcache_mlu_ops(
@@ -90,13 +88,9 @@ def lmcache_mlu_ops(
 ) -> Callable[[], None]:
     """LMCache's own ``MluDeviceOps`` (lmcache >= 0.5.7) on the operands; ImportError if absent."""
     return _vendor_ops_transfer(
-        "lmcache.v1.platform.devices.mlu.device_ops",
-        "MluDeviceOps",
-        request,
-        paged,
-        objects,
+        "lmcache.v1.platform.devices.mlu.device_ops", "MluDeviceOps", request, paged, objects,
         device,
-    )
+    )  # fmt: skip
 
 
 def lmcache_musa_ops(
@@ -104,16 +98,9 @@ def lmcache_musa_ops(
 ) -> Callable[[], None]:
     """LMCache's built-in ``MusaDeviceOps`` on the operands (the caller's current stream)."""
     return _vendor_ops_transfer(
-        "lmcache.v1.platform.devices.musa.device_ops",
-        "MusaDeviceOps",
-        request,
-        paged,
-        objects,
+        "lmcache.v1.platform.devices.musa.device_ops", "MusaDeviceOps", request, paged, objects,
         device,
-    )
-
-
-_OPS: list[Any] = []
+    )  # fmt: skip
 
 
 def kvactors_op_transfer(
@@ -124,27 +111,8 @@ def kvactors_op_transfer(
 
     One ops instance per process, shared by every caller, as LMCache shares its resolved ops.
     """
-    import torch
-    from lmcache import lmcache_native as native
-
     from kvactors_lmcache.ops import KvactorsCpuOps
 
     if not _OPS:
         _OPS.append(KvactorsCpuOps())
-    ops = _OPS[0]
-    shape = request.shape
-    sd = native.PageBufferShapeDesc()
-    for f in ("kv_size", "nl", "nb", "bs", "nh", "hs", "element_size", "block_stride_elems"):
-        setattr(sd, f, getattr(shape, f))
-    sd.dtype = objects[0].dtype
-    fmt = native.EngineKVFormat(int(request.fmt))
-    direction = native.TransferDirection(int(request.direction))
-    ids, cpu = list(request.block_ids), torch.device("cpu")
-    objs = list(objects)
-
-    def run() -> None:
-        ops.multi_layer_block_kv_transfer(
-            paged, objs, ids, cpu, direction, sd, request.chunk_size, fmt, request.skip_blocks
-        )
-
-    return run
+    return _call(_OPS[0].multi_layer_block_kv_transfer, request, paged, objects)
