@@ -176,9 +176,16 @@ def samples(stats: DeviceStatistics) -> list[Sample]:
         Sample(
             "kvactors_plans_validated_total",
             "counter",
-            "Transfers validated in full (the rest reused a validated plan)",
+            "Transfers validated (the rest reused a validated plan)",
             dev,
             float(stats.plans_validated),
+        ),
+        Sample(
+            "kvactors_plans_rebound_total",
+            "counter",
+            "Transfers whose new block ids alone were validated (operands matched a plan)",
+            dev,
+            float(stats.plans_rebound),
         ),
         Sample(
             "kvactors_native_transfers_total",

@@ -1,33 +1,41 @@
 """Validated plans, reused while their operands have not changed (pure, thread-safe).
 
 Theory of operation. :func:`~kvactors.plans.plan_transfer` reads metadata only, so its answer
-is a function of the request and of every operand's metadata: its storage (base address and
-offset), data pointer, shape, stride, dtype and device, plus the operand structure (a list of
-layers, ``[[K...], [V...]]``, one tensor). :class:`PlanCache` keys a validated plan by the
-encoded request, the operand structure and every tensor's data pointer (cheap to hash), and
-keeps with it the rest of every tensor's metadata (storage offset, shape, stride, dtype,
-device: compared, never hashed) and its version counter (``t._version``, bumped by every
-in-place write, ``set_``, ``resize_`` and in-place view op such as ``transpose_``). A lookup
-recomputes all of it from the operands it is given and reuses the plan only when every fact
-is equal, so a stale plan cannot be used: any change of any of those facts re-validates. All
-of one tensor's facts are read in one pass (its metadata is touched once per call). Failed
-validations are never cached (every bad call raises afresh).
+is a function of the request and of every operand's metadata: its data pointer, storage
+offset, shape, stride, dtype and device, plus the operand structure (a list of layers,
+``[[K...], [V...]]``, one tensor). :class:`PlanCache` keys a validated plan by all of it,
+encoded into one ``bytes`` key (the request as msgpack, so ``True`` or ``1.0`` never pass
+for ``1``; dtypes and devices as small codes), and keeps with it every tensor's version
+counter (``t._version``, bumped by every in-place write, ``set_``, ``resize_`` and in-place
+view op such as ``transpose_``). A lookup recomputes the key and the versions from the
+operands it is given and reuses the plan only when both are equal, so a stale plan cannot be
+used: any change of any of those facts re-validates. All of one tensor's facts are read in
+one pass, and the comparison is one dictionary lookup and one ``bytes`` comparison: after a
+copy evicted the CPU caches, every stored Python object a comparison touched would cost a
+miss. Failed validations are never cached (every bad call raises afresh).
+
+New block ids on the same operands (the common case of LMCache traffic: other blocks of the
+same KV cache into the same chunk buffers) re-validate only the ids: plans sharing
+everything but the ids share a *geometry* (their key without the ids, and the versions), and
+a lookup whose key misses but whose geometry matches rebinds the geometry's last fully
+validated plan to the new ids (:func:`~kvactors.plans.rebind_block_ids`: exact ints, in
+range, no repeat among an H2D transfer's copied positions; anything else validates in full
+and raises as ``plan_transfer`` does).
 
 The version counters also move when kvactors itself writes an operand (a gather writes the
 chunks, a scatter the paged memory). After a transfer ran, :meth:`PlanCache.settle` re-reads
-the versions of the side the transfer wrote and stores them with the entry, so the next
+the versions of the side the transfer wrote and stores them with the geometry, so the next
 identical call hits (the other side keeps the versions the lookup saw: a write by anybody else
-meanwhile re-validates). Only versions are re-read: the rest of the facts is what was
-validated, so the entry can only ever match operands whose metadata is exactly the validated
-metadata.
+meanwhile re-validates). Inference tensors have no version counter; their versions are ``-1``
+and every other fact is still compared.
 
-The cache is bounded (least recently used entries go first) and takes a lock only around the
-dictionary, never around validation.
+The cache is bounded (the plans validated longest ago go first: a hit reorders nothing, so it
+takes no lock and writes nothing but a counter); misses take a lock around the dictionaries,
+never around validation.
 """
 
 from __future__ import annotations
 
-import collections
 import threading
 from typing import TYPE_CHECKING, Any
 
@@ -36,7 +44,7 @@ import torch
 
 from kvactors.errors import InvalidSettingError
 from kvactors.layouts import Direction
-from kvactors.plans import TransferRequest, plan_transfer
+from kvactors.plans import TransferRequest, plan_transfer, rebind_block_ids
 
 if TYPE_CHECKING:
     from kvactors.plans import TransferPlan
@@ -47,45 +55,95 @@ _Tensor = torch.Tensor
 _encode = msgspec.msgpack.Encoder().encode
 
 
-class _Entry:
-    __slots__ = ("facts", "memo", "plan")
+class _Geometry:
+    """What plans differing only in their block ids share: the operands' versions, and the
+    latest plan validated in full (rebound for new ids)."""
 
-    def __init__(self, plan: TransferPlan, facts: list[tuple[Any, ...]]) -> None:
+    __slots__ = ("entries", "template", "versions")
+
+    def __init__(self, plan: TransferPlan, versions: bytes) -> None:
+        self.versions = versions  # the encoded version counters, one per tensor
+        self.template = plan
+        self.entries = 0  # plans of this geometry in the cache
+
+
+class _Entry:
+    __slots__ = ("geo_key", "geometry", "memo", "plan", "written")
+
+    def __init__(
+        self, plan: TransferPlan, geometry: _Geometry, geo_key: bytes, written: range
+    ) -> None:
         self.plan = plan
-        self.facts = facts  # per tensor: _facts' row, the version counter last
+        self.geometry = geometry
+        self.geo_key = geo_key
+        self.written = written  # the tensors the transfer writes, as indices
         self.memo: dict[Any, Any] = {}
 
 
 class PlanTicket:
     """What a lookup saw (held for one call only): its key, the operand tensors and their
-    facts, so that :meth:`PlanCache.settle` can re-read the version counters of the side the
-    transfer wrote, and the plan's kernel memo (index tensors and view geometry kept with the
-    plan, see ``run_fast``)."""
+    version counters, so that :meth:`PlanCache.settle` can re-read the versions of the side
+    the transfer wrote, and the plan's kernel memo (index tensors and view geometry kept with
+    the plan, see ``run_fast``)."""
 
-    __slots__ = ("entry", "facts", "key", "memo", "paged", "tensors")
+    __slots__ = ("entry", "key", "memo", "meta", "paged", "structure", "tensors", "versions")
 
     def __init__(
         self,
-        key: tuple[Any, ...],
+        key: bytes,
+        structure: list[Any],
+        meta: list[tuple[Any, ...]],
         tensors: list[torch.Tensor],
-        facts: list[tuple[Any, ...]],
+        versions: list[int],
         paged: int,
     ) -> None:
         self.key = key
+        self.structure = structure
+        self.meta = meta
         self.tensors = tensors
-        self.facts = facts
+        self.versions = versions
         self.paged = paged  # the first ``paged`` tensors are the paged ones
         self.entry: _Entry | None = None
         self.memo: dict[Any, Any] = {}
 
+    @property
+    def inference(self) -> bool:
+        """Whether an operand is an inference tensor (it has no version counter)."""
+        return -1 in self.versions
+
 
 _T = "t"  # a tensor's place in the structure
+_TS = "*"  # a sequence of nothing but tensors (its length is before it)
+_TENSOR_TYPES: set[type] = {_Tensor}  # tensor classes seen in operand lists (grows by subclasses met)
+
+
+class _Codes(dict[Any, int]):
+    """dtype or device -> its code in keys; a value met first gets the next code (under a
+    lock: two threads must never give two values one code). Codes are never reused."""
+
+    def __init__(self) -> None:
+        super().__init__()
+        self._lock = threading.Lock()
+
+    def __missing__(self, value: Any) -> int:
+        with self._lock:
+            return self.setdefault(value, len(self))
+
+
+_CODES = _Codes()
+
+
+def _tensor_types(kinds: set[type]) -> bool:
+    if all(issubclass(k, _Tensor) for k in kinds):
+        _TENSOR_TYPES.update(kinds)
+        return True
+    return False
 
 
 def _flatten(value: object, depth: int, structure: list[Any], tensors: list[torch.Tensor]) -> bool:
-    """Append ``value``'s structure (list/tuple markers and lengths, ``_T`` per tensor) and
-    its tensors in order; ``False`` for anything but a tensor or a nested (at most 3 deep)
-    list or tuple of tensors."""
+    """Append ``value``'s structure (list/tuple markers and lengths, ``_T`` per tensor or
+    ``_TS`` for a sequence of tensors only) and its tensors in order; ``False`` for anything
+    but a tensor or a nested (at most 3 deep) list or tuple of tensors."""
     if isinstance(value, _Tensor):
         structure.append(_T)
         tensors.append(value)
@@ -94,6 +152,12 @@ def _flatten(value: object, depth: int, structure: list[Any], tensors: list[torc
         return False
     structure.append("[" if isinstance(value, list) else "(")
     structure.append(len(value))
+    # Per distinct element type, not per element: 64 layers of one tensor type are one check.
+    kinds = set(map(type, value))
+    if kinds <= _TENSOR_TYPES or _tensor_types(kinds):
+        structure.append(_TS)
+        tensors.extend(value)
+        return True
     for v in value:  # one frame per list, not per tensor
         if isinstance(v, _Tensor):
             structure.append(_T)
@@ -103,13 +167,36 @@ def _flatten(value: object, depth: int, structure: list[Any], tensors: list[torc
     return True
 
 
-def _facts(tensors: list[torch.Tensor]) -> list[tuple[Any, ...]]:
+def _meta(tensors: list[torch.Tensor]) -> list[tuple[Any, ...]]:
     """Per tensor, in ONE pass (each tensor's metadata is read while it is in cache): data
-    pointer, storage offset, shape, stride, dtype, device and, last, the version counter."""
+    pointer, storage offset, shape, stride, and the codes of its dtype and device."""
+    codes = _CODES
     return [
-        (t.data_ptr(), t.storage_offset(), t.shape, t.stride(), t.dtype, t.device, t._version)
+        (t.data_ptr(), t.storage_offset(), t.shape, t.stride(), codes[t.dtype], codes[t.device])
         for t in tensors
     ]
+
+
+def _versions(tensors: list[torch.Tensor] | Any) -> list[int]:
+    """Per tensor, its version counter; ``-1`` for an inference tensor, which has none."""
+    try:
+        return [t._version for t in tensors]
+    except RuntimeError:  # an inference tensor in the list
+        return [-1 if t.is_inference() else t._version for t in tensors]
+
+
+def _geo_key(ticket: PlanTicket, request: TransferRequest) -> bytes:
+    """The key without the block ids (their count stays): the operands' geometry, shared by
+    plans of other ids (a miss path only)."""
+    without_ids = (
+        request.fmt,
+        request.direction,
+        len(request.block_ids),
+        request.chunk_size,
+        request.skip_blocks,
+        request.shape,
+    )
+    return _encode((ticket.structure, without_ids, ticket.meta))
 
 
 class PlanCache:
@@ -118,7 +205,7 @@ class PlanCache:
     Args:
         device_type: The device type the runtime serves (passed to ``plan_transfer``).
         device_index: Its index.
-        capacity: Most plans kept (least recently used go first).
+        capacity: Most plans kept (those validated longest ago go first).
     """
 
     def __init__(self, device_type: str, device_index: int | None, capacity: int = 256) -> None:
@@ -129,10 +216,12 @@ class PlanCache:
         self.device_type = device_type
         self.device_index = device_index
         self.capacity = capacity
-        self._plans: collections.OrderedDict[Any, _Entry] = collections.OrderedDict()
+        self._plans: dict[bytes, _Entry] = {}  # oldest first
+        self._geometries: dict[bytes, _Geometry] = {}
         self._lock = threading.Lock()
         self.hits = 0
         self.misses = 0
+        self.rebinds = 0
 
     def __len__(self) -> int:
         return len(self._plans)
@@ -146,58 +235,95 @@ class PlanCache:
     ) -> tuple[TransferPlan, PlanTicket | None]:
         """The plan for this request and these operands: reused if validated before for
         identical operands, else validated now (raising exactly as ``plan_transfer``), and
-        the ticket to :meth:`settle` once the transfer ran."""
+        the ticket to :meth:`settle` once the transfer ran.
+
+        ``misses`` counts the calls that validated (in full, or ``rebinds``: only new block
+        ids against operands whose every fact was validated before), ``hits`` those that
+        reused a plan."""
         ticket = self._ticket(request, paged, objects)
+        template = None
         if ticket is not None:
-            with self._lock:
-                entry = self._plans.get(ticket.key)
-                if entry is not None and entry.facts == ticket.facts:
-                    self._plans.move_to_end(ticket.key)
-                    self.hits += 1
-                    ticket.entry, ticket.memo = entry, entry.memo
-                    return entry.plan, ticket
-        plan = plan_transfer(
-            request,
-            paged,
-            objects,
-            device_type=self.device_type,
-            device_index=self.device_index,
-        )
+            versions = _encode(ticket.versions)
+            # A hit takes no lock: one dictionary read (atomic) and a comparison.
+            entry = self._plans.get(ticket.key)
+            if entry is not None and entry.geometry.versions == versions:
+                self.hits += 1  # a statistic (concurrent hits may count once)
+                ticket.entry, ticket.memo = entry, entry.memo
+                return entry.plan, ticket
+            geo = self._geometries.get(_geo_key(ticket, request))
+            if geo is not None and geo.versions == versions:
+                template = geo.template
+        plan = None if template is None else rebind_block_ids(template, request)
+        if plan is None:
+            plan = plan_transfer(
+                request,
+                paged,
+                objects,
+                device_type=self.device_type,
+                device_index=self.device_index,
+            )
+        if ticket is not None:
+            gkey = _geo_key(ticket, plan.request)
         with self._lock:
             self.misses += 1
             if ticket is not None:
-                entry = _Entry(plan, ticket.facts)
-                ticket.entry, ticket.memo = entry, entry.memo
-                self._plans[ticket.key] = entry
-                self._plans.move_to_end(ticket.key)
-                while len(self._plans) > self.capacity:
-                    self._plans.popitem(last=False)
+                self._keep(
+                    plan, ticket, gkey, rebound=template is not None and plan is not template
+                )
         return plan, ticket
+
+    def _keep(self, plan: TransferPlan, ticket: PlanTicket, gkey: bytes, *, rebound: bool) -> None:
+        # Under the lock. A plan validated in full becomes its geometry's template; the
+        # versions the lookup saw become the geometry's (same metadata: the key says so).
+        if rebound:
+            self.rebinds += 1
+        versions = _encode(ticket.versions)
+        geo = self._geometries.get(gkey)
+        if geo is None:
+            geo = self._geometries[gkey] = _Geometry(plan, versions)
+        else:
+            geo.versions = versions
+            if not rebound:
+                geo.template = plan
+        old = self._plans.pop(ticket.key, None)
+        if old is not None:
+            self._drop(old)
+        n = len(ticket.tensors)
+        written = range(ticket.paged, n) if plan.direction == Direction.D2H else range(ticket.paged)
+        entry = _Entry(plan, geo, gkey, written)
+        geo.entries += 1
+        ticket.entry, ticket.memo = entry, entry.memo
+        self._plans[ticket.key] = entry
+        while len(self._plans) > self.capacity:
+            self._drop(self._plans.pop(next(iter(self._plans))))
+
+    def _drop(self, gone: _Entry) -> None:
+        geo = gone.geometry
+        geo.entries -= 1
+        if geo.entries == 0 and self._geometries.get(gone.geo_key) is geo:
+            del self._geometries[gone.geo_key]
 
     def settle(self, plan: TransferPlan, ticket: PlanTicket | None) -> None:
         """After ``plan`` ran: keep the operands' current version counters with its entry.
 
-        Only the versions are re-read: every other fact in the key is the validated one, so
-        the entry can only ever match operands whose metadata equals what was validated."""
+        Only the versions are re-read: every other fact is in the key, so the entry can only
+        ever match operands whose metadata equals what was validated."""
         if ticket is None or ticket.entry is None:
             return
         # Only the side the transfer wrote is re-read (a gather writes the chunks, a scatter
         # the paged memory); the other keeps the versions the lookup saw, so a write by
         # anybody else meanwhile still re-validates the next call.
-        n, seen, ts = ticket.paged, ticket.facts, ticket.tensors
-        if plan.direction == Direction.D2H:
-            lo, hi = n, len(ts)
-        else:
-            lo, hi = 0, n
-        rows = list(seen)
-        for i in range(lo, hi):
-            rows[i] = (*seen[i][:-1], ts[i]._version)
-        ticket.entry.facts = rows
+        entry, seen, ts = ticket.entry, ticket.versions, ticket.tensors
+        written = entry.written
+        now = seen.copy()
+        now[written.start : written.stop] = _versions(ts[written.start : written.stop])
+        entry.geometry.versions = _encode(now)
 
     def clear(self) -> None:
         """Forget every plan."""
         with self._lock:
             self._plans.clear()
+            self._geometries.clear()
 
     def _ticket(
         self, request: TransferRequest, paged: object, objects: object
@@ -211,16 +337,11 @@ class PlanCache:
         n_paged = len(tensors)
         if not _flatten(objects, 1, structure, tensors):
             return None
+        meta = _meta(tensors)
         try:
             # The encoded request, not the Struct: ``True == 1`` and ``1.0 == 1`` compare equal,
             # but a bool or float field must fail validation, never hit a cached int's plan.
-            wire = _encode(request)
+            key = _encode((structure, request, meta))
         except (TypeError, ValueError, OverflowError):  # not wire-safe: validate every time
             return None
-        # The key hashes only cheap facts (bytes, markers, data pointers); the rest of the
-        # metadata is compared with the entry's, so tensors' sizes, dtypes and devices are
-        # never hashed on the hot path.
-        facts = _facts(tensors)
-        structure.append(wire)
-        structure += [f[0] for f in facts]
-        return PlanTicket(tuple(structure), tensors, facts, n_paged)
+        return PlanTicket(key, structure, meta, tensors, _versions(tensors), n_paged)

@@ -58,6 +58,7 @@ __all__ = (
     "TransferRequest",
     "paged_units",
     "plan_transfer",
+    "rebind_block_ids",
     "segments_for",
 )
 
@@ -400,3 +401,31 @@ def plan_transfer(
         paged_ptrs=tuple(t.data_ptr() for t in units),
         object_ptrs=tuple(o.data_ptr() for o in objs),
     )
+
+
+def rebind_block_ids(plan: TransferPlan, request: TransferRequest) -> TransferPlan | None:
+    """``plan`` for ``request``, which differs from ``plan.request`` at most in the block ids
+    (the same count of them): the ids are validated as :func:`plan_transfer` validates them,
+    everything else was validated for the plan. ``None`` when the ids are not exact ints in
+    range (or repeat among an H2D transfer's copied positions): :func:`plan_transfer` then
+    validates in full and raises its specific error.
+
+    The caller proves the rest of the request and the operands unchanged (the plan cache
+    compares the encoded request without ids and every operand fact)."""
+    ids = request.block_ids
+    if type(ids) is not tuple or len(ids) != len(plan.request.block_ids):
+        return None
+    if ids:
+        if set(map(type, ids)) != {int} or min(ids) < 0 or max(ids) >= plan.request.shape.nb:
+            return None
+        segs = plan.segments
+        if len(segs) == 1:
+            moved = ids[segs[0].start : segs[0].stop]
+        else:
+            moved = tuple(b for s in segs for b in ids[s.start : s.stop])
+        touched = frozenset(moved)
+        if plan.direction is Direction.H2D and len(touched) != len(moved):
+            return None
+    else:
+        touched = frozenset()
+    return msgspec.structs.replace(plan, request=request, touched_blocks=touched)

@@ -42,6 +42,7 @@ from kvactors._observer import Call, Observers
 from kvactors.actors.gather import TransferOperands
 from kvactors.actors.group import DeviceActors, DeviceStatistics
 from kvactors.devices.base import Backend
+from kvactors.devices.cpu import completes_on_launch
 from kvactors.errors import ActorClosedError, DeviceOpError, MailboxFullError
 from kvactors.protocols.gather import Fence, Fenced, Ping, Pong, Transfer, TransferDone
 from kvactors.protocols.ipc import CloseContext, ContextClosed, Opened, OpenHandle
@@ -62,20 +63,6 @@ __all__ = ("Runtime", "get_runtime", "resolve_backend")
 T = TypeVar("T")
 
 _GRACE = 2.0
-
-
-def _completes_on_launch(backend: Backend) -> bool:
-    """Whether ``backend`` does launched work at once on the launching thread (the CPU
-    backend's own ``launch``), so a caller can run it without waiting on a device."""
-    from kvactors.devices.cpu import CpuBackend
-
-    cls = type(backend)
-    return (
-        isinstance(backend, CpuBackend)
-        and cls.launch is CpuBackend.launch
-        and cls.record_marker is CpuBackend.record_marker
-        and cls.synchronize is CpuBackend.synchronize
-    )
 
 
 def resolve_backend(backend: str | Backend) -> Backend:
@@ -109,7 +96,7 @@ class Runtime:
         self.backend = resolve_backend(backend)
         #: Whether blocking transfers may run on the caller's thread when nothing is queued
         #: (default: on CPU, whose work is complete when launched).
-        self.inline = _completes_on_launch(self.backend) if inline is None else inline
+        self.inline = completes_on_launch(self.backend) if inline is None else inline
         self._in_transit = 0
         self.device_index = device_index
         self.default_timeout = default_timeout
@@ -392,16 +379,21 @@ class Runtime:
         ``TypeError``) before any memory is touched, ``TransferFailedError`` if the copy failed.
         """
         tid = next(self._ids)
-        if self.inline and not self._observers.active:  # observed calls go through mailboxes
-            _, actors = self._running()
+        actors = self._actors
+        # Observed calls go through mailboxes; a closed or unstarted runtime too (_ask raises
+        # or starts it). Any message of this runtime in transit, or queued for the actors of
+        # this call, keeps the call behind it.
+        if (
+            self.inline
+            and actors is not None
+            and not self._in_transit
+            and not self._closed
+            and not self._observers.active
+        ):
             stream = actors.streams.peek(stream_handle)
-            if (
-                stream is not None
-                and not self._in_transit
-                and actors.gather.queued == 0
-                and stream.queued == 0
-            ):
-                done = actors.gather.run_inline(tid, request, paged, objects, stream.lane)
+            gather = actors.gather
+            if stream is not None and gather.queued == 0 and stream.queued == 0:
+                done = gather.run_inline(tid, request, paged, objects, stream.lane)
                 if done is not None:
                     return done
         msg = Transfer(

@@ -262,3 +262,102 @@ def test_settle_keeps_only_the_transfers_own_write(direction: int) -> None:
     run_fast(plan, paged, objs)
     cache.settle(plan, ticket)
     assert not _planned(cache, req, paged, objs)  # the transfer's own write alone: reused
+
+
+def _full(req: TransferRequest, paged: Any, objs: Any) -> Any:
+    from kvactors.plans import plan_transfer
+
+    return plan_transfer(req, paged, objs, device_type="cpu", device_index=0)
+
+
+@pytest.mark.parametrize("direction", [int(Direction.D2H), int(Direction.H2D)])
+def test_new_block_ids_on_the_same_operands_validate_only_the_ids(direction: int) -> None:
+    cache = PlanCache("cpu", 0)
+    paged, objs = _operands()
+    cache.plan(_request(direction=direction), paged, objs)
+    for ids in [(6, 1), (0, 7), (2, 2)] if direction == int(Direction.D2H) else [(6, 1), (0, 7)]:
+        req = _request(direction=direction, block_ids=ids)
+        assert _planned(cache, req, paged, objs)
+        # Exactly the plan a full validation makes (ids, touched blocks, everything else).
+        assert cache.plan(req, paged, objs) == _full(req, paged, objs)
+    assert cache.rebinds == cache.misses - 1
+    # A rebound plan moves the new ids' blocks.
+    req = _request(direction=direction, block_ids=(6, 1))
+    plan, ticket = cache.lookup(req, paged, objs)
+    assert ticket is not None
+    assert plan.request.block_ids == (6, 1)
+    expect = [p.clone() for p in paged], [o.clone() for o in objs]
+    run_fast(_full(req, *expect), *expect)
+    run_fast(plan, paged, objs)
+    assert all(torch.equal(a, b) for a, b in zip(paged, expect[0], strict=True))
+    assert torch.equal(objs[0], expect[1][0])
+
+
+@pytest.mark.parametrize(
+    ("ids", "direction", "error"),
+    [
+        ((3, NB), int(Direction.D2H), TransferValidationError),
+        ((-1, 3), int(Direction.D2H), TransferValidationError),
+        ((True, 3), int(Direction.D2H), KvactorsError),
+        ((4, 4), int(Direction.H2D), TransferValidationError),
+    ],
+)
+def test_bad_new_block_ids_fail_as_a_full_validation_does(
+    ids: tuple[Any, ...], direction: int, error: type[Exception]
+) -> None:
+    cache = PlanCache("cpu", 0)
+    paged, objs = _operands()
+    cache.plan(_request(direction=direction), paged, objs)
+    bad = _request(direction=direction, block_ids=ids)
+    with pytest.raises(error) as raised:
+        _full(bad, paged, objs)
+    for _ in range(2):  # the same error as plan_transfer's, every time, nothing cached
+        with pytest.raises(error) as again:
+            cache.plan(bad, paged, objs)
+        assert str(again.value) == str(raised.value)
+    assert cache.rebinds == 0
+    assert len(cache) == 1
+
+
+def test_a_version_change_validates_in_full_even_for_new_ids() -> None:
+    cache = PlanCache("cpu", 0)
+    paged, objs = _operands()
+    cache.plan(_request(), paged, objs)
+    paged[0].add_(1)
+    assert _planned(cache, _request(block_ids=(6, 1)), paged, objs)
+    assert cache.rebinds == 0
+
+
+def test_inference_tensors_reuse_plans_and_still_revalidate_on_changes() -> None:
+    with torch.inference_mode():
+        paged, objs = _operands()
+    cache = PlanCache("cpu", 0)
+    req = _request()
+    plan, ticket = cache.lookup(req, paged, objs)
+    with torch.inference_mode():
+        run_fast(plan, paged, objs)
+    cache.settle(plan, ticket)
+    assert not _planned(cache, req, paged, objs)
+    assert _planned(cache, req, [p.clone() for p in paged], objs)  # other pointers
+    with pytest.raises(TransferValidationError):  # another dtype: validated, and refused
+        cache.plan(req, paged, [objs[0].view(torch.float16)])
+
+
+def test_runtime_moves_inference_tensors() -> None:
+    with torch.inference_mode():
+        paged, objs = _operands()
+    with Runtime("cpu") as rt:
+        for _ in range(2):
+            rt.transfer(_request(), paged, objs)
+    expect = torch.stack([p[:, [3, 5]] for p in paged], 1).reshape(objs[0].shape)
+    assert objs[0].abs().sum() > 0
+    assert torch.equal(objs[0], expect)
+
+
+def test_inference_tensors_through_the_mailbox_route() -> None:
+    with torch.inference_mode():
+        paged, objs = _operands()
+    with Runtime("cpu", inline=False) as rt:
+        rt.transfer(_request(), paged, objs)
+    expect = torch.stack([p[:, [3, 5]] for p in paged], 1).reshape(objs[0].shape)
+    assert torch.equal(objs[0], expect)

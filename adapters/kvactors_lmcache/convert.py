@@ -20,6 +20,8 @@ are refused by name before anything is touched.
 
 from __future__ import annotations
 
+import enum
+import operator
 from collections.abc import Sequence
 from typing import TYPE_CHECKING, Any
 
@@ -36,6 +38,7 @@ __all__ = (
     "POINTER_MODE_MESSAGE",
     "block_ids_tuple",
     "check_tensor_operands",
+    "common_request",
     "direction_of",
     "dtype_name",
     "format_of",
@@ -198,11 +201,16 @@ def block_ids_tuple(block_ids: Any) -> tuple[int, ...]:
 
 
 _SHAPE_FIELDS = ("kv_size", "nl", "nb", "bs", "nh", "hs", "element_size", "block_stride_elems")
+_read_shape = operator.attrgetter(*_SHAPE_FIELDS)  # one C call for all eight fields
 _DTYPE_TYPES = (torch.dtype, str, type(None))
 _SHAPES: dict[tuple[Any, ...], ShapeDesc] = {}
 _SHAPES_MAX = 256
 _FORMATS = frozenset(int(f) for f in KVFormat) - frozenset(_REFUSED_FORMATS)
+_PLAIN_FORMATS = _FORMATS - frozenset(_SINGLETON_AXIS_FORMATS)
 _DIRECTIONS = frozenset(int(d) for d in Direction)
+_INT = {int}
+_TENSOR = {torch.Tensor}
+_LIST = {list}
 
 
 def _shape_key(shape_desc: Any) -> tuple[Any, ...] | None:
@@ -211,11 +219,11 @@ def _shape_key(shape_desc: Any) -> tuple[Any, ...] | None:
     equal values convert equally (``int`` fields; ``True == 1`` and ``1.0 == 1`` must not
     share a key; a ``torch.dtype``, string or ``None`` dtype)."""
     try:
-        fields = tuple([getattr(shape_desc, name) for name in _SHAPE_FIELDS])
+        fields = _read_shape(shape_desc)
     except AttributeError:
         return None
     dtype = getattr(shape_desc, "dtype", None)
-    if not set(map(type, fields)) <= {int} or not isinstance(dtype, _DTYPE_TYPES):
+    if set(map(type, fields)) != _INT or not isinstance(dtype, _DTYPE_TYPES):
         return None
     return (*fields, dtype)
 
@@ -233,6 +241,89 @@ def _cached_shape_desc(shape_desc: Any) -> ShapeDesc:
     return shape
 
 
+_ENUMS: dict[int, tuple[object, int]] = {}
+_ENUMS_MAX = 64
+_IMMUTABLE: dict[type, bool] = {int: False}
+
+
+def _immutable_enum(kind: type) -> bool:
+    """Whether instances of ``kind`` keep their number for life: a Python ``Enum`` or a
+    pybind11 enum (LMCache's native ``EngineKVFormat``/``TransferDirection``: read-only
+    ``value``, no setter); decided once per type."""
+    known = _IMMUTABLE.get(kind)
+    if known is None:
+        known = _IMMUTABLE[kind] = issubclass(kind, enum.Enum) or (
+            type(kind).__name__ == "pybind11_type" and hasattr(kind, "__members__")
+        )
+    return known
+
+
+def _enum_int(value: Any) -> int | None:
+    """``int(value)`` for an int or an immutable enum member, remembered per member object
+    (``int()`` of a pybind11 enum is a slow call); ``None`` for anything else."""
+    if type(value) is int:
+        return value
+    hit = _ENUMS.get(id(value))
+    if hit is not None and hit[0] is value:
+        return hit[1]
+    if not _immutable_enum(type(value)):
+        return None
+    try:
+        number = int(value)
+    except (TypeError, ValueError):
+        return None
+    if len(_ENUMS) >= _ENUMS_MAX:
+        _ENUMS.clear()
+    _ENUMS[id(value)] = (value, number)  # the entry keeps the member alive: its id stays its
+    return number
+
+
+def common_request(
+    paged: Any,
+    objects: Any,
+    block_ids: Any,
+    direction: Any,
+    shape_desc: Any,
+    lmcache_chunk_size: Any,
+    engine_kv_format: Any,
+    skip_prefix_n_blocks: Any,
+) -> TransferRequest | None:
+    """The request of the common ``multi_layer_block_kv_transfer`` call, or ``None``: a list
+    of paged tensors (or of K/V lists) and a list of chunk tensors, a format that needs no
+    view, exact ``int`` numbers and block ids, a known direction, and a shape descriptor of
+    exact types. The result is what :func:`check_tensor_operands`, :func:`normalize_format`
+    and :func:`to_transfer_request` return for the same call; anything else goes through
+    them (and their specific errors)."""
+    if (
+        type(objects) is not list
+        or type(paged) is not list
+        or set(map(type, objects)) != _TENSOR
+        or type(lmcache_chunk_size) is not int
+        or type(skip_prefix_n_blocks) is not int
+        or (type(block_ids) is not list and type(block_ids) is not tuple)
+    ):
+        return None
+    kinds = set(map(type, paged))
+    if kinds != _TENSOR and kinds != _LIST:
+        return None
+    fmt, dirn = _enum_int(engine_kv_format), _enum_int(direction)
+    if fmt not in _PLAIN_FORMATS or dirn not in _DIRECTIONS:
+        return None
+    ids = tuple(block_ids)
+    if ids and set(map(type, ids)) != _INT:
+        return None
+    assert fmt is not None
+    assert dirn is not None
+    return TransferRequest(
+        fmt=fmt,
+        direction=dirn,
+        block_ids=ids,
+        chunk_size=lmcache_chunk_size,
+        skip_blocks=skip_prefix_n_blocks,
+        shape=_cached_shape_desc(shape_desc),
+    )
+
+
 def to_transfer_request(
     engine_kv_format: Any,
     direction: Any,
@@ -241,33 +332,8 @@ def to_transfer_request(
     skip_prefix_n_blocks: int,
     shape_desc: Any,
 ) -> TransferRequest:
-    """Build the kvactors request for one ``multi_layer_block_kv_transfer`` call.
-
-    The common call (exact ``int`` numbers, a list of ``int`` block ids, a known format and
-    direction, a shape descriptor seen before with the same field values) takes a short path
-    with the same result; everything else is converted and checked by :func:`_convert_request`.
-    """
-    try:
-        fmt, dirn = int(engine_kv_format), int(direction)
-    except (TypeError, ValueError):
-        fmt = dirn = -1  # the full conversion raises the specific error
-    if (
-        fmt in _FORMATS
-        and dirn in _DIRECTIONS
-        and type(lmcache_chunk_size) is int
-        and type(skip_prefix_n_blocks) is int
-        and (type(block_ids) is list or type(block_ids) is tuple)
-    ):
-        ids = tuple(block_ids)
-        if set(map(type, ids)) <= {int}:
-            return TransferRequest(
-                fmt=fmt,
-                direction=dirn,
-                block_ids=ids,
-                chunk_size=lmcache_chunk_size,
-                skip_blocks=skip_prefix_n_blocks,
-                shape=_cached_shape_desc(shape_desc),
-            )
+    """Build the kvactors request for one ``multi_layer_block_kv_transfer`` call (its format
+    already normalised by :func:`normalize_format`), checking every argument."""
     return _convert_request(
         engine_kv_format,
         direction,

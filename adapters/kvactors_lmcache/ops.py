@@ -187,7 +187,7 @@ class KvactorsDeviceOps(DeviceOps):
         self._lock = threading.Lock()
         self._runtimes: dict[int, Runtime] = {}
         self._home: Runtime | None = None
-        self._indices: dict[torch.device, int] = {}
+        self._indices: dict[int, tuple[torch.device, int]] = {}
         self._count_keys = (f"{self.kvactors_backend}:H2D", f"{self.kvactors_backend}:D2H")
 
     # -- runtime plumbing ---------------------------------------------------------------
@@ -227,6 +227,20 @@ class KvactorsDeviceOps(DeviceOps):
             )
         return self._current_index() if index is None else index
 
+    def _index_of(self, device: object) -> int:
+        if type(device) is torch.device:
+            hit = self._indices.get(id(device))
+            if hit is not None and hit[0] is device:
+                return hit[1]
+        index = self._device_index(device)
+        if type(device) is torch.device and (device.index is not None or not self.uses_streams):
+            # An immutable device whose index is not from context, kept by identity (hashing
+            # a torch.device is slow); the entry holds the device, so its id stays its own.
+            if len(self._indices) >= 64:
+                self._indices.clear()
+            self._indices[id(device)] = (device, index)
+        return index
+
     def _home_runtime(self) -> Runtime:
         home = self._home
         if home is None:
@@ -263,26 +277,34 @@ class KvactorsDeviceOps(DeviceOps):
             TypeError: raw-pointer operands, or malformed operand structure.
             ValueError: the request fails validation (nothing is copied).
         """
-        convert.check_tensor_operands(paged_buffer_ptrs_tensor, lmcache_objects_ptrs)
-        engine_kv_format, paged_buffer_ptrs_tensor = convert.normalize_format(
-            engine_kv_format, paged_buffer_ptrs_tensor
-        )
-        request = convert.to_transfer_request(
-            engine_kv_format,
-            direction,
+        request = convert.common_request(
+            paged_buffer_ptrs_tensor,
+            lmcache_objects_ptrs,
             block_ids,
-            lmcache_chunk_size,
-            skip_prefix_n_blocks,
+            direction,
             shape_desc,
+            lmcache_chunk_size,
+            engine_kv_format,
+            skip_prefix_n_blocks,
         )
-        index = self._indices.get(device) if type(device) is torch.device else None
-        if index is None:
-            index = self._device_index(device)
-            if type(device) is torch.device and (device.index is not None or not self.uses_streams):
-                self._indices[device] = index  # immutable device, index not from context
+        objects: Any = lmcache_objects_ptrs
+        if request is None:  # anything but the common call: every check, its own error
+            convert.check_tensor_operands(paged_buffer_ptrs_tensor, lmcache_objects_ptrs)
+            engine_kv_format, paged_buffer_ptrs_tensor = convert.normalize_format(
+                engine_kv_format, paged_buffer_ptrs_tensor
+            )
+            request = convert.to_transfer_request(
+                engine_kv_format,
+                direction,
+                block_ids,
+                lmcache_chunk_size,
+                skip_prefix_n_blocks,
+                shape_desc,
+            )
+            # check_tensor_operands refused anything but tensors; this keeps them, typed.
+            objects = [o for o in lmcache_objects_ptrs if isinstance(o, torch.Tensor)]
+        index = self._index_of(device)
         rt = self._runtimes.get(index) or self._runtime(index)
-        # check_tensor_operands refused anything but tensors; this keeps them, typed as such.
-        objects = [o for o in lmcache_objects_ptrs if isinstance(o, torch.Tensor)]
         rt.transfer(
             request,
             paged_buffer_ptrs_tensor,

@@ -32,9 +32,14 @@ import logging
 import threading
 from typing import TYPE_CHECKING, Any, final
 
+import torch
+
 from kvactors.actors.actor import DEFERRED, Actor, Envelope, unreachable
 from kvactors.actors.stream import Work
+from kvactors.devices.base import Backend
+from kvactors.devices.cpu import completes_on_launch
 from kvactors.errors import KvactorsError, OperandTypeError, TransferFailedError
+from kvactors.kernels._reused import reused_kernel
 from kvactors.kernels.fast import ScratchCache, run_fast
 from kvactors.ordering import BlockLedger
 from kvactors.plan_cache import PlanCache
@@ -52,11 +57,8 @@ from kvactors.protocols.stream import Launch
 if TYPE_CHECKING:
     from collections.abc import Callable, Sequence
 
-    import torch
-
     from kvactors.actors.directory import StreamDirectory
     from kvactors.actors.lane import Lane
-    from kvactors.devices.base import Backend
     from kvactors.plans import TransferRequest
 
 __all__ = ("GatherActor", "TransferOperands")
@@ -128,6 +130,15 @@ class GatherActor(Actor[GatherRequest]):
         self.bytes_moved = 0
         self.transfers_ok = 0
         self.transfers_failed = 0
+        # Which of the backend's transfer hooks are the defaults, decided once: an inline
+        # transfer on a backend whose launch runs the work at once (CPU) and that adds no
+        # layout rule or native kernel is just the plan lookup and the torch kernel.
+        cls = type(backend)
+        self._plain = (
+            cls.prepare_transfer is Backend.prepare_transfer
+            and cls.transfer_kernel is Backend.transfer_kernel
+            and completes_on_launch(backend)
+        )
 
     @property
     def inflight(self) -> int:
@@ -171,8 +182,12 @@ class GatherActor(Actor[GatherRequest]):
         copy, plans = self.backend.copy_, self.plans
         memo = None if ticket is None else ticket.memo
 
+        inference = ticket is not None and ticket.inference
+
         def torch_kernel() -> None:
-            run_fast(plan, paged, objects, copy=copy, scratch=scratch, memo=memo)
+            # Inference tensors (made under torch.inference_mode) are written only in it.
+            with torch.inference_mode(inference):
+                run_fast(plan, paged, objects, copy=copy, scratch=scratch, memo=memo)
 
         # The backend may put an opted-in native transfer first (it may decline).
         chosen = self.backend.transfer_kernel(plan, paged, objects, torch_kernel)
@@ -241,15 +256,12 @@ class GatherActor(Actor[GatherRequest]):
         Validation errors raise before anything is claimed or copied; a failed copy raises
         :class:`~kvactors.errors.TransferFailedError`.
         """
-        request, paged, objects = self.backend.prepare_transfer(request, paged, objects)
+        backend = self.backend
+        plain = self._plain
+        if not plain:
+            request, paged, objects = backend.prepare_transfer(request, paged, objects)
         plan, ticket = self.plans.lookup(request, paged, objects)
         memo = None if ticket is None else ticket.memo
-        kernel = self.backend.transfer_kernel(
-            plan,
-            paged,
-            objects,
-            lambda: run_fast(plan, paged, objects, memo=memo, checked=memo is not None),
-        )
         if not lane.claim_inline():
             return None
         try:
@@ -257,9 +269,27 @@ class GatherActor(Actor[GatherRequest]):
                 self._ledger.begin(transfer_id, plan.touched_blocks)
             ok = False
             try:
-                backend = self.backend
-                backend.launch(lane.stream, kernel)
-                backend.record_marker(lane.stream).synchronize()
+                if plain:  # launch would call the kernel at once; its marker is complete
+                    if ticket is None:
+                        run_fast(plan, paged, objects)
+                    else:
+                        reused_kernel(
+                            plan, paged, objects, ticket.memo, inference=ticket.inference
+                        )(paged, objects)
+                else:
+                    stream = lane.stream
+                    backend.launch(
+                        stream,
+                        backend.transfer_kernel(
+                            plan,
+                            paged,
+                            objects,
+                            lambda: run_fast(
+                                plan, paged, objects, memo=memo, checked=memo is not None
+                            ),
+                        ),
+                    )
+                    backend.record_marker(stream).synchronize()
                 ok = True
             except BaseException as exc:
                 failure = _inline_failed(exc, transfer_id, f"{backend.kind}:{self.index}")

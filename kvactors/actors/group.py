@@ -53,7 +53,11 @@ class DeviceStatistics(msgspec.Struct, frozen=True, kw_only=True):
     """Staging buffers and device index tensors ever allocated for staged (device) transfers;
     flat in steady state (a request with new block ids adds one index upload)."""
     plans_validated: int = 0
-    """Transfers validated in full (plan cache misses); the rest reused a validated plan."""
+    """Transfers validated (plan cache misses): in full, or only their new block ids (see
+    ``plans_rebound``); the rest reused a validated plan."""
+    plans_rebound: int = 0
+    """Of ``plans_validated``, those whose operands matched a validated plan and whose new
+    block ids alone were validated."""
     native_transfers: int = 0
     """Transfers an opted-in native kernel moved."""
     native_declined: int = 0
@@ -152,6 +156,7 @@ class DeviceActors:
             streams_retired=self.streams.retired,
             scratch_allocations=self.gather.scratch_allocations,
             plans_validated=self.gather.plans.misses,
+            plans_rebound=self.gather.plans.rebinds,
             native_transfers=native.native_transfers if native is not None else 0,
             native_declined=native.native_declined if native is not None else 0,
         )

@@ -26,7 +26,7 @@ if TYPE_CHECKING:
 
     from kvactors.devices.base import Marker, StreamLike
 
-__all__ = ("CpuBackend", "CpuStream")
+__all__ = ("CpuBackend", "CpuStream", "completes_on_launch")
 
 
 @final
@@ -172,3 +172,15 @@ class CpuBackend(Backend):
     def pin(self, t: torch.Tensor) -> torch.Tensor:
         """CPU-only torch cannot pin; the tensor stays pageable."""
         return t
+
+
+def completes_on_launch(backend: Backend) -> bool:
+    """Whether ``backend`` does launched work at once on the launching thread (the CPU
+    backend's own ``launch``), so a caller can run it without waiting on a device."""
+    cls = type(backend)
+    return (
+        isinstance(backend, CpuBackend)
+        and cls.launch is CpuBackend.launch
+        and cls.record_marker is CpuBackend.record_marker
+        and cls.synchronize is CpuBackend.synchronize
+    )

@@ -1,0 +1,144 @@
+"""Kernels of reused plans, specialised once per plan.
+
+Theory of operation. A plan the plan cache matched runs on operands whose every metadata fact
+(pointer, offset, shape, stride, dtype, device, structure) equals the validated one, so
+everything a kernel derives from the plan and the operands' metadata is the same on every
+call: which one-call path applies, the geometry of its views, its index tensors.
+:func:`reused_kernel` decides all of it on the plan's first run and keeps, in the plan's
+memo, a closure that makes only the torch calls of that path. A call then reads no plan
+attribute and builds no view it does not pass to torch: after the previous call's copy has
+evicted them from the CPU caches, every Python object touched costs a cache miss, and on a
+small model those misses, not the copy, are what separates a transfer from one torch call.
+
+The one-call paths are :mod:`kvactors.kernels.fast`'s: the stacked gather (one
+``index_select`` per object over the stacked view permuted into its physical order) and the
+rows path (one ``index_select`` or one numpy fancy assignment per object between a rows view
+of the stacked memory and the chunk, where the block planes are tight). Anything else (device
+plans, partial segments, separately allocated layers) runs :func:`~kvactors.kernels.fast.run_fast`
+with the plan's memo.
+"""
+
+from __future__ import annotations
+
+from typing import TYPE_CHECKING, Any
+
+import torch
+
+from kvactors.kernels._views import raw, void_view
+from kvactors.kernels.fast import _rows_steps, _stacked_geometry, run_fast
+from kvactors.layouts import Direction
+
+if TYPE_CHECKING:
+    from collections.abc import Callable, Sequence
+
+    from kvactors.plans import RowGeometry, TransferPlan
+
+__all__ = ("reused_kernel",)
+
+_KEY = "reused_kernel"
+
+
+def reused_kernel(
+    plan: TransferPlan,
+    paged: Any,
+    objects: Sequence[torch.Tensor],
+    memo: dict[Any, Any],
+    *,
+    inference: bool = False,
+) -> Callable[[Any, Sequence[torch.Tensor]], None]:
+    """The kernel ``kernel(paged, objects)`` of a plan the plan cache matched to these
+    operands (``memo`` is the plan's: the kernel is built on its first call and kept).
+
+    ``inference``: an operand is an inference tensor (made under ``torch.inference_mode``),
+    which torch writes only in inference mode; the kernel then runs in it."""
+    kernel: Callable[[Any, Sequence[torch.Tensor]], None] | None = memo.get(_KEY)
+    if kernel is None:
+        kernel = _specialise(plan, paged, objects, memo)
+        if inference:
+            kernel = _in_inference_mode(kernel)
+        memo[_KEY] = kernel
+    return kernel
+
+
+def _in_inference_mode(
+    kernel: Callable[[Any, Sequence[torch.Tensor]], None],
+) -> Callable[[Any, Sequence[torch.Tensor]], None]:
+    def run(paged: Any, objects: Sequence[torch.Tensor]) -> None:
+        with torch.inference_mode():
+            kernel(paged, objects)
+
+    return run
+
+
+def _first(paged: Any) -> torch.Tensor:
+    """The first paged tensor of a matched structure: one tensor, a list of layers, or K/V
+    lists (nested or flat)."""
+    if isinstance(paged, torch.Tensor):
+        return paged
+    first = paged[0]
+    return first if isinstance(first, torch.Tensor) else first[0]  # type: ignore[no-any-return]
+
+
+def _specialise(
+    plan: TransferPlan, paged: Any, objects: Sequence[torch.Tensor], memo: dict[Any, Any]
+) -> Callable[[Any, Sequence[torch.Tensor]], None]:
+    if plan.on_host and plan.segments:
+        # A gather takes the stacked path first: on a small model it costs one torch call
+        # less than the rows path's view plus index_select, at the same copy speed.
+        unit0 = _first(paged)
+        if plan.direction is Direction.D2H and plan.stacked is not None:
+            geo = _stacked_geometry(plan, unit0, objects)
+            if geo:
+                return _stacked_kernel(*geo)
+        if plan.rows is not None:
+            steps = _rows_steps(plan)
+            if steps:
+                return _rows_kernel(plan.rows, plan.direction, steps, unit0, objects)
+
+    def general(paged: Any, objects: Sequence[torch.Tensor]) -> None:
+        run_fast(plan, paged, objects, memo=memo, checked=True)
+
+    return general
+
+
+def _rows_kernel(
+    g: RowGeometry,
+    direction: Direction,
+    steps: tuple[tuple[int, torch.Tensor, Any], ...],
+    unit0: torch.Tensor,
+    objects: Sequence[torch.Tensor],
+) -> Callable[[Any, Sequence[torch.Tensor]], None]:
+    size, stride, offset = (g.nrows, g.piece), (g.row_stride, 1), g.storage_offset
+    if direction is Direction.D2H:
+        # Same dtype on both sides (validated); one whose index_select is missing goes raw.
+        as_raw = any(objects[obj].dtype is not unit0.dtype for obj, _, _ in steps)
+        outs = tuple((obj, idx, (idx.numel(), -1)) for obj, idx, _ in steps)
+
+        def gather(paged: Any, objs: Sequence[torch.Tensor]) -> None:
+            u0 = _first(paged)
+            rows = (raw(u0) if as_raw else u0).as_strided(size, stride, offset)
+            for obj, idx, view in outs:
+                out = objs[obj]
+                torch.index_select(rows, 0, idx, out=(raw(out) if as_raw else out).view(view))
+
+        return gather
+    ins = tuple((obj, idx_np, (idx.numel(), -1)) for obj, idx, idx_np in steps)
+
+    def scatter(paged: Any, objs: Sequence[torch.Tensor]) -> None:
+        rows_np = void_view(raw(_first(paged)).as_strided(size, stride, offset))
+        assert rows_np is not None  # rows are unit-stride by construction
+        for obj, idx_np, view in ins:
+            rows_np[idx_np] = void_view(raw(objs[obj]).view(view))
+
+    return scatter
+
+
+def _stacked_kernel(
+    src_geo: tuple[Any, ...], dim: int, steps: tuple[tuple[int, torch.Tensor, Any], ...]
+) -> Callable[[Any, Sequence[torch.Tensor]], None]:
+    def gather(paged: Any, objs: Sequence[torch.Tensor]) -> None:
+        src = _first(paged).as_strided(*src_geo)
+        for obj, ids, out_geo in steps:
+            torch.index_select(src, dim, ids, out=objs[obj].as_strided(*out_geo))
+
+    return gather
