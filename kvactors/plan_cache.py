@@ -68,7 +68,7 @@ class _Geometry:
 
 
 class _Entry:
-    __slots__ = ("geo_key", "geometry", "memo", "plan", "written")
+    __slots__ = ("delta", "geo_key", "geometry", "memo", "plan", "written")
 
     def __init__(
         self, plan: TransferPlan, geometry: _Geometry, geo_key: bytes, written: range
@@ -78,6 +78,9 @@ class _Entry:
         self.geo_key = geo_key
         self.written = written  # the tensors the transfer writes, as indices
         self.memo: dict[Any, Any] = {}
+        # How far one run moves the version of each written tensor (learned by the first
+        # settle; the kernel of a plan makes the same writes every run).
+        self.delta: list[int] | None = None
 
 
 class PlanTicket:
@@ -86,7 +89,17 @@ class PlanTicket:
     the transfer wrote, and the plan's kernel memo (index tensors and view geometry kept with
     the plan, see ``run_fast``)."""
 
-    __slots__ = ("entry", "key", "memo", "meta", "paged", "structure", "tensors", "versions")
+    __slots__ = (
+        "advanced",
+        "entry",
+        "key",
+        "memo",
+        "meta",
+        "paged",
+        "structure",
+        "tensors",
+        "versions",
+    )
 
     def __init__(
         self,
@@ -105,6 +118,7 @@ class PlanTicket:
         self.paged = paged  # the first ``paged`` tensors are the paged ones
         self.entry: _Entry | None = None
         self.memo: dict[Any, Any] = {}
+        self.advanced = False  # the lookup stored the versions this run leaves
 
     @property
     def inference(self) -> bool:
@@ -114,7 +128,9 @@ class PlanTicket:
 
 _T = "t"  # a tensor's place in the structure
 _TS = "*"  # a sequence of nothing but tensors (its length is before it)
-_TENSOR_TYPES: set[type] = {_Tensor}  # tensor classes seen in operand lists (grows by subclasses met)
+_TENSOR_TYPES: set[type] = {
+    _Tensor
+}  # tensor classes seen in operand lists (grows by subclasses met)
 
 
 class _Codes(dict[Any, int]):
@@ -303,20 +319,50 @@ class PlanCache:
         if geo.entries == 0 and self._geometries.get(gone.geo_key) is geo:
             del self._geometries[gone.geo_key]
 
+    def running(self, ticket: PlanTicket | None) -> None:
+        """The transfer of ``ticket`` runs now (call :meth:`settle` after it ran, or
+        :meth:`failed` if it did not): when its plan ran before, store the versions its own
+        writes will leave, so that :meth:`settle` reads nothing after the copy."""
+        if ticket is None or ticket.entry is None:
+            return
+        entry = ticket.entry
+        delta = entry.delta
+        if delta is None:
+            return
+        # Stored before the run, while the operands' metadata is in cache. A write by anybody
+        # else, before or during the run, leaves other versions: the next lookup validates.
+        now = ticket.versions.copy()
+        for k, i in enumerate(entry.written):
+            if now[i] != -1:  # an inference tensor has no version counter
+                now[i] += delta[k]
+        entry.geometry.versions = _encode(now)
+        ticket.advanced = True
+
+    def failed(self, ticket: PlanTicket | None) -> None:
+        """The transfer of ``ticket`` did not run to its end: its operands' versions are
+        unknown, so the next lookup of these operands validates in full."""
+        if ticket is not None and ticket.entry is not None:
+            ticket.entry.geometry.versions = b""
+
     def settle(self, plan: TransferPlan, ticket: PlanTicket | None) -> None:
         """After ``plan`` ran: keep the operands' current version counters with its entry.
 
-        Only the versions are re-read: every other fact is in the key, so the entry can only
-        ever match operands whose metadata equals what was validated."""
-        if ticket is None or ticket.entry is None:
+        Only the versions of the side the transfer wrote are re-read (a gather writes the
+        chunks, a scatter the paged memory), and how far the run moved them is learned: a
+        later run announced with :meth:`running` stores its versions before it runs, and its
+        settle reads nothing. The other side keeps the versions the lookup saw, so a write by
+        anybody else meanwhile still re-validates the next call. Every other fact is in the
+        key, so the entry can only ever match operands whose metadata was validated."""
+        if ticket is None or ticket.entry is None or ticket.advanced:
             return
-        # Only the side the transfer wrote is re-read (a gather writes the chunks, a scatter
-        # the paged memory); the other keeps the versions the lookup saw, so a write by
-        # anybody else meanwhile still re-validates the next call.
         entry, seen, ts = ticket.entry, ticket.versions, ticket.tensors
         written = entry.written
+        after = _versions(ts[written.start : written.stop])
+        entry.delta = [
+            a - b for a, b in zip(after, seen[written.start : written.stop], strict=True)
+        ]
         now = seen.copy()
-        now[written.start : written.stop] = _versions(ts[written.start : written.stop])
+        now[written.start : written.stop] = after
         entry.geometry.versions = _encode(now)
 
     def clear(self) -> None:

@@ -361,3 +361,41 @@ def test_inference_tensors_through_the_mailbox_route() -> None:
         rt.transfer(_request(), paged, objs)
     expect = torch.stack([p[:, [3, 5]] for p in paged], 1).reshape(objs[0].shape)
     assert torch.equal(objs[0], expect)
+
+
+def _run(cache: PlanCache, req: TransferRequest, paged: Any, objs: Any) -> Any:
+    plan, ticket = cache.lookup(req, paged, objs)
+    cache.running(ticket)
+    run_fast(plan, paged, objs)
+    cache.settle(plan, ticket)
+    return ticket
+
+
+@pytest.mark.parametrize("direction", [int(Direction.D2H), int(Direction.H2D)])
+def test_announced_runs_store_their_own_versions_and_nothing_else(direction: int) -> None:
+    cache = PlanCache("cpu", 0)
+    paged, objs = _operands()
+    req = _request(direction=direction)
+    assert not _run(cache, req, paged, objs).advanced  # the first run re-reads and learns
+    for _ in range(3):
+        assert _run(cache, req, paged, objs).advanced  # later ones read nothing after the copy
+    assert not _planned(cache, req, paged, objs)
+    # A write by anybody else to the side the transfer writes, during an announced run.
+    plan, ticket = cache.lookup(req, paged, objs)
+    cache.running(ticket)
+    run_fast(plan, paged, objs)
+    (objs[0] if direction == int(Direction.D2H) else paged[1]).add_(1)
+    cache.settle(plan, ticket)
+    assert _planned(cache, req, paged, objs)
+
+
+def test_a_run_that_failed_validates_in_full_next_time() -> None:
+    cache = PlanCache("cpu", 0)
+    paged, objs = _operands()
+    req = _request()
+    _run(cache, req, paged, objs)
+    plan, ticket = cache.lookup(req, paged, objs)
+    cache.running(ticket)  # announced, then it never ran its writes...
+    objs[0].add_(1)  # ...while somebody else wrote as often as the run would have
+    cache.failed(ticket)
+    assert _planned(cache, req, paged, objs)

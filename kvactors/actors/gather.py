@@ -264,10 +264,12 @@ class GatherActor(Actor[GatherRequest]):
         memo = None if ticket is None else ticket.memo
         if not lane.claim_inline():
             return None
+        plans = self.plans
         try:
             with self._shared:
                 self._ledger.begin(transfer_id, plan.touched_blocks)
             ok = False
+            plans.running(ticket)
             try:
                 if plain:  # launch would call the kernel at once; its marker is complete
                     if ticket is None:
@@ -292,6 +294,7 @@ class GatherActor(Actor[GatherRequest]):
                     backend.record_marker(stream).synchronize()
                 ok = True
             except BaseException as exc:
+                plans.failed(ticket)
                 failure = _inline_failed(exc, transfer_id, f"{backend.kind}:{self.index}")
                 if failure is exc:
                     raise
@@ -304,7 +307,7 @@ class GatherActor(Actor[GatherRequest]):
                         self._loop.call_soon_threadsafe(self._release, released)
         finally:
             lane.end_inline()
-        self.plans.settle(plan, ticket)
+        plans.settle(plan, ticket)
         return TransferDone(
             transfer_id=transfer_id, nbytes=plan.nbytes, blocks=len(plan.touched_blocks)
         )
