@@ -18,9 +18,14 @@ def test_percall_rows_compare_every_contender_with_the_single_torch_call() -> No
     report = run_percall_bench(
         models=("small",), layouts=("nhd", "mla"), callers=(1, 2), reps=2, quick=True
     )
-    assert [(r.layout, r.direction, r.callers) for r in report.rows] == [
-        (lay, d, c) for lay in ("nhd", "mla") for c in (1, 2) for d in ("gather", "scatter")
-    ]
+    expected = []
+    for lay in ("nhd", "mla"):
+        for c in (1, 2):
+            for d in ("gather", "scatter"):
+                expected.append((lay, d, c, "same"))
+                if c == 1:  # single callers also run with other block ids on every call
+                    expected.append((lay, d, c, "fresh"))
+    assert [(r.layout, r.direction, r.callers, r.ids) for r in report.rows] == expected
     for r in report.rows:
         assert {"torch", "runtime"} <= set(r.p50_us)
         assert r.vs_torch["runtime"] == pytest.approx(

@@ -394,7 +394,7 @@ def test_a_run_that_failed_validates_in_full_next_time() -> None:
     paged, objs = _operands()
     req = _request()
     _run(cache, req, paged, objs)
-    plan, ticket = cache.lookup(req, paged, objs)
+    _, ticket = cache.lookup(req, paged, objs)
     cache.running(ticket)  # announced, then it never ran its writes...
     objs[0].add_(1)  # ...while somebody else wrote as often as the run would have
     cache.failed(ticket)

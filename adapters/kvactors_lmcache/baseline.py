@@ -9,6 +9,7 @@ LMCache's own MLU and MUSA ops (on the fake vendors), and the ``kvactors_cpu`` p
 
 from __future__ import annotations
 
+import itertools
 from typing import TYPE_CHECKING, Any
 
 if TYPE_CHECKING:
@@ -29,9 +30,12 @@ def _call(
     paged: Any,
     objects: Sequence[torch.Tensor],
     device: torch.device | None = None,
+    id_sets: Sequence[Sequence[int]] | None = None,
 ) -> Callable[[], None]:
     # The arguments LMCache's engine-driven context passes, built once; the callable makes
-    # the call only (the figure is the op's cost, not the argument conversion).
+    # the call only (the figure is the op's cost, not the argument conversion). With
+    # ``id_sets`` each call takes the next set's block ids in a new list, as LMCache's
+    # traffic brings other blocks on most calls.
     import torch
     from lmcache import lmcache_native as native
 
@@ -45,6 +49,14 @@ def _call(
     dev = torch.device("cpu") if device is None else device
     chunk, skip = request.chunk_size, request.skip_blocks
 
+    if id_sets:
+        cycle = itertools.cycle([list(i) for i in id_sets])
+
+        def fresh() -> None:
+            op(paged, objs, list(next(cycle)), dev, direction, sd, chunk, fmt, skip)
+
+        return fresh
+
     def run() -> None:
         op(paged, objs, ids, dev, direction, sd, chunk, fmt, skip)
 
@@ -52,12 +64,16 @@ def _call(
 
 
 def lmcache_torch_transfer(
-    request: TransferRequest, paged: Any, objects: Sequence[torch.Tensor]
+    request: TransferRequest,
+    paged: Any,
+    objects: Sequence[torch.Tensor],
+    id_sets: Sequence[Sequence[int]] | None = None,
 ) -> Callable[[], None]:
-    """A zero-argument callable running LMCache's torch path for ``request`` on the operands."""
+    """A zero-argument callable running LMCache's torch path for ``request`` on the operands
+    (each call with the next of ``id_sets``' block ids when given)."""
     from lmcache.v1.platform.torch_ops import multi_layer_block_kv_transfer
 
-    return _call(multi_layer_block_kv_transfer, request, paged, objects)
+    return _call(multi_layer_block_kv_transfer, request, paged, objects, id_sets=id_sets)
 
 
 def _vendor_ops_transfer(
@@ -104,10 +120,14 @@ def lmcache_musa_ops(
 
 
 def kvactors_op_transfer(
-    request: TransferRequest, paged: Any, objects: Sequence[torch.Tensor]
+    request: TransferRequest,
+    paged: Any,
+    objects: Sequence[torch.Tensor],
+    id_sets: Sequence[Sequence[int]] | None = None,
 ) -> Callable[[], None]:
     """A zero-argument callable making LMCache's DeviceOps call of the ``kvactors_cpu`` plugin
-    (``multi_layer_block_kv_transfer`` with LMCache's native argument types) for ``request``.
+    (``multi_layer_block_kv_transfer`` with LMCache's native argument types) for ``request``
+    (each call with the next of ``id_sets``' block ids when given).
 
     One ops instance per process, shared by every caller, as LMCache shares its resolved ops.
     """
@@ -115,4 +135,4 @@ def kvactors_op_transfer(
 
     if not _OPS:
         _OPS.append(KvactorsCpuOps())
-    return _call(_OPS[0].multi_layer_block_kv_transfer, request, paged, objects)
+    return _call(_OPS[0].multi_layer_block_kv_transfer, request, paged, objects, id_sets=id_sets)

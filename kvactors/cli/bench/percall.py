@@ -14,6 +14,12 @@ call with their order rotated every repetition, in one run:
   types (``kvactors.baselines`` entry point ``kvactors_op``, shipped by the adapter);
 * ``lmcache``: LMCache's torch path on the same operands (entry point ``lmcache_torch``).
 
+Every single-caller case of the small model runs twice: with the same block ids on every
+call (``ids=same``: a plan validated once is reused) and with other ids on every call
+(``ids=fresh``: more id sets than the plan cache holds, as LMCache's traffic brings other
+blocks of the same KV cache on most calls; the torch call then builds its index tensor from
+the call's id list, as any caller holding a list must).
+
 With ``callers=4`` every contender runs in 4 threads at once, each thread on its own chunk
 (and, for scatters, its own block ids); the figure is the per-call latency and the aggregate
 calls per second. Ratios are medians of the same run (``p50`` contender / ``p50`` torch);
@@ -29,6 +35,7 @@ from __future__ import annotations
 
 import argparse
 import contextlib
+import itertools
 import json
 import random
 import statistics
@@ -70,6 +77,7 @@ _FORMATS = {
 }
 CONTENDERS = ("torch", "runtime", "op", "lmcache")
 _BS, _TOKENS = 16, 256
+_ID_SETS = 384  # above the runtime's plan cache capacity (256)
 
 
 class PercallRow(msgspec.Struct, frozen=True, kw_only=True):
@@ -79,6 +87,9 @@ class PercallRow(msgspec.Struct, frozen=True, kw_only=True):
     layout: str
     direction: str
     callers: int
+    ids: str = "same"
+    """``same``: every call repeats its block ids; ``fresh``: every call brings other ids
+    (more sets than the plan cache holds), as LMCache's traffic does."""
     nbytes: int
     reps: int
     p50_us: dict[str, float]
@@ -132,8 +143,11 @@ class _Case:
             self.stacked, self.block_dim = self.pool, 1 + spec.axes.index("B")
         oshape = spec.object_shape(nl, _TOKENS, nh, hs)
         self.objects = [[torch.zeros(oshape, dtype=dtype)] for _ in range(callers)]
-        ids = random.Random(seed).sample(range(nb), bpo * callers)
+        rng = random.Random(seed)
+        ids = rng.sample(range(nb), bpo * callers)
         self.ids = [tuple(ids[c * bpo : (c + 1) * bpo]) for c in range(callers)]
+        # Per caller, more sets of other ids than the plan cache holds (fresh-id cases).
+        self.id_sets = [[tuple(rng.sample(range(nb), bpo)) for _ in range(_ID_SETS)]] * callers
         self.ids_t = [torch.tensor(i, dtype=torch.int64) for i in self.ids]
         self.spec, self.nl, self.nh, self.hs, self.bpo = spec, nl, nh, hs, bpo
         self.shape = ShapeDesc(
@@ -170,8 +184,22 @@ class _Case:
             return v.permute(1, 0, 2, 4, 3, 5)  # pool [L, P, B, H, S, D]
         return v.permute(1, 0, 2, 3, 4, 5)  # pool [L, P, B, S, H, D]
 
-    def torch_call(self, c: int, direction: Direction) -> Callable[[], None]:
+    def torch_call(self, c: int, direction: Direction, fresh: bool = False) -> Callable[[], None]:
         view, ids, dim, pool = self.chunk_view(c), self.ids_t[c], self.block_dim, self.stacked
+        if fresh:  # the index tensor is built from the call's id list, as any caller must
+            sets = itertools.cycle([list(i) for i in self.id_sets[c]])
+            tensor = torch.tensor
+            if direction is Direction.D2H:
+
+                def gather_fresh() -> None:
+                    torch.index_select(pool, dim, tensor(next(sets)), out=view)
+
+                return gather_fresh
+
+            def scatter_fresh() -> None:
+                pool.index_copy_(dim, tensor(next(sets)), view)
+
+            return scatter_fresh
         if direction is Direction.D2H:
 
             def gather() -> None:
@@ -186,24 +214,35 @@ class _Case:
 
 
 def _contenders(
-    cases: dict[str, _Case], c: int, direction: Direction, rt: Runtime
+    cases: dict[str, _Case], c: int, direction: Direction, rt: Runtime, fresh: bool = False
 ) -> dict[str, Callable[[], None]]:
     """Caller ``c``'s call of every contender, each on its own copy of the operands (same
-    shapes, ids and values): a contender's writes must not count as changes of another's."""
-    out: dict[str, Callable[[], None]] = {"torch": cases["torch"].torch_call(c, direction)}
+    shapes, ids and values): a contender's writes must not count as changes of another's.
+    ``fresh``: every call takes the next of the case's id sets."""
+    out: dict[str, Callable[[], None]] = {"torch": cases["torch"].torch_call(c, direction, fresh)}
     case = cases["runtime"]
     req, paged, objs = case.request(c, direction), case.paged, case.objects[c]
+    if fresh:
+        sets = itertools.cycle(case.id_sets[c])
+        replace = msgspec.structs.replace
 
-    def through() -> None:
-        rt.transfer(req, paged, objs)
+        def through_fresh() -> None:
+            rt.transfer(replace(req, block_ids=next(sets)), paged, objs)
 
-    out["runtime"] = through
+        out["runtime"] = through_fresh
+    else:
+
+        def through() -> None:
+            rt.transfer(req, paged, objs)
+
+        out["runtime"] = through
     for name, ep in (("op", "kvactors_op"), ("lmcache", "lmcache_torch")):
         make = _baseline(ep)
         if make is not None:
             case = cases[name]
+            args = (case.request(c, direction), case.paged, case.objects[c])
             with contextlib.suppress(ImportError):  # the adapter is there, lmcache is not
-                out[name] = make(case.request(c, direction), case.paged, case.objects[c])
+                out[name] = make(*args, case.id_sets[c]) if fresh else make(*args)
     return out
 
 
@@ -282,6 +321,7 @@ def _row(
     reps: int,
     times: dict[str, list[float]],
     rates: dict[str, float] | None,
+    ids: str = "same",
 ) -> PercallRow:
     p50 = {n: statistics.median(v) * 1e6 for n, v in times.items()}
     p99 = {n: _pct(v, 0.99) * 1e6 for n, v in times.items()}
@@ -294,6 +334,7 @@ def _row(
         layout=layout,
         direction="gather" if direction is Direction.D2H else "scatter",
         callers=callers,
+        ids=ids,
         nbytes=case.nbytes,
         reps=reps,
         p50_us=p50,
@@ -374,6 +415,13 @@ def run_percall_bench(
                             _row(case, model, layout, direction, n_callers, r, times, rates)
                         )
                         step(f"percall {model} {layout} {d} x{n_callers}")
+                        if n_callers == 1 and not big:  # other block ids on every call
+                            fresh = _contenders(cases, 0, direction, rt, fresh=True)
+                            times = _one_caller(fresh, r)
+                            rows.append(
+                                _row(case, model, layout, direction, 1, r, times, None, "fresh")
+                            )
+                            step(f"percall {model} {layout} {d} x1 fresh ids")
                     del cases, case, per
         plan_warm, plan_cold, ping = _planning(
             rt, _Case("small", "nhd", 1, seed), 200 if quick else 1000
@@ -390,7 +438,7 @@ def run_percall_bench(
 def format_percall(report: PercallReport) -> str:
     """The report as a text table (p50 latencies in us, ratios vs the single torch call)."""
     head = (
-        f"{'model':<6}{'layout':<8}{'dir':<8}{'call':>5}{'torch':>9}{'runtime':>9}"
+        f"{'model':<6}{'layout':<8}{'dir':<8}{'call':>5}{'ids':>6}{'torch':>9}{'runtime':>9}"
         f"{'op':>9}{'lmcache':>9}{'rt/t':>7}{'op/t':>7}{'op p99/p50':>11}{'t p99/p50':>10}"
         f"{'op/lmc':>8}"
     )
@@ -404,7 +452,7 @@ def format_percall(report: PercallReport) -> str:
         tp99 = f"{r.p99_us['torch'] / r.p50_us['torch']:10.2f}"  # the machine's own tail
         lmc = f"{r.op_vs_lmcache:8.2f}" if r.op_vs_lmcache is not None else " " * 7 + "-"
         lines.append(
-            f"{r.model:<6}{r.layout:<8}{r.direction:<8}{r.callers:>5}"
+            f"{r.model:<6}{r.layout:<8}{r.direction:<8}{r.callers:>5}{r.ids:>6}"
             f"{g(r.p50_us, 'torch')}{g(r.p50_us, 'runtime')}{g(r.p50_us, 'op')}"
             f"{g(r.p50_us, 'lmcache')}{g(r.vs_torch, 'runtime', '7.2f')}"
             f"{g(r.vs_torch, 'op', '7.2f')}{p99r}{tp99}{lmc}"
@@ -446,7 +494,11 @@ def plot_percall(report: PercallReport, path: str) -> None:
     ax.axhline(1.0, color="#7f7f7f", lw=1, label="one torch call")
     ax.set_xticks(
         range(len(rows)),
-        [f"{r.model} {r.layout}\n{r.direction} x{r.callers}" for r in rows],
+        [
+            f"{r.model} {r.layout}\n{r.direction} x{r.callers}"
+            + ("\nfresh ids" if r.ids == "fresh" else "")
+            for r in rows
+        ],
         fontsize=7,
         rotation=0,
     )
