@@ -59,12 +59,13 @@ class _Geometry:
     """What plans differing only in their block ids share: the operands' versions, and the
     latest plan validated in full (rebound for new ids)."""
 
-    __slots__ = ("entries", "template", "versions")
+    __slots__ = ("entries", "memo", "template", "versions")
 
     def __init__(self, plan: TransferPlan, versions: bytes) -> None:
         self.versions = versions  # the encoded version counters, one per tensor
         self.template = plan
         self.entries = 0  # plans of this geometry in the cache
+        self.memo: dict[Any, Any] = {}  # kernel facts that do not depend on the block ids
 
 
 class _Entry:
@@ -96,6 +97,7 @@ class PlanTicket:
         "memo",
         "meta",
         "paged",
+        "shared",
         "structure",
         "tensors",
         "versions",
@@ -119,6 +121,7 @@ class PlanTicket:
         self.entry: _Entry | None = None
         self.memo: dict[Any, Any] = {}
         self.advanced = False  # the lookup stored the versions this run leaves
+        self.shared: dict[Any, Any] = {}  # the geometry's memo (plans of other ids share it)
 
     @property
     def inference(self) -> bool:
@@ -264,7 +267,7 @@ class PlanCache:
             entry = self._plans.get(ticket.key)
             if entry is not None and entry.geometry.versions == versions:
                 self.hits += 1  # a statistic (concurrent hits may count once)
-                ticket.entry, ticket.memo = entry, entry.memo
+                ticket.entry, ticket.memo, ticket.shared = entry, entry.memo, entry.geometry.memo
                 return entry.plan, ticket
             geo = self._geometries.get(_geo_key(ticket, request))
             if geo is not None and geo.versions == versions:
@@ -308,7 +311,7 @@ class PlanCache:
         written = range(ticket.paged, n) if plan.direction == Direction.D2H else range(ticket.paged)
         entry = _Entry(plan, geo, gkey, written)
         geo.entries += 1
-        ticket.entry, ticket.memo = entry, entry.memo
+        ticket.entry, ticket.memo, ticket.shared = entry, entry.memo, geo.memo
         self._plans[ticket.key] = entry
         while len(self._plans) > self.capacity:
             self._drop(self._plans.pop(next(iter(self._plans))))

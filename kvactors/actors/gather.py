@@ -276,7 +276,12 @@ class GatherActor(Actor[GatherRequest]):
                         run_fast(plan, paged, objects)
                     else:
                         reused_kernel(
-                            plan, paged, objects, ticket.memo, inference=ticket.inference
+                            plan,
+                            paged,
+                            objects,
+                            ticket.memo,
+                            ticket.shared,
+                            inference=ticket.inference,
                         )(paged, objects)
                 else:
                     stream = lane.stream

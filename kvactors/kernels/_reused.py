@@ -43,17 +43,20 @@ def reused_kernel(
     paged: Any,
     objects: Sequence[torch.Tensor],
     memo: dict[Any, Any],
+    shared: dict[Any, Any] | None = None,
     *,
     inference: bool = False,
 ) -> Callable[[Any, Sequence[torch.Tensor]], None]:
     """The kernel ``kernel(paged, objects)`` of a plan the plan cache matched to these
-    operands (``memo`` is the plan's: the kernel is built on its first call and kept).
+    operands (``memo`` is the plan's: the kernel is built on its first call and kept;
+    ``shared`` is kept by every plan of these operands and request but other block ids: the
+    facts that do not depend on the ids are computed once for all of them).
 
     ``inference``: an operand is an inference tensor (made under ``torch.inference_mode``),
     which torch writes only in inference mode; the kernel then runs in it."""
     kernel: Callable[[Any, Sequence[torch.Tensor]], None] | None = memo.get(_KEY)
     if kernel is None:
-        kernel = _specialise(plan, paged, objects, memo)
+        kernel = _specialise(plan, paged, objects, memo, {} if shared is None else shared)
         if inference:
             kernel = _in_inference_mode(kernel)
         memo[_KEY] = kernel
@@ -80,16 +83,31 @@ def _first(paged: Any) -> torch.Tensor:
 
 
 def _specialise(
-    plan: TransferPlan, paged: Any, objects: Sequence[torch.Tensor], memo: dict[Any, Any]
+    plan: TransferPlan,
+    paged: Any,
+    objects: Sequence[torch.Tensor],
+    memo: dict[Any, Any],
+    shared: dict[Any, Any],
 ) -> Callable[[Any, Sequence[torch.Tensor]], None]:
     if plan.on_host and plan.segments:
         # A gather takes the stacked path first: on a small model it costs one torch call
         # less than the rows path's view plus index_select, at the same copy speed.
         unit0 = _first(paged)
         if plan.direction is Direction.D2H and plan.stacked is not None:
-            geo = _stacked_geometry(plan, unit0, objects)
-            if geo:
-                return _stacked_kernel(*geo)
+            layout = shared.get("stacked")
+            if layout is None:  # the views' geometry, the same for every block id
+                geo = _stacked_geometry(plan, unit0, objects)
+                layout = shared["stacked"] = (
+                    (geo[0], geo[1], tuple((obj, out) for obj, _, out in geo[2])) if geo else ()
+                )
+            if layout:
+                src_geo, dim, outs = layout
+                ids = plan.request.block_ids
+                steps = tuple(
+                    (obj, torch.tensor(ids[seg.start : seg.stop], dtype=torch.int64), out)
+                    for (obj, out), seg in zip(outs, plan.segments, strict=True)
+                )
+                return _stacked_kernel(src_geo, dim, steps)
         if plan.rows is not None:
             steps = _rows_steps(plan)
             if steps:
