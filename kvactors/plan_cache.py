@@ -273,6 +273,7 @@ class PlanCache:
             if geo is not None and geo.versions == versions:
                 template = geo.template
         plan = None if template is None else rebind_block_ids(template, request)
+        rebound = plan is not None
         if plan is None:
             plan = plan_transfer(
                 request,
@@ -286,9 +287,7 @@ class PlanCache:
         with self._lock:
             self.misses += 1
             if ticket is not None:
-                self._keep(
-                    plan, ticket, gkey, rebound=template is not None and plan is not template
-                )
+                self._keep(plan, ticket, gkey, rebound=rebound)
         return plan, ticket
 
     def _keep(self, plan: TransferPlan, ticket: PlanTicket, gkey: bytes, *, rebound: bool) -> None:
@@ -296,6 +295,9 @@ class PlanCache:
         # versions the lookup saw become the geometry's (same metadata: the key says so).
         if rebound:
             self.rebinds += 1
+        old = self._plans.pop(ticket.key, None)
+        if old is not None:  # first: dropping it may forget its geometry
+            self._drop(old)
         versions = _encode(ticket.versions)
         geo = self._geometries.get(gkey)
         if geo is None:
@@ -304,9 +306,6 @@ class PlanCache:
             geo.versions = versions
             if not rebound:
                 geo.template = plan
-        old = self._plans.pop(ticket.key, None)
-        if old is not None:
-            self._drop(old)
         n = len(ticket.tensors)
         written = range(ticket.paged, n) if plan.direction == Direction.D2H else range(ticket.paged)
         entry = _Entry(plan, geo, gkey, written)

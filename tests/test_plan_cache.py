@@ -399,3 +399,18 @@ def test_a_run_that_failed_validates_in_full_next_time() -> None:
     objs[0].add_(1)  # ...while somebody else wrote as often as the run would have
     cache.failed(ticket)
     assert _planned(cache, req, paged, objs)
+
+
+def test_a_replaced_or_evicted_plan_never_orphans_its_geometry() -> None:
+    cache = PlanCache("cpu", 0, capacity=2)
+    paged, objs = _operands()
+    cache.plan(_request(), paged, objs)  # ids (3, 5), in full
+    paged[0].add_(1)  # other versions: the same key validates in full, replacing its plan
+    cache.plan(_request(), paged, objs)
+    assert cache.rebinds == 0
+    cache.plan(_request(block_ids=(6, 1)), paged, objs)  # the geometry is still known
+    assert cache.rebinds == 1
+    cache.plan(_request(block_ids=(0, 7)), paged, objs)  # evicts (3, 5): capacity 2
+    cache.plan(_request(block_ids=(2, 4)), paged, objs)
+    assert cache.rebinds == 3
+    assert len(cache) == 2
