@@ -121,9 +121,8 @@ def run_fast(
     use_staging = (not plan.on_host) if staged is None else staged
     if not use_staging and not plan.on_host:
         raise TransferValidationError("device tensors need the staged path", field="staged")
-    if not use_staging and plan.rows is not None and memo is not None:  # noqa: SIM102
-        if _rows_host(plan, units[0], objs, memo):
-            return
+    if not use_staging and _one_call_host(plan, units[0], objs, {} if memo is None else memo):
+        return
     ctx = KernelContext(plan, units, memo)
     raw_objs = [raw(o) for o in objs]
     if not use_staging:
@@ -140,6 +139,24 @@ def run_fast(
         raw_objs,
         copy if copy is not None else _default_copy,
         scratch if scratch is not None else _thread_scratch(),
+    )
+
+
+def _one_call_host(
+    plan: TransferPlan, unit0: torch.Tensor, objs: Sequence[torch.Tensor], memo: dict[Any, Any]
+) -> bool:
+    """A host plan's one-call paths (those a reused plan takes), for a fresh request too: its
+    index tensors and view geometry are built once into ``memo`` (a throwaway dict when the
+    plan is not kept), which costs less than the per-segment views of the general path.
+    The rows path first (one ``memcpy`` per block plane: 0.96x of the C loop on NHD gathers,
+    the stacked gather 0.91x; and the stacked gather copies a whole padded MLA pool per call),
+    the stacked gather for the rest (HND). ``False`` (nothing moved) when neither applies."""
+    if plan.rows is not None:
+        return _rows_host(plan, unit0, objs, memo)
+    return (
+        plan.direction is Direction.D2H
+        and plan.stacked is not None
+        and _stacked_gather(plan, unit0, objs, memo)
     )
 
 
