@@ -82,8 +82,8 @@ def test_numpy_free_fallbacks_match(fmt: KVFormat, monkeypatch: pytest.MonkeyPat
 def test_numpy_free_gather_matches(
     fmt: KVFormat, alloc: str, monkeypatch: pytest.MonkeyPatch
 ) -> None:
-    # the host gather of a stacked non-tight layout (HND) goes through numpy void views;
-    # without numpy it must fall back to the fused index_select and give the same bytes
+    # without numpy the host gather builds its rows index with torch (numpy otherwise) and
+    # the per-plane paths use index_select instead of numpy take: the same bytes
     monkeypatch.setattr(_moves, "_NUMPY", False)
     both(mk(fmt, alloc=alloc), 1, [5, 0, 7, 2, 3, 6])
     both(mk(fmt, alloc=alloc), 1, [5, 6, 7, 1], skip=2)
