@@ -308,6 +308,28 @@ def test_hot_path_allocates_nothing_chunk_sized(
     assert py_bytes < chunk // 16, (py_bytes, chunk)
 
 
+@pytest.mark.parametrize("alloc", ALLOCS)
+@pytest.mark.parametrize("fmt", [NHD, HND, MLA, KVFormat.TWO_X_NL_X_NB_BS_NH_HS])
+@pytest.mark.parametrize("direction", [0, 1])
+def test_reused_plan_allocates_nothing_chunk_sized(
+    fmt: KVFormat, alloc: str, direction: int
+) -> None:
+    """A reused plan (the runtime's plan cache: memo kept, operands checked) copies nothing
+    chunk-sized either: no torch call may make a strided pool contiguous first (index_select
+    on dim 1 does, for MLA pools with padded blocks or gapped layers)."""
+    mla = fmt is MLA
+    c = mk(fmt, alloc=alloc, nl=4, nb=32, bs=16, nh=1 if mla else 4, hs=256 if mla else 64, bpo=8)
+    p, (paged, objs, _) = planned(c, direction, list(range(31, 7, -1)))
+    memo: dict[Any, Any] = {}
+    run_fast(p, paged, objs, memo=memo, checked=True)  # first use: the memo is built here
+    biggest, py_bytes = _allocated_bytes(
+        lambda: run_fast(p, paged, objs, memo=memo, checked=True)
+    )
+    chunk = objs[0].nbytes
+    assert biggest < chunk // 16, (biggest, chunk)
+    assert py_bytes < chunk // 16, (py_bytes, chunk)
+
+
 @pytest.mark.parametrize("fmt", [NHD, MLA, KVFormat.TWO_X_NL_X_NB_BS_NH_HS])
 @pytest.mark.parametrize("direction", [0, 1])
 def test_reused_plan_with_memo_matches_the_reference(fmt: KVFormat, direction: int) -> None:

@@ -246,15 +246,24 @@ def _stacked_geometry(
     src = unit0.as_strided(size, stride, sv.storage_offset).permute(order)
     # The chunk is [P, L, J, S, H, D]: swap P and L into the stacked axis order, then permute.
     out_order = [(1, 0, 2, 3, 4, 5)[i] for i in order]
+    dim = order.index(2)
+    # torch's index_select on dim 1 makes a non-contiguous source contiguous first (a copy of
+    # the whole pool per call: MLA pools with padded blocks or gapped layers, whose size-1
+    # axes sort last). A leading size-1 axis moves the block axis to 2, off that path.
+    lead = dim == 1 and not src.is_contiguous()
+    if lead:
+        src, dim = src.unsqueeze(0), 2
     steps = []
     for seg in plan.segments:
         out = object_view(plan.spec, objs[seg.obj], shape.nl, shape.nh, shape.hs, shape.bs)
         out = out.permute(out_order)
-        if out.shape[order.index(2)] != bpo:
+        if lead:
+            out = out.unsqueeze(0)
+        if out.shape[dim] != bpo:
             return ()
         ids = torch.tensor(plan.request.block_ids[seg.start : seg.stop], dtype=torch.int64)
         steps.append((seg.obj, ids, (out.shape, out.stride(), out.storage_offset())))
-    return (src.shape, src.stride(), src.storage_offset()), order.index(2), tuple(steps)
+    return (src.shape, src.stride(), src.storage_offset()), dim, tuple(steps)
 
 
 def _rows_steps(plan: TransferPlan) -> tuple[tuple[int, torch.Tensor, Any], ...]:
