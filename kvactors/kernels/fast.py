@@ -4,7 +4,10 @@ Theory of operation. :func:`run_fast` executes a validated :class:`~kvactors.pla
 one segment (object) at a time. It has two shapes:
 
 * Host path (paged tensors on the CPU): blocks move straight between the paged memory and the
-  host chunk with the paths of :mod:`kvactors.kernels._moves`.
+  host chunk. A plan with nothing but full segments takes a one-call path per object (the
+  rows view, else the stacked gather), with its index tensors and view geometry kept in the
+  plan's memo (a throwaway one for a fresh request); anything else the per-segment paths of
+  :mod:`kvactors.kernels._moves`.
 * Staged path (paged tensors on an accelerator): torch cannot index across devices, so a
   gather first collects the segment's blocks on the device into a staging buffer laid out like
   the chunk, then moves it with ONE ``copy(host_chunk, staging)`` through the backend's copy
@@ -285,13 +288,13 @@ def _rows_steps(plan: TransferPlan) -> tuple[tuple[int, torch.Tensor, Any], ...]
         ids_np = np.asarray(block_ids, dtype=np.int64) * g.block_rows
         flat_np = np.add.outer(np.asarray(g.plane_layer_rows, dtype=np.int64), ids_np)
         flat_np = flat_np.transpose(1, 0, 2).reshape(len(segs), -1)  # [segments, P*NL*bpo]
-        flat = torch.from_numpy(flat_np)
-        return tuple((seg.obj, flat[k], flat_np[k]) for k, seg in enumerate(segs))
+        flat = torch.from_numpy(flat_np).unbind(0)
+        return tuple(zip([seg.obj for seg in segs], flat, flat_np, strict=True))
     ids = torch.tensor(block_ids, dtype=torch.int64)
     base = torch.tensor(g.plane_layer_rows, dtype=torch.int64)
     idx = torch.add(base.view(1, -1, 1), ids.view(len(segs), 1, bpo), alpha=g.block_rows)
-    flat = idx.view(len(segs), -1)
-    return tuple((seg.obj, flat[k], None) for k, seg in enumerate(segs))
+    flat = idx.view(len(segs), -1).unbind(0)
+    return tuple((seg.obj, t, None) for seg, t in zip(segs, flat, strict=True))
 
 
 def _run_staged(
