@@ -151,9 +151,9 @@ def _one_call_host(
     """A host plan's one-call paths (those a reused plan takes), for a fresh request too: its
     index tensors and view geometry are built once into ``memo`` (a throwaway dict when the
     plan is not kept), which costs less than the per-segment views of the general path.
-    The rows path first (one ``memcpy`` per block plane: 0.96x of the C loop on NHD gathers,
-    the stacked gather 0.91x; and the stacked gather copies a whole padded MLA pool per call),
-    the stacked gather for the rest (HND). ``False`` (nothing moved) when neither applies."""
+    The rows path first (one ``memcpy`` per block plane: 0.96x of the C loop on 128 MiB NHD
+    gathers, the stacked gather 0.91x), the stacked gather for the rest (HND). ``False``
+    (nothing moved) when neither applies."""
     if plan.rows is not None:
         return _rows_host(plan, unit0, objs, memo)
     return (
@@ -277,9 +277,9 @@ def _rows_steps(plan: TransferPlan) -> tuple[tuple[int, torch.Tensor, Any], ...]
         return ()
     if plan.direction is not Direction.D2H and not numpy_usable():
         return ()
-    # Every segment's flat row index in a handful of torch calls (a fresh request pays for
-    # them, on caches its predecessor's copy just evicted): [segments, P*NL, bpo] at once.
-    # numpy where it is installed: its small calls cost a third of torch's there.
+    # Every segment's flat row index in a handful of calls (a fresh request pays for them, on
+    # caches its predecessor's copy just evicted): [segments, P*NL*bpo] at once, with numpy
+    # where it is installed (its small calls cost about a third of torch's there).
     segs = plan.segments
     block_ids = [plan.request.block_ids[seg.start : seg.stop] for seg in segs]
     if numpy_usable():
