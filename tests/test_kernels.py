@@ -322,9 +322,7 @@ def test_reused_plan_allocates_nothing_chunk_sized(
     p, (paged, objs, _) = planned(c, direction, list(range(31, 7, -1)))
     memo: dict[Any, Any] = {}
     run_fast(p, paged, objs, memo=memo, checked=True)  # first use: the memo is built here
-    biggest, py_bytes = _allocated_bytes(
-        lambda: run_fast(p, paged, objs, memo=memo, checked=True)
-    )
+    biggest, py_bytes = _allocated_bytes(lambda: run_fast(p, paged, objs, memo=memo, checked=True))
     chunk = objs[0].nbytes
     assert biggest < chunk // 16, (biggest, chunk)
     assert py_bytes < chunk // 16, (py_bytes, chunk)
