@@ -82,8 +82,8 @@ def test_numpy_free_fallbacks_match(fmt: KVFormat, monkeypatch: pytest.MonkeyPat
 def test_numpy_free_gather_matches(
     fmt: KVFormat, alloc: str, monkeypatch: pytest.MonkeyPatch
 ) -> None:
-    # the host gather of a stacked non-tight layout (HND) goes through numpy void views;
-    # without numpy it must fall back to the fused index_select and give the same bytes
+    # without numpy the host gather builds its rows index with torch (numpy otherwise) and
+    # the per-plane paths use index_select instead of numpy take: the same bytes
     monkeypatch.setattr(_moves, "_NUMPY", False)
     both(mk(fmt, alloc=alloc), 1, [5, 0, 7, 2, 3, 6])
     both(mk(fmt, alloc=alloc), 1, [5, 6, 7, 1], skip=2)
@@ -304,6 +304,26 @@ def test_hot_path_allocates_nothing_chunk_sized(
     )
     chunk = objs[0].nbytes
     assert scratch.allocations == (1 if staged else 0)
+    assert biggest < chunk // 16, (biggest, chunk)
+    assert py_bytes < chunk // 16, (py_bytes, chunk)
+
+
+@pytest.mark.parametrize("alloc", ALLOCS)
+@pytest.mark.parametrize("fmt", [NHD, HND, MLA, KVFormat.TWO_X_NL_X_NB_BS_NH_HS])
+@pytest.mark.parametrize("direction", [0, 1])
+def test_reused_plan_allocates_nothing_chunk_sized(
+    fmt: KVFormat, alloc: str, direction: int
+) -> None:
+    """A reused plan (the runtime's plan cache: memo kept, operands checked) copies nothing
+    chunk-sized either: no torch call may make a strided pool contiguous first (index_select
+    on dim 1 does, for MLA pools with padded blocks or gapped layers)."""
+    mla = fmt is MLA
+    c = mk(fmt, alloc=alloc, nl=4, nb=32, bs=16, nh=1 if mla else 4, hs=256 if mla else 64, bpo=8)
+    p, (paged, objs, _) = planned(c, direction, list(range(31, 7, -1)))
+    memo: dict[Any, Any] = {}
+    run_fast(p, paged, objs, memo=memo, checked=True)  # first use: the memo is built here
+    biggest, py_bytes = _allocated_bytes(lambda: run_fast(p, paged, objs, memo=memo, checked=True))
+    chunk = objs[0].nbytes
     assert biggest < chunk // 16, (biggest, chunk)
     assert py_bytes < chunk // 16, (py_bytes, chunk)
 

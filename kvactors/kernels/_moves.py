@@ -15,14 +15,16 @@ path). The paths, in order of preference (measured in performance.md and bench_t
   planes as single items (``take`` into the chunk's contiguous slots for a gather, fancy
   assignment for a scatter): one move per block plane, and a numpy call costs a fraction of
   a torch call, which matters at 64 calls per chunk.
-* stacked: one strided view covers all layers but blocks are not token-major (HND). On the
-  host, both directions are one numpy assignment per run of consecutive block ids between
-  ``void_view``s of the stacked memory and of the chunk, whose items are whole ``HS`` runs:
-  the transpose becomes a strided copy of ``HS*itemsize``-byte items, near the speed of a C
-  ``memcpy`` loop over those runs (torch's strided copy kernel is 10-20 %
-  slower). Without numpy (and on the staged device path) gather is one ``index_select`` on
-  the view in physical order, writing a permuted view of the chunk (the transpose is fused),
-  and scatter one ``copy_`` per run of consecutive block ids.
+* stacked: one strided view covers all layers but blocks are not token-major (HND). Gather
+  is one ``index_select`` on the view in physical order, writing a permuted view of the chunk
+  (the transpose is fused; torch copies ``HS`` runs, 0.9x of a C ``memcpy`` loop over the same
+  runs). A host scatter is ONE numpy fancy assignment per segment between ``void_view``s of
+  the stacked memory (``[L, P, B, S, H]``, items whole ``HS`` runs) and of the chunk, indexed
+  by broadcast ``(plane, layer, block id)`` arrays in the chunk's order: numpy then walks the
+  chunk sequentially, token-major, which is the fast order of the C loop (per run of
+  consecutive block ids, or in the paged memory's order, it is 10-20 % slower, and torch's
+  ``copy_`` / ``index_copy_`` slower still). Without numpy (and on the staged device path)
+  scatter is one ``copy_`` per run of consecutive block ids.
 * units: anything else, one call per paged tensor (physical order again).
 
 No path allocates anything chunk-sized: outputs are views of the target, inputs views of the
@@ -64,8 +66,6 @@ def gather_segment(
 ) -> None:
     """Copy the segment's blocks from the paged memory into ``target`` (raw, chunk-shaped)."""
     n, j0 = seg.count, seg.slot0
-    if use_numpy and ctx.rows is None and _stacked_runs(ctx, seg, target, gather=True):
-        return
     if ctx.rows is not None:
         idx = ctx.row_index(seg)
         if n == ctx.bpo:
@@ -113,7 +113,7 @@ def scatter_segment(
             for i in range(idx.size(0)):
                 rows[idx[i].numpy()] = void_view(sv[i, j0 : j0 + n])
         return
-    if use_numpy and _stacked_runs(ctx, seg, source, gather=False):
+    if use_numpy and _stacked_scatter(ctx, seg, source):
         return
     if use_numpy and ctx.plan.tight and ctx.stacked is None:
         sv = ctx.plane_rows(source)[:, j0 : j0 + n]
@@ -161,20 +161,20 @@ def _planes_take(ctx: KernelContext, seg: Segment, tv: torch.Tensor) -> bool:
     return True
 
 
-def _stacked_runs(ctx: KernelContext, seg: Segment, chunk: torch.Tensor, *, gather: bool) -> bool:
-    """The stacked host path through numpy (module docstring); ``False`` when it does not
+def _stacked_scatter(ctx: KernelContext, seg: Segment, chunk: torch.Tensor) -> bool:
+    """The stacked host scatter through numpy (module docstring); ``False`` when it does not
     apply (no stacked view, or an ``HS`` axis that is not contiguous), nothing moved then."""
     if ctx.stacked is None:
         return False
     paged = ctx.stacked_void()
     if paged is None:
         return False
-    ov = ctx.target_view(chunk).permute(1, 0, 2, 3, 4, 5)[:, :, seg.slot0 : seg.slot0 + seg.count]
-    obj = void_view(ov)
+    ov = ctx.target_view(chunk)[:, :, seg.slot0 : seg.slot0 + seg.count]
+    obj = void_view(ov)  # [P, L, n, S, H]
     assert obj is not None  # chunks are contiguous
-    for k, b, r in block_runs(ctx.plan.request.block_ids[seg.start : seg.stop]):
-        if gather:
-            obj[:, :, k : k + r] = paged[:, :, b : b + r]
-        else:
-            paged[:, :, b : b + r] = obj[:, :, k : k + r]
+    # Advanced indices on the paged axes (L, P, B), broadcast to the chunk's (P, L, n) order.
+    layers = torch.arange(ctx.nl).view(1, -1, 1).numpy()
+    planes = torch.arange(ctx.planes).view(-1, 1, 1).numpy()
+    blocks = ctx.ids(seg, _CPU).view(1, 1, -1).numpy()
+    paged[layers, planes, blocks] = obj
     return True

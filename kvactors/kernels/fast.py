@@ -4,7 +4,10 @@ Theory of operation. :func:`run_fast` executes a validated :class:`~kvactors.pla
 one segment (object) at a time. It has two shapes:
 
 * Host path (paged tensors on the CPU): blocks move straight between the paged memory and the
-  host chunk with the paths of :mod:`kvactors.kernels._moves`.
+  host chunk. A plan with nothing but full segments takes a one-call path per object (the
+  rows view, else the stacked gather), with its index tensors and view geometry kept in the
+  plan's memo (a throwaway one for a fresh request); anything else the per-segment paths of
+  :mod:`kvactors.kernels._moves`.
 * Staged path (paged tensors on an accelerator): torch cannot index across devices, so a
   gather first collects the segment's blocks on the device into a staging buffer laid out like
   the chunk, then moves it with ONE ``copy(host_chunk, staging)`` through the backend's copy
@@ -121,9 +124,8 @@ def run_fast(
     use_staging = (not plan.on_host) if staged is None else staged
     if not use_staging and not plan.on_host:
         raise TransferValidationError("device tensors need the staged path", field="staged")
-    if not use_staging and plan.rows is not None and memo is not None:  # noqa: SIM102
-        if _rows_host(plan, units[0], objs, memo):
-            return
+    if not use_staging and _one_call_host(plan, units[0], objs, {} if memo is None else memo):
+        return
     ctx = KernelContext(plan, units, memo)
     raw_objs = [raw(o) for o in objs]
     if not use_staging:
@@ -140,6 +142,24 @@ def run_fast(
         raw_objs,
         copy if copy is not None else _default_copy,
         scratch if scratch is not None else _thread_scratch(),
+    )
+
+
+def _one_call_host(
+    plan: TransferPlan, unit0: torch.Tensor, objs: Sequence[torch.Tensor], memo: dict[Any, Any]
+) -> bool:
+    """A host plan's one-call paths (those a reused plan takes), for a fresh request too: its
+    index tensors and view geometry are built once into ``memo`` (a throwaway dict when the
+    plan is not kept), which costs less than the per-segment views of the general path.
+    The rows path first (one ``memcpy`` per block plane: 0.96x of the C loop on 128 MiB NHD
+    gathers, the stacked gather 0.91x), the stacked gather for the rest (HND). ``False``
+    (nothing moved) when neither applies."""
+    if plan.rows is not None:
+        return _rows_host(plan, unit0, objs, memo)
+    return (
+        plan.direction is Direction.D2H
+        and plan.stacked is not None
+        and _stacked_gather(plan, unit0, objs, memo)
     )
 
 
@@ -229,15 +249,24 @@ def _stacked_geometry(
     src = unit0.as_strided(size, stride, sv.storage_offset).permute(order)
     # The chunk is [P, L, J, S, H, D]: swap P and L into the stacked axis order, then permute.
     out_order = [(1, 0, 2, 3, 4, 5)[i] for i in order]
+    dim = order.index(2)
+    # torch's index_select on dim 1 makes a non-contiguous source contiguous first (a copy of
+    # the whole pool per call: MLA pools with padded blocks or gapped layers, whose size-1
+    # axes sort last). A leading size-1 axis moves the block axis to 2, off that path.
+    lead = dim == 1 and not src.is_contiguous()
+    if lead:
+        src, dim = src.unsqueeze(0), 2
     steps = []
     for seg in plan.segments:
         out = object_view(plan.spec, objs[seg.obj], shape.nl, shape.nh, shape.hs, shape.bs)
         out = out.permute(out_order)
-        if out.shape[order.index(2)] != bpo:
+        if lead:
+            out = out.unsqueeze(0)
+        if out.shape[dim] != bpo:
             return ()
         ids = torch.tensor(plan.request.block_ids[seg.start : seg.stop], dtype=torch.int64)
         steps.append((seg.obj, ids, (out.shape, out.stride(), out.storage_offset())))
-    return (src.shape, src.stride(), src.storage_offset()), order.index(2), tuple(steps)
+    return (src.shape, src.stride(), src.storage_offset()), dim, tuple(steps)
 
 
 def _rows_steps(plan: TransferPlan) -> tuple[tuple[int, torch.Tensor, Any], ...]:
@@ -248,13 +277,24 @@ def _rows_steps(plan: TransferPlan) -> tuple[tuple[int, torch.Tensor, Any], ...]
         return ()
     if plan.direction is not Direction.D2H and not numpy_usable():
         return ()
-    base = torch.tensor(g.plane_layer_rows, dtype=torch.int64).view(-1, 1)
-    steps = []
-    for seg in plan.segments:
-        ids = torch.tensor(plan.request.block_ids[seg.start : seg.stop], dtype=torch.int64)
-        idx = (base + ids.view(1, -1) * g.block_rows).view(-1)
-        steps.append((seg.obj, idx, idx.numpy() if numpy_usable() else None))
-    return tuple(steps)
+    # Every segment's flat row index in a handful of calls (a fresh request pays for them, on
+    # caches its predecessor's copy just evicted): [segments, P*NL*bpo] at once, with numpy
+    # where it is installed (its small calls cost about a third of torch's there).
+    segs = plan.segments
+    block_ids = [plan.request.block_ids[seg.start : seg.stop] for seg in segs]
+    if numpy_usable():
+        import numpy as np
+
+        ids_np = np.asarray(block_ids, dtype=np.int64) * g.block_rows
+        flat_np = np.add.outer(np.asarray(g.plane_layer_rows, dtype=np.int64), ids_np)
+        flat_np = flat_np.transpose(1, 0, 2).reshape(len(segs), -1)  # [segments, P*NL*bpo]
+        flat = torch.from_numpy(flat_np).unbind(0)
+        return tuple(zip([seg.obj for seg in segs], flat, flat_np, strict=True))
+    ids = torch.tensor(block_ids, dtype=torch.int64)
+    base = torch.tensor(g.plane_layer_rows, dtype=torch.int64)
+    idx = torch.add(base.view(1, -1, 1), ids.view(len(segs), 1, bpo), alpha=g.block_rows)
+    flat = idx.view(len(segs), -1).unbind(0)
+    return tuple((seg.obj, t, None) for seg, t in zip(segs, flat, strict=True))
 
 
 def _run_staged(

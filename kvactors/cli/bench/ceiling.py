@@ -132,7 +132,8 @@ def ceiling_movers(
     heads = 1 if spec.is_mla else nh
     # The runs inside one piece: the chunk side is token-major [S][H][D], contiguous.
     orders: list[tuple[int, int, int, int, int, int, int]]  # na, nb, paged a/b, chunk a/b, run
-    if s_h == hs and s_s == heads * hs:
+    # One head (MLA): the head axis is a size-1 axis, its stride means nothing.
+    if (heads == 1 or s_h == hs) and s_s == heads * hs:
         orders = [(1, 1, 0, 0, 0, 0, bs * heads * hs * esz)]  # the block plane is one run
     else:
         run = hs * esz
