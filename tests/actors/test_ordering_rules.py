@@ -119,7 +119,7 @@ async def test_rule3_operands_owned_until_device_completed() -> None:
     def copy(dst: torch.Tensor = dst, src: torch.Tensor = src) -> None:
         dst.copy_(src)
 
-    launched = stream.ask_nowait(Launch(transfer_id=5), Work(copy, keepalive=(dst, src)))
+    launched = stream.ask_nowait(Launch(transfer_id=5), Work(copy))
     del copy, src
     await _until(backend, lambda b: b.queued(0) == 1)
     gc.collect()
@@ -148,7 +148,7 @@ async def test_rule2_ipc_owner_closed_only_after_stream_sync() -> None:
         def write(view: torch.Tensor = view) -> None:
             view.fill_(3.0)
 
-        stream.ask_nowait(Launch(transfer_id=1), Work(write, keepalive=view))
+        stream.ask_nowait(Launch(transfer_id=1), Work(write))
         del write, view
         closing = ipc.ask_nowait(CloseContext(context_id=1, stream_handles=(0,)))
         await _until(backend, lambda b: b.sync_waiters >= 1)
