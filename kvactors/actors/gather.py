@@ -245,11 +245,12 @@ class GatherActor(Actor[GatherRequest]):
         request, paged, objects = self.backend.prepare_transfer(request, paged, objects)
         plan, ticket = self.plans.lookup(request, paged, objects)
         memo = None if ticket is None else ticket.memo
+        copy = self.backend.copy_  # the device's copy policy (rule 6), as on the lane
         kernel = self.backend.transfer_kernel(
             plan,
             paged,
             objects,
-            lambda: run_fast(plan, paged, objects, memo=memo, checked=memo is not None),
+            lambda: run_fast(plan, paged, objects, copy=copy, memo=memo, checked=memo is not None),
         )
         if not lane.claim_inline():
             return None
