@@ -209,7 +209,15 @@ class StreamActor(Actor[StreamRequest]):
                 backend.launch(stream, lease.fn)
                 marker = backend.record_marker(stream)
             except BaseException as exc:
-                done(exc)
+                # What the launch enqueued before it failed (a kernel failing between two
+                # copies) still runs: keep the lease and report once the stream is past it.
+                failure = exc
+                try:
+                    marker = backend.record_marker(stream)
+                except Exception:
+                    done(failure)  # no marker to wait on
+                    return
+                lane.watch(marker, lease, lambda _err: done(failure))
                 return
             if enqueued is not None:
                 post(enqueued)
