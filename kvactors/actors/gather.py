@@ -264,6 +264,10 @@ class GatherActor(Actor[GatherRequest]):
                 backend.record_marker(lane.stream).synchronize()
                 ok = True
             except BaseException as exc:
+                # What the launch enqueued before it failed still runs: the caller may reuse
+                # its operands once this raises, so wait for the stream first (own until done).
+                with contextlib.suppress(Exception):
+                    backend.record_marker(lane.stream).synchronize()
                 failure = _inline_failed(exc, transfer_id, f"{backend.kind}:{self.index}")
                 if failure is exc:
                     raise
