@@ -208,9 +208,9 @@ class GatherActor(Actor[GatherRequest]):
         def settled_early() -> bool:
             return env not in self._deferred
 
-        # Own until done (rule 3): the lane keeps ``work``, so ``kernel`` and what it
-        # references (``torch_kernel``'s operands, every backend kernel wraps it; the
-        # ticket's tensors), until the device completed it. No separate keepalive.
+        # Own until done (rule 3): the lane keeps ``work`` until the device completed it, and
+        # with it ``kernel``, which references the operands (through ``torch_kernel``, which
+        # every backend kernel wraps, and the plan ticket's tensors). No separate keepalive.
         work = Work(kernel, on_enqueued=None if msg.complete else on_enqueued)
         try:
             stream.ask_into(_Callback(on_done), launch, work)
