@@ -38,7 +38,7 @@ def _operands(n: int) -> tuple[list[torch.Tensor], list[torch.Tensor]]:
 
 class _Log:
     def __init__(self) -> None:
-        self.lock = threading.Lock()
+        self.lock = threading.Condition()
         self.events: list[tuple[str, int, str, Any]] = []
         self.loop_threads: set[str] = set()
 
@@ -46,6 +46,14 @@ class _Log:
         with self.lock:
             self.loop_threads.add(threading.current_thread().name)
             self.events.append(("started", call.seq, call.op, call.message))
+            self.lock.notify_all()
+
+    def wait_started(self, n: int) -> bool:
+        """Block until ``n`` calls were admitted (bounded; a hang fails, time never decides)."""
+        with self.lock:
+            return self.lock.wait_for(
+                lambda: sum(e[0] == "started" for e in self.events) >= n, 10.0
+            )
 
     def call_finished(
         self, call: Call, seconds: float, result: Any, error: BaseException | None
@@ -64,6 +72,7 @@ async def test_admission_order_own_ids_and_settled_outcomes() -> None:
         store = rt.atransfer(_request((1, 2)), paged, objs)
         fence = rt.afence([2])
         assert backend.wait_for(lambda b: b.queued() == 1)
+        assert log.wait_started(2)  # the lane may launch the store before the loop admits the fence
         started = [e for e in log.events if e[0] == "started"]
         assert [(e[1], e[2]) for e in started] == [(1, "transfer"), (2, "fence")]
         assert not [e for e in log.events if e[0] == "finished"]  # both still in flight

@@ -223,9 +223,10 @@ class GatherActor(Actor[GatherRequest]):
         def settled_early() -> bool:
             return env not in self._deferred
 
-        work = Work(
-            kernel, keepalive=(paged, objects), on_enqueued=None if msg.complete else on_enqueued
-        )
+        # Own until done (rule 3): the lane keeps ``work`` until the device completed it, and
+        # with it ``kernel``, which references the operands (through ``torch_kernel``, which
+        # every backend kernel wraps, and the plan ticket's tensors). No separate keepalive.
+        work = Work(kernel, on_enqueued=None if msg.complete else on_enqueued)
         try:
             stream.ask_into(_Callback(on_done), launch, work)
         except Exception as exc:
@@ -292,7 +293,12 @@ class GatherActor(Actor[GatherRequest]):
                             paged,
                             objects,
                             lambda: run_fast(
-                                plan, paged, objects, memo=memo, checked=memo is not None
+                                plan,
+                                paged,
+                                objects,
+                                copy=backend.copy_,  # the device's copy policy (rule 6)
+                                memo=memo,
+                                checked=memo is not None,
                             ),
                         ),
                     )
@@ -300,6 +306,12 @@ class GatherActor(Actor[GatherRequest]):
                 ok = True
             except BaseException as exc:
                 plans.failed(ticket)
+                if not plain:
+                    # What the launch enqueued before it failed still runs: the caller may
+                    # reuse its operands once this raises, so wait for the stream first (own
+                    # until done).
+                    with contextlib.suppress(Exception):
+                        backend.record_marker(lane.stream).synchronize()
                 failure = _inline_failed(exc, transfer_id, f"{backend.kind}:{self.index}")
                 if failure is exc:
                     raise

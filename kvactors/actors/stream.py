@@ -59,20 +59,20 @@ _log = logging.getLogger("kvactors.actors.stream")
 
 @final
 class Work:
-    """The operand bundle of a :class:`Launch`: the device work, what it must keep alive, and
-    optionally ``on_enqueued``, called on the loop once the work is enqueued on the stream
-    (before it completed; the Launch itself is answered at completion)."""
+    """The operand bundle of a :class:`Launch`: the device work ``fn`` and optionally
+    ``on_enqueued``, called on the loop once the work is enqueued on the stream (before it
+    completed; the Launch itself is answered at completion).
 
-    __slots__ = ("fn", "keepalive", "on_enqueued")
+    ``fn`` is the lease: the lane keeps it until the work's marker completed, so whatever it
+    references (the tensors it reads and writes) stays alive until then (rule 3). A closure
+    that must own more than it touches references that too."""
+
+    __slots__ = ("fn", "on_enqueued")
 
     def __init__(
-        self,
-        fn: Callable[[], None],
-        keepalive: Any = None,
-        on_enqueued: Callable[[], None] | None = None,
+        self, fn: Callable[[], None], on_enqueued: Callable[[], None] | None = None
     ) -> None:
         self.fn = fn
-        self.keepalive = keepalive
         self.on_enqueued = on_enqueued
 
 
@@ -209,7 +209,15 @@ class StreamActor(Actor[StreamRequest]):
                 backend.launch(stream, lease.fn)
                 marker = backend.record_marker(stream)
             except BaseException as exc:
-                done(exc)
+                # What the launch enqueued before it failed (a kernel failing between two
+                # copies) still runs: keep the lease and report once the stream is past it.
+                failure = exc
+                try:
+                    marker = backend.record_marker(stream)
+                except Exception:
+                    done(failure)  # no marker to wait on
+                    return
+                lane.watch(marker, lease, lambda _err: done(failure))
                 return
             if enqueued is not None:
                 post(enqueued)

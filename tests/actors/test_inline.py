@@ -8,6 +8,7 @@ never on time.
 from __future__ import annotations
 
 import threading
+from typing import TYPE_CHECKING
 
 import torch
 
@@ -15,10 +16,16 @@ from kvactors.actors.group import DeviceActors
 from kvactors.actors.lane import Lane
 from kvactors.devices.cpu import CpuBackend
 from kvactors.devices.manual import ManualBackend
+from kvactors.errors import TransferFailedError
 from kvactors.layouts import Direction, KVFormat, ShapeDesc
 from kvactors.plans import TransferRequest
 from kvactors.protocols.gather import Fence, Fenced
 from kvactors.runtime import Runtime
+
+if TYPE_CHECKING:
+    from collections.abc import Callable
+
+    from kvactors.devices.base import StreamLike
 
 NL, NB, BS, NH, HS = 2, 8, 4, 2, 8
 T = 2 * BS
@@ -203,3 +210,46 @@ def test_complete_mode_returns_only_after_the_device_ran() -> None:
         backend.release()
         t.join(10)
         assert returned.is_set()
+
+
+class _LaunchFailsAfterEnqueue(ManualBackend):
+    """A device whose launch enqueued work and then failed (an allocation failing between
+    two copies of one kernel, say): the enqueued part still runs on the stream."""
+
+    def launch(self, stream: StreamLike, fn: Callable[[], None]) -> None:
+        super().launch(stream, fn)
+        raise RuntimeError("launch failed after enqueueing work")
+
+
+def test_failed_inline_launch_returns_only_after_the_stream_ran_what_it_enqueued() -> None:
+    backend = _LaunchFailsAfterEnqueue()
+    with Runtime(backend, inline=True) as rt:
+        paged, objs = _operands()
+        errors: list[BaseException] = []
+        returned = threading.Event()
+
+        def caller() -> None:
+            try:
+                rt.transfer(_request(), paged, objs)
+            except BaseException as exc:
+                errors.append(exc)
+            finally:
+                returned.set()
+
+        t = threading.Thread(target=caller)
+        t.start()
+        try:
+            # The caller waits in the stream sync behind the enqueued work; one that returned
+            # at once (free to reuse its chunks while the device still writes) never does.
+            waited = backend.wait_for(lambda b: b.queued() == 1 and b.sync_waiters >= 1)
+            assert waited, "the failed inline transfer returned before its enqueued work ran"
+            assert not returned.is_set()
+        finally:
+            backend.release()
+        t.join(10)
+        assert returned.is_set()
+        assert len(errors) == 1
+        assert isinstance(errors[0], TransferFailedError)
+        assert "launch failed after enqueueing work" in str(errors[0])
+        assert backend.use_after_free == 0
+        assert rt.statistics().transfers_failed == 1

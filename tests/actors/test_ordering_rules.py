@@ -22,7 +22,7 @@ from kvactors.actors.ipc_owner import IPCOwnerActor
 from kvactors.actors.outbox import Outbox
 from kvactors.actors.stream import Work
 from kvactors.devices.manual import ManualBackend
-from kvactors.errors import IPCError
+from kvactors.errors import IPCError, TransferFailedError
 from kvactors.protocols.ipc import CloseContext, OpenHandle
 from kvactors.protocols.stream import (
     EventRecord,
@@ -35,7 +35,9 @@ from kvactors.protocols.stream import (
 )
 
 if TYPE_CHECKING:
-    from kvactors.devices.base import IPCHandle, IPCOwner
+    from collections.abc import Callable
+
+    from kvactors.devices.base import IPCHandle, IPCOwner, StreamLike
 
 
 def _directory(backend: ManualBackend) -> StreamDirectory:
@@ -119,7 +121,7 @@ async def test_rule3_operands_owned_until_device_completed() -> None:
     def copy(dst: torch.Tensor = dst, src: torch.Tensor = src) -> None:
         dst.copy_(src)
 
-    launched = stream.ask_nowait(Launch(transfer_id=5), Work(copy, keepalive=(dst, src)))
+    launched = stream.ask_nowait(Launch(transfer_id=5), Work(copy))
     del copy, src
     await _until(backend, lambda b: b.queued(0) == 1)
     gc.collect()
@@ -131,6 +133,45 @@ async def test_rule3_operands_owned_until_device_completed() -> None:
     await streams.stop(timeout=5.0)
     gc.collect()
     assert src_ref() is None, "operand leaked after the copy completed"
+
+
+class _LaunchFailsAfterEnqueue(ManualBackend):
+    """A device whose launch enqueued work and then failed (an allocation failing between
+    two copies of one kernel, say): the enqueued part still runs on the stream."""
+
+    def launch(self, stream: StreamLike, fn: Callable[[], None]) -> None:
+        super().launch(stream, fn)
+        raise RuntimeError("launch failed after enqueueing work")
+
+
+async def test_rule3_failed_launch_keeps_operands_until_the_stream_ran_what_it_enqueued() -> None:
+    backend = _LaunchFailsAfterEnqueue()
+    streams = _directory(backend)
+    stream = streams.get(0)
+    dst = torch.zeros(8)
+    src = torch.arange(8, dtype=torch.float32)
+    src_ref = weakref.ref(src)
+
+    def copy(dst: torch.Tensor = dst, src: torch.Tensor = src) -> None:
+        dst.copy_(src)
+
+    launched = stream.ask_nowait(Launch(transfer_id=6), Work(copy))
+    del copy, src
+    # The lane handles the failure by watching the stream past the enqueued work (its reaper
+    # waits in the stream sync); a lane that gave the lease back at once never gets there.
+    watched = await asyncio.to_thread(
+        backend.wait_for, lambda b: b.queued(0) == 1 and b.sync_waiters >= 1, 10.0
+    )
+    assert watched, "the failed launch was answered without waiting for the work it enqueued"
+    gc.collect()
+    assert src_ref() is not None, "operand dropped while a failed launch's work was queued"
+    assert not launched.done(), "a failed launch was reported before its enqueued work ran"
+    backend.release()
+    with pytest.raises(TransferFailedError, match="launch failed after enqueueing work"):
+        await launched
+    assert backend.use_after_free == 0
+    assert torch.equal(dst, torch.arange(8, dtype=torch.float32))
+    await streams.stop(timeout=5.0)
 
 
 async def test_rule2_ipc_owner_closed_only_after_stream_sync() -> None:
@@ -148,7 +189,7 @@ async def test_rule2_ipc_owner_closed_only_after_stream_sync() -> None:
         def write(view: torch.Tensor = view) -> None:
             view.fill_(3.0)
 
-        stream.ask_nowait(Launch(transfer_id=1), Work(write, keepalive=view))
+        stream.ask_nowait(Launch(transfer_id=1), Work(write))
         del write, view
         closing = ipc.ask_nowait(CloseContext(context_id=1, stream_handles=(0,)))
         await _until(backend, lambda b: b.sync_waiters >= 1)

@@ -58,7 +58,7 @@ class _Rig:
         def write() -> None:
             view.fill_(3.0)
 
-        return stream.ask_nowait(Launch(transfer_id=handle), Work(write, keepalive=view))
+        return stream.ask_nowait(Launch(transfer_id=handle), Work(write))
 
     async def wait(self, predicate: Any) -> bool:
         return await asyncio.to_thread(self.backend.wait_for, predicate, 10.0)

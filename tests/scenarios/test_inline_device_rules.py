@@ -1,0 +1,53 @@
+"""``Runtime(inline=True)`` on an accelerator keeps the device's copy rules.
+
+On CPU the runtime runs idle blocking transfers on the caller's thread by default; on MLU and
+MUSA only when asked (``inline=True``). Either way the transfer must copy as the lane would:
+rule 6 (blocking strided D2H) comes from the backend's copy policy (``Backend.copy_``), and
+the fake vendors' ``strided_d2h_bug`` knob reproduces torch_mlu's bug deterministically (an
+asynchronous device-to-host copy into a non-contiguous host slice leaves zeros there, even
+after a synchronize). A gather whose last chunk is partial copies into such a slice.
+"""
+
+from __future__ import annotations
+
+from typing import TYPE_CHECKING
+
+import pytest
+
+from kvactors.layouts import Direction
+from kvactors.runtime import Runtime
+from kvactors.testing import fake_vendor
+from tests.scenarios._kv import expected_gather, objects, paged, request, same
+
+if TYPE_CHECKING:
+    from kvactors.devices.base import Backend
+
+IDS = (2, 7, 9)  # three blocks, two per chunk: the second chunk is partial
+
+
+def _backend(kind: str) -> Backend:
+    if kind == "mlu":
+        from kvactors.devices.mlu.backend import MluBackend
+
+        return MluBackend(layout_source="resolved")  # the engine resolved NHD explicitly
+    from kvactors.devices.musa.backend import MusaBackend
+
+    return MusaBackend()
+
+
+@pytest.mark.parametrize("inline", [False, True], ids=["mailbox", "inline"])
+@pytest.mark.parametrize("kind", ["mlu", "musa"])
+def test_rule6_partial_chunk_gather_is_exact_on_both_routes(kind: str, inline: bool) -> None:
+    with fake_vendor(kind, strided_d2h_bug=True, seed=1) as fake:
+        host = paged(3)
+        src = [fake.adopt(t) for t in host]
+        with Runtime(_backend(kind), inline=inline) as rt:
+            assert rt.inline is inline
+            out = [o.pin_memory() for o in objects(2)]
+            rt.transfer(request(Direction.D2H, IDS), src, out)
+            stats = rt.statistics()
+        launches = sum(a.processed for a in stats.actors if a.name.startswith("stream:"))
+        assert launches == (0 if inline else 1)  # the route asked for is the route taken
+        want = expected_gather(host, IDS)
+        exact = all(same(a, b) for a, b in zip(out, want, strict=True))
+        assert exact, "a strided device-to-host copy was not blocking: the chunk holds zeros"
