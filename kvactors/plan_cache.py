@@ -8,26 +8,33 @@ encoded into one ``bytes`` key (the request as msgpack, so ``True`` or ``1.0`` n
 for ``1``; dtypes and devices as small codes), and keeps with it every tensor's version
 counter (``t._version``, bumped by every in-place write, ``set_``, ``resize_`` and in-place
 view op such as ``transpose_``). A lookup recomputes the key and the versions from the
-operands it is given and reuses the plan only when both are equal, so a stale plan cannot be
-used: any change of any of those facts re-validates. All of one tensor's facts are read in
-one pass, and the comparison is one dictionary lookup and one ``bytes`` comparison: after a
-copy evicted the CPU caches, every stored Python object a comparison touched would cost a
-miss. Failed validations are never cached (every bad call raises afresh).
+operands it is given. Equal key and versions: the plan is reused. All of one tensor's facts
+are read in one pass, and the comparison is one dictionary lookup and one ``bytes``
+comparison: after a copy evicted the CPU caches, every stored Python object a comparison
+touched would cost a miss. Failed validations are never cached (every bad call raises afresh).
 
-New block ids on the same operands (the common case of LMCache traffic: other blocks of the
-same KV cache into the same chunk buffers) re-validate only the ids: plans sharing
-everything but the ids share a *geometry* (their key without the ids, and the versions), and
-a lookup whose key misses but whose geometry matches rebinds the geometry's last fully
-validated plan to the new ids (:func:`~kvactors.plans.rebind_block_ids`: exact ints, in
-range, no repeat among an H2D transfer's copied positions; anything else validates in full
-and raises as ``plan_transfer`` does).
+Any change validates again, at the cost of what changed:
+
+* other metadata or another request: another key, so a miss, validated in full; a stale plan
+  cannot be found, whatever changed;
+* other block ids on the same operands (LMCache's traffic: other blocks of the same KV cache
+  into the same chunk buffers): plans sharing everything but the ids share a *geometry*
+  (their key without the ids), and the geometry's last fully validated plan is rebound to
+  the new ids (:func:`~kvactors.plans.rebind_block_ids`: exact ints, in range, no repeat
+  among an H2D transfer's copied positions; anything else validates in full and raises as
+  ``plan_transfer`` does);
+* other versions only (data was written: another thread's scatter into the same KV cache,
+  the engine's own writes): the key proves metadata and request unchanged, and no plan
+  depends on data, so the block ids are validated again and the plan and its kernel stay.
 
 The version counters also move when kvactors itself writes an operand (a gather writes the
 chunks, a scatter the paged memory). After a transfer ran, :meth:`PlanCache.settle` re-reads
-the versions of the side the transfer wrote and stores them with the geometry, so the next
-identical call hits (the other side keeps the versions the lookup saw: a write by anybody else
-meanwhile re-validates). Inference tensors have no version counter; their versions are ``-1``
-and every other fact is still compared.
+the versions of the side the transfer wrote and stores them with the geometry, and learns how
+far the run moved them; a later run announced with :meth:`PlanCache.running` stores the
+versions it will leave before it runs, so nothing is read after the copy. The other side
+keeps the versions the lookup saw (a write by anybody else meanwhile validates again).
+Inference tensors have no version counter; their versions are ``-1`` and every other fact is
+still compared.
 
 The cache is bounded (the plans validated longest ago go first: a hit reorders nothing, so it
 takes no lock and writes nothing but a counter); misses take a lock around the dictionaries,
@@ -204,6 +211,11 @@ def _versions(tensors: list[torch.Tensor] | Any) -> list[int]:
         return [-1 if t.is_inference() else t._version for t in tensors]
 
 
+def _issue(entry: _Entry, ticket: PlanTicket) -> tuple[TransferPlan, PlanTicket]:
+    ticket.entry, ticket.memo, ticket.shared = entry, entry.memo, entry.geometry.memo
+    return entry.plan, ticket
+
+
 def _geo_key(ticket: PlanTicket, request: TransferRequest) -> bytes:
     """The key without the block ids (their count stays): the operands' geometry, shared by
     plans of other ids (a miss path only)."""
@@ -256,21 +268,28 @@ class PlanCache:
         identical operands, else validated now (raising exactly as ``plan_transfer``), and
         the ticket to :meth:`settle` once the transfer ran.
 
-        ``misses`` counts the calls that validated (in full, or ``rebinds``: only new block
-        ids against operands whose every fact was validated before), ``hits`` those that
-        reused a plan."""
+        ``misses`` counts the calls that validated (in full, or ``rebinds``: only the block
+        ids, against operands whose every metadata fact was validated before), ``hits`` those
+        that reused a plan."""
         ticket = self._ticket(request, paged, objects)
         template = None
         if ticket is not None:
             versions = _encode(ticket.versions)
-            # A hit takes no lock: one dictionary read (atomic) and a comparison.
-            entry = self._plans.get(ticket.key)
-            if entry is not None and entry.geometry.versions == versions:
-                self.hits += 1  # a statistic (concurrent hits may count once)
-                ticket.entry, ticket.memo, ticket.shared = entry, entry.memo, entry.geometry.memo
-                return entry.plan, ticket
+            entry = self._plans.get(ticket.key)  # a hit takes no lock: one atomic read
+            if entry is not None:
+                if entry.geometry.versions == versions:
+                    self.hits += 1  # a statistic (concurrent hits may count once)
+                    return _issue(entry, ticket)
+                # The same metadata and request (the key), other versions: data moved, which
+                # no plan depends on. The block ids are validated again; plan and kernel stay.
+                if rebind_block_ids(entry.plan, request) is not None:
+                    with self._lock:
+                        self.misses += 1
+                        self.rebinds += 1
+                        entry.geometry.versions = versions
+                    return _issue(entry, ticket)
             geo = self._geometries.get(_geo_key(ticket, request))
-            if geo is not None and geo.versions == versions:
+            if geo is not None:
                 template = geo.template
         plan = None if template is None else rebind_block_ids(template, request)
         rebound = plan is not None
@@ -342,7 +361,7 @@ class PlanCache:
 
     def failed(self, ticket: PlanTicket | None) -> None:
         """The transfer of ``ticket`` did not run to its end: its operands' versions are
-        unknown, so the next lookup of these operands validates in full."""
+        unknown, so the next lookup of these operands validates again."""
         if ticket is not None and ticket.entry is not None:
             ticket.entry.geometry.versions = b""
 

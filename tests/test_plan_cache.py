@@ -319,13 +319,27 @@ def test_bad_new_block_ids_fail_as_a_full_validation_does(
     assert len(cache) == 1
 
 
-def test_a_version_change_validates_in_full_even_for_new_ids() -> None:
+def test_a_version_change_validates_the_block_ids_again_and_keeps_the_kernel() -> None:
+    """Versions move when data is written (another thread's scatter into the same KV cache,
+    the engine's own writes): the key proves metadata and request unchanged, so the plan and
+    its kernel stay and the call counts as validated (its block ids checked again)."""
     cache = PlanCache("cpu", 0)
     paged, objs = _operands()
-    cache.plan(_request(), paged, objs)
+    plan, ticket = cache.lookup(_request(), paged, objs)
+    assert ticket is not None
+    ticket.memo["kernel"] = "specialised"
     paged[0].add_(1)
-    assert _planned(cache, _request(block_ids=(6, 1)), paged, objs)
-    assert cache.rebinds == 0
+    assert _planned(cache, _request(), paged, objs)
+    assert cache.rebinds == 1
+    again, ticket = cache.lookup(_request(), paged, objs)
+    assert again is plan
+    assert ticket is not None
+    assert ticket.memo == {"kernel": "specialised"}
+    paged[1].add_(1)  # and with other block ids: only the ids are validated
+    assert cache.plan(_request(block_ids=(6, 1)), paged, objs) == _full(
+        _request(block_ids=(6, 1)), paged, objs
+    )
+    assert cache.rebinds == 2
 
 
 def test_inference_tensors_reuse_plans_and_still_revalidate_on_changes() -> None:
@@ -401,13 +415,26 @@ def test_a_run_that_failed_validates_in_full_next_time() -> None:
     assert _planned(cache, req, paged, objs)
 
 
-def test_a_replaced_or_evicted_plan_never_orphans_its_geometry() -> None:
+def test_a_replaced_or_evicted_plan_never_orphans_its_geometry(
+    monkeypatch: pytest.MonkeyPatch,
+) -> None:
+    import kvactors.plan_cache as pc
+
     cache = PlanCache("cpu", 0, capacity=2)
     paged, objs = _operands()
-    cache.plan(_request(), paged, objs)  # ids (3, 5), in full
-    paged[0].add_(1)  # other versions: the same key validates in full, replacing its plan
-    cache.plan(_request(), paged, objs)
-    assert cache.rebinds == 0
+    full = pc.plan_transfer
+    nested: list[int] = []
+
+    def racing(*args: Any, **kw: Any) -> Any:
+        # Another thread validates the same request meanwhile, and keeps its plan first.
+        if not nested:
+            nested.append(1)
+            cache.plan(_request(), paged, objs)
+        return full(*args, **kw)
+
+    monkeypatch.setattr(pc, "plan_transfer", racing)
+    cache.plan(_request(), paged, objs)  # replaces the other thread's plan of the same key
+    assert len(cache) == 1
     cache.plan(_request(block_ids=(6, 1)), paged, objs)  # the geometry is still known
     assert cache.rebinds == 1
     cache.plan(_request(block_ids=(0, 7)), paged, objs)  # evicts (3, 5): capacity 2

@@ -56,8 +56,8 @@ class DeviceStatistics(msgspec.Struct, frozen=True, kw_only=True):
     """Transfers validated (plan cache misses): in full, or only their new block ids (see
     ``plans_rebound``); the rest reused a validated plan."""
     plans_rebound: int = 0
-    """Of ``plans_validated``, those whose operands matched a validated plan and whose new
-    block ids alone were validated."""
+    """Of ``plans_validated``, those whose operands' metadata matched a validated plan, so
+    that only the block ids were validated (new ids, or data written since)."""
     native_transfers: int = 0
     """Transfers an opted-in native kernel moved."""
     native_declined: int = 0
