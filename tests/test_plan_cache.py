@@ -419,10 +419,10 @@ def test_a_replaced_or_evicted_plan_never_orphans_its_geometry(
     monkeypatch: pytest.MonkeyPatch,
 ) -> None:
     import kvactors.plan_cache as pc
+    from kvactors.plans import plan_transfer as full
 
     cache = PlanCache("cpu", 0, capacity=2)
     paged, objs = _operands()
-    full = pc.plan_transfer
     nested: list[int] = []
 
     def racing(*args: Any, **kw: Any) -> Any:
