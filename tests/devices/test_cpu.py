@@ -101,7 +101,10 @@ def _open_fds() -> set[str]:
 
 
 def _shm_names() -> set[str]:
-    return {n for n in os.listdir("/dev/shm") if n.startswith(SEGMENT_PREFIX)}
+    # This process's segments only (names carry the creator's pid): other test runs on the
+    # machine create and remove their own meanwhile.
+    own = f"{SEGMENT_PREFIX}{os.getpid()}_"
+    return {n for n in os.listdir("/dev/shm") if n.startswith(own)}
 
 
 def test_cross_process_export_write_close_leaves_nothing(cpu: CpuBackend) -> None:
