@@ -308,21 +308,37 @@ def test_hot_path_allocates_nothing_chunk_sized(
     assert py_bytes < chunk // 16, (py_bytes, chunk)
 
 
+@pytest.mark.parametrize("path", ["run_fast", "reused stacked first", "reused rows first"])
 @pytest.mark.parametrize("alloc", ALLOCS)
 @pytest.mark.parametrize("fmt", [NHD, HND, MLA, KVFormat.TWO_X_NL_X_NB_BS_NH_HS])
 @pytest.mark.parametrize("direction", [0, 1])
 def test_reused_plan_allocates_nothing_chunk_sized(
-    fmt: KVFormat, alloc: str, direction: int
+    fmt: KVFormat, alloc: str, direction: int, path: str, monkeypatch: pytest.MonkeyPatch
 ) -> None:
-    """A reused plan (the runtime's plan cache: memo kept, operands checked) copies nothing
+    """A reused plan (the runtime's plan cache: memo kept, operands checked; the kernel the
+    runtime specialises once per plan, in either order of preference) copies nothing
     chunk-sized either: no torch call may make a strided pool contiguous first (index_select
     on dim 1 does, for MLA pools with padded blocks or gapped layers)."""
+    from kvactors.kernels import _reused
+
     mla = fmt is MLA
     c = mk(fmt, alloc=alloc, nl=4, nb=32, bs=16, nh=1 if mla else 4, hs=256 if mla else 64, bpo=8)
     p, (paged, objs, _) = planned(c, direction, list(range(31, 7, -1)))
     memo: dict[Any, Any] = {}
-    run_fast(p, paged, objs, memo=memo, checked=True)  # first use: the memo is built here
-    biggest, py_bytes = _allocated_bytes(lambda: run_fast(p, paged, objs, memo=memo, checked=True))
+    if path == "run_fast":
+
+        def call() -> None:
+            run_fast(p, paged, objs, memo=memo, checked=True)
+
+    else:
+        monkeypatch.setattr(_reused, "_ROWS_FIRST_BYTES", 0 if "rows" in path else 1 << 62)
+        kernel = _reused.reused_kernel(p, paged, objs, memo, {})
+
+        def call() -> None:
+            kernel(paged, objs)
+
+    call()  # first use: the memo is built here
+    biggest, py_bytes = _allocated_bytes(call)
     chunk = objs[0].nbytes
     assert biggest < chunk // 16, (biggest, chunk)
     assert py_bytes < chunk // 16, (py_bytes, chunk)
