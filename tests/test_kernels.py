@@ -319,7 +319,7 @@ def test_reused_plan_allocates_nothing_chunk_sized(
     runtime specialises once per plan, in either order of preference) copies nothing
     chunk-sized either: no torch call may make a strided pool contiguous first (index_select
     on dim 1 does, for MLA pools with padded blocks or gapped layers)."""
-    from kvactors.kernels import _reused
+    from kvactors.kernels import reused as _reused
 
     mla = fmt is MLA
     c = mk(fmt, alloc=alloc, nl=4, nb=32, bs=16, nh=1 if mla else 4, hs=256 if mla else 64, bpo=8)
@@ -397,7 +397,7 @@ def test_reused_kernel_matches_the_reference(
     stacked gather, the rows path, or the general kernel, in either order of preference)
     moves exactly the reference's bytes on every call, and a plan of other block ids on the
     same operands (sharing the ids-free facts) moves its own blocks."""
-    from kvactors.kernels import _reused
+    from kvactors.kernels import reused as _reused
 
     monkeypatch.setattr(_reused, "_ROWS_FIRST_BYTES", 0 if rows_first else 1 << 62)
     c = mk(fmt, alloc=alloc)

@@ -39,8 +39,8 @@ from kvactors.actors.stream import Work
 from kvactors.devices.base import Backend
 from kvactors.devices.cpu import completes_on_launch
 from kvactors.errors import KvactorsError, OperandTypeError, TransferFailedError
-from kvactors.kernels._reused import reused_kernel
 from kvactors.kernels.fast import ScratchCache, run_fast
+from kvactors.kernels.reused import reused_kernel
 from kvactors.ordering import BlockLedger
 from kvactors.plan_cache import PlanCache
 from kvactors.protocols.gather import (

@@ -33,6 +33,7 @@ import torch
 
 from kvactors.errors import InvalidSettingError
 from kvactors.kernels.fast import ScratchCache, run_fast
+from kvactors.kernels.reused import reused_kernel
 from kvactors.layouts import FORMAT_SPECS, KVFormat, ShapeDesc
 from kvactors.plans import TransferRequest, paged_units, plan_transfer
 
@@ -164,8 +165,9 @@ class _Setup:
         return run
 
     def kvactors_reused(self, direction: int) -> Callable[[], None]:
-        """A repeated request as the runtime runs it: the plan made once, its kernel memo kept,
-        the operands known to be the planned ones (``checked``)."""
+        """A repeated request as the runtime runs it on CPU: the plan made once, and the
+        kernel the runtime specialises for it once (``reused_kernel``: the operands known to
+        be the planned ones)."""
         req = TransferRequest(
             fmt=int(self.fmt),
             direction=direction,
@@ -174,10 +176,11 @@ class _Setup:
             shape=self.shape,
         )
         plan = plan_transfer(req, self.paged, self.objects, device_type="cpu")
-        memo: dict[Any, Any] = {}
+        kernel = reused_kernel(plan, self.paged, self.objects, {}, {})
+        paged, objects = self.paged, self.objects
 
         def run() -> None:
-            run_fast(plan, self.paged, self.objects, scratch=self.scratch, memo=memo, checked=True)
+            kernel(paged, objects)
 
         return run
 
