@@ -403,7 +403,7 @@ def test_announced_runs_store_their_own_versions_and_nothing_else(direction: int
     assert _planned(cache, req, paged, objs)
 
 
-def test_a_run_that_failed_validates_in_full_next_time() -> None:
+def test_a_run_that_failed_validates_again_next_time() -> None:
     cache = PlanCache("cpu", 0)
     paged, objs = _operands()
     req = _request()
