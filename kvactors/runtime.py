@@ -97,6 +97,8 @@ class Runtime:
         #: Whether blocking transfers may run on the caller's thread when nothing is queued
         #: (default: on CPU, whose work is complete when launched).
         self.inline = completes_on_launch(self.backend) if inline is None else inline
+        # Work complete when launched: an inline call is complete on return either way.
+        self._launch_completes = completes_on_launch(self.backend)
         self._in_transit = 0
         self.device_index = device_index
         self.default_timeout = default_timeout
@@ -381,10 +383,12 @@ class Runtime:
         tid = next(self._ids)
         actors = self._actors
         # Observed calls go through mailboxes; a closed or unstarted runtime too (_ask raises
-        # or starts it). Any message of this runtime in transit, or queued for the actors of
-        # this call, keeps the call behind it.
+        # or starts it), and a device call that may return before the device completed (the
+        # lane's lease owns its operands then). Any message of this runtime in transit, or
+        # queued for the actors of this call, keeps the call behind it.
         if (
             self.inline
+            and (complete or self._launch_completes)
             and actors is not None
             and not self._in_transit
             and not self._closed

@@ -128,8 +128,7 @@ class Lane:
         self._jobs.put(_STOP)
         self._thread.join(timeout)
         if self._thread.is_alive():
-            return False
-        self._watch.put(_STOP)
+            return False  # abandoned: the lane stops its reaper itself if it ever ends
         self._reaper.join(timeout)
         return not self._reaper.is_alive()
 
@@ -151,6 +150,10 @@ class Lane:
                         self._inline_done.wait()
                     self._held_back -= 1
             if job is _STOP:
+                # Everything launched before was handed to the reaper: it drops those leases
+                # first, then ends. Done here, not in stop(), so that a lane stop() gave up
+                # on (a device that hung, then recovered) does not leave its reaper behind.
+                self._watch.put(_STOP)
                 return
             try:
                 job()

@@ -20,11 +20,20 @@ from kvactors.plans import TransferRequest
 from kvactors.runtime import Runtime
 
 
-def _lane_threads() -> list[threading.Thread]:
-    return [t for t in threading.enumerate() if t.name.startswith(("lane:", "reap:"))]
+def _lane_threads(
+    before: frozenset[threading.Thread] = frozenset(),
+) -> list[threading.Thread]:
+    """Lane and reaper threads alive now, but for those alive ``before`` (other tests' runtimes
+    in this process are not this test's)."""
+    return [
+        t
+        for t in threading.enumerate()
+        if t.name.startswith(("lane:", "reap:")) and t not in before
+    ]
 
 
 def test_stream_churn_leaves_a_small_fixed_number_of_actors_and_threads() -> None:
+    before = frozenset(_lane_threads())
     with Runtime("cpu") as rt:
         actors = rt._actors
         assert actors is not None
@@ -35,10 +44,10 @@ def test_stream_churn_leaves_a_small_fixed_number_of_actors_and_threads() -> Non
         running = actors.streams.all()
         assert len(running) <= keep + 1  # handle 0 plus at most max_idle idle borrowed ones
         live = {a.lane.name for a in running}
-        for t in _lane_threads():
+        for t in _lane_threads(before):
             if t.name.split(":", 1)[1] not in live:
                 t.join(10)  # a retired actor's lane ends once its stop ran
-        assert len(_lane_threads()) <= 2 * (keep + 1)
+        assert len(_lane_threads(before)) <= 2 * (keep + 1)
         assert rt.statistics().streams_retired >= 1000 - keep
         # Retiring lost nothing: every record was published, in submission order.
         drained = rt.drain_completions()
@@ -113,3 +122,24 @@ def test_records_published_by_the_close_stay_drainable_after_it() -> None:
     releaser.join(10)
     assert rt.drain_completions() == [("after-store", b"1")]
     assert rt.records_withdrawn == 0
+
+
+def test_a_lane_abandoned_by_a_timed_out_stop_ends_with_its_reaper_once_unblocked() -> None:
+    """``Lane.stop`` gives up on a lane whose job hangs (a device that stopped answering);
+    when the job returns after all, the lane ends and takes its reaper thread with it (none
+    is left waiting forever)."""
+    from kvactors.actors.lane import Lane
+    from kvactors.devices.cpu import CpuBackend
+
+    backend = CpuBackend()
+    lane = Lane("abandoned", backend, 0, backend.stream_from_handle(0, 0))
+    lane.start()
+    unblock = threading.Event()
+    lane.submit(lambda: unblock.wait(30))
+    assert lane.stop(timeout=0.01) is False  # the job still runs: abandoned
+    unblock.set()
+    threads = [t for t in threading.enumerate() if t.name.endswith(":abandoned")]
+    assert len(threads) == 2  # the lane and its reaper
+    for t in threads:
+        t.join(10)
+    assert not any(t.is_alive() for t in threads), "a thread of the abandoned lane never ended"

@@ -85,3 +85,28 @@ def test_rule3_enqueued_scatter_owns_its_operands_until_the_device_ran(kind: str
             after = [r() for r in layer_refs]
             assert all(t is None for t in after), "the runtime kept a paged layer after the copy"
             assert rt.statistics().transfers_ok == 1
+
+
+@pytest.mark.parametrize("kind", ["mlu", "musa"])
+def test_complete_false_returns_before_the_device_ran_even_with_inline_calls(kind: str) -> None:
+    """``Runtime(inline=True)`` on an accelerator: a ``complete=False`` call still returns
+    once its copies are enqueued (it takes the lane, whose lease owns the operands), instead
+    of running inline and waiting for the device."""
+    with fake_vendor(kind, seed=5) as fake:
+        layers = [fake.adopt(t) for t in paged(2)]
+        with Runtime(_backend(kind), inline=True) as rt:
+            gate = threading.Event()
+            fake.default_stream(0).worker.submit(lambda: gate.wait(_WAIT))
+            try:
+                chunk = objects(1, 5.0)[0].pin_memory()
+                rt.transfer(request(Direction.H2D, IDS), layers, [chunk], complete=False)
+                before = _blocks(fake, layers)
+                assert not gate.is_set()
+                assert not torch.equal(before, torch.full_like(before, 5.0)), (
+                    "the call waited for the device: complete=False ran inline"
+                )
+            finally:
+                gate.set()
+            rt.synchronize()
+            after = _blocks(fake, layers)
+            assert torch.equal(after, torch.full_like(after, 5.0))
