@@ -135,7 +135,11 @@ def test_a_lane_abandoned_by_a_timed_out_stop_ends_with_its_reaper_once_unblocke
     lane = Lane("abandoned", backend, 0, backend.stream_from_handle(0, 0))
     lane.start()
     unblock = threading.Event()
-    lane.submit(lambda: unblock.wait(30))
+
+    def hung_job() -> None:
+        unblock.wait(30)
+
+    lane.submit(hung_job)
     assert lane.stop(timeout=0.01) is False  # the job still runs: abandoned
     unblock.set()
     threads = [t for t in threading.enumerate() if t.name.endswith(":abandoned")]
