@@ -43,6 +43,7 @@ never around validation.
 
 from __future__ import annotations
 
+import collections
 import threading
 from typing import TYPE_CHECKING, Any
 
@@ -66,17 +67,20 @@ class _Geometry:
     """What plans differing only in their block ids share: the operands' versions, and the
     latest plan validated in full (rebound for new ids)."""
 
-    __slots__ = ("entries", "memo", "template", "versions")
+    __slots__ = ("delta", "entries", "memo", "template", "versions")
 
     def __init__(self, plan: TransferPlan, versions: bytes) -> None:
         self.versions = versions  # the encoded version counters, one per tensor
         self.template = plan
         self.entries = 0  # plans of this geometry in the cache
         self.memo: dict[Any, Any] = {}  # kernel facts that do not depend on the block ids
+        # How far one run moves the version of each written tensor (learned by the first
+        # settle of any of its plans: plans of other ids run the same kernel path).
+        self.delta: list[int] | None = None
 
 
 class _Entry:
-    __slots__ = ("delta", "geo_key", "geometry", "memo", "plan", "written")
+    __slots__ = ("geo_key", "geometry", "memo", "plan", "written")
 
     def __init__(
         self, plan: TransferPlan, geometry: _Geometry, geo_key: bytes, written: range
@@ -86,9 +90,6 @@ class _Entry:
         self.geo_key = geo_key
         self.written = written  # the tensors the transfer writes, as indices
         self.memo: dict[Any, Any] = {}
-        # How far one run moves the version of each written tensor (learned by the first
-        # settle; the kernel of a plan makes the same writes every run).
-        self.delta: list[int] | None = None
 
 
 class PlanTicket:
@@ -247,7 +248,9 @@ class PlanCache:
         self.device_type = device_type
         self.device_index = device_index
         self.capacity = capacity
-        self._plans: dict[bytes, _Entry] = {}  # oldest first
+        # Oldest first. An OrderedDict: popping a plain dict's first key again and again scans
+        # the dummies its deletions left at the front.
+        self._plans: collections.OrderedDict[bytes, _Entry] = collections.OrderedDict()
         self._geometries: dict[bytes, _Geometry] = {}
         self._lock = threading.Lock()
         self.hits = 0
@@ -288,7 +291,8 @@ class PlanCache:
                         self.rebinds += 1
                         entry.geometry.versions = versions
                     return _issue(entry, ticket)
-            geo = self._geometries.get(_geo_key(ticket, request))
+            gkey = _geo_key(ticket, request)
+            geo = self._geometries.get(gkey)
             if geo is not None:
                 template = geo.template
         plan = None if template is None else rebind_block_ids(template, request)
@@ -301,8 +305,6 @@ class PlanCache:
                 device_type=self.device_type,
                 device_index=self.device_index,
             )
-        if ticket is not None:
-            gkey = _geo_key(ticket, plan.request)
         with self._lock:
             self.misses += 1
             if ticket is not None:
@@ -332,7 +334,7 @@ class PlanCache:
         ticket.entry, ticket.memo, ticket.shared = entry, entry.memo, geo.memo
         self._plans[ticket.key] = entry
         while len(self._plans) > self.capacity:
-            self._drop(self._plans.pop(next(iter(self._plans))))
+            self._drop(self._plans.popitem(last=False)[1])
 
     def _drop(self, gone: _Entry) -> None:
         geo = gone.geometry
@@ -347,7 +349,7 @@ class PlanCache:
         if ticket is None or ticket.entry is None:
             return
         entry = ticket.entry
-        delta = entry.delta
+        delta = entry.geometry.delta
         if delta is None:
             return
         # Stored before the run, while the operands' metadata is in cache. A write by anybody
@@ -379,7 +381,7 @@ class PlanCache:
         entry, seen, ts = ticket.entry, ticket.versions, ticket.tensors
         written = entry.written
         after = _versions(ts[written.start : written.stop])
-        entry.delta = [
+        entry.geometry.delta = [
             a - b for a, b in zip(after, seen[written.start : written.stop], strict=True)
         ]
         now = seen.copy()

@@ -420,3 +420,17 @@ def test_reused_kernel_matches_the_reference(
             kernel(paged_b, objs_b)
             assert same_bytes(back_a, back_b)
             assert same_bytes(objs_a, objs_b)
+
+
+def test_index_tensor_keeps_its_buffer() -> None:
+    """The int64 index tensor built over an ``array`` buffer owns it: its values survive the
+    caller dropping everything else."""
+    import gc
+
+    from kvactors.kernels.reused import index_tensor
+
+    t = index_tensor((5, 7, 2**40))
+    gc.collect()
+    assert t.dtype is torch.int64
+    assert t.tolist() == [5, 7, 2**40]
+    assert index_tensor(()).numel() == 0

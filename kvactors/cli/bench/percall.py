@@ -48,6 +48,7 @@ import msgspec
 import torch
 
 from kvactors.errors import MissingDependencyError
+from kvactors.kernels.reused import index_tensor
 from kvactors.layouts import FORMAT_SPECS, Direction, KVFormat, ShapeDesc
 from kvactors.plans import TransferRequest
 
@@ -188,7 +189,7 @@ class _Case:
         view, ids, dim, pool = self.chunk_view(c), self.ids_t[c], self.block_dim, self.stacked
         if fresh:  # the index tensor is built from the call's id list, as any caller must
             sets = itertools.cycle([list(i) for i in self.id_sets[c]])
-            tensor = torch.tensor
+            tensor = index_tensor  # the cheapest way there is (kvactors' own, too)
             if direction is Direction.D2H:
 
                 def gather_fresh() -> None:
