@@ -12,10 +12,15 @@ small model those misses, not the copy, are what separates a transfer from one t
 
 The one-call paths are :mod:`kvactors.kernels.fast`'s: the stacked gather (one
 ``index_select`` per object over the stacked view permuted into its physical order) and the
-rows path (one ``index_select`` or one numpy fancy assignment per object between a rows view
-of the stacked memory and the chunk, where the block planes are tight). Anything else (device
-plans, partial segments, separately allocated layers) runs :func:`~kvactors.kernels.fast.run_fast`
-with the plan's memo.
+rows path (one ``index_select`` or one numpy assignment of 2-D integer rows per object between
+a rows view of the stacked memory and the chunk, where the block planes are tight). A gather
+takes the stacked path first below 8 MiB and the rows path first from there. Anything else
+(device plans, partial segments, separately allocated layers) runs
+:func:`~kvactors.kernels.fast.run_fast` with the plan's memo.
+
+Plans of the same operands and request but other block ids share a second dict (``shared``,
+the plan cache's geometry memo): the view geometry is computed once for all of them, and a
+plan of new ids builds only its index tensors.
 """
 
 from __future__ import annotations
