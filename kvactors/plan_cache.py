@@ -43,6 +43,7 @@ never around validation.
 
 from __future__ import annotations
 
+import array
 import collections
 import threading
 from typing import TYPE_CHECKING, Any
@@ -50,6 +51,7 @@ from typing import TYPE_CHECKING, Any
 import msgspec
 import torch
 
+from kvactors import hotpath
 from kvactors.errors import InvalidSettingError
 from kvactors.layouts import Direction
 from kvactors.plans import TransferRequest, plan_transfer, rebind_block_ids
@@ -93,7 +95,7 @@ class _Entry:
 
 
 class PlanTicket:
-    """What a lookup saw (held for one call only): its key, the operand tensors and their
+    """What a lookup saw (held for one call only): its key, the operands, their encoded
     version counters, so that :meth:`PlanCache.settle` can re-read the versions of the side
     the transfer wrote, and the plan's kernel memo (index tensors and view geometry kept with
     the plan, see ``run_fast``)."""
@@ -101,40 +103,42 @@ class PlanTicket:
     __slots__ = (
         "advanced",
         "entry",
+        "inference",
         "key",
         "memo",
         "meta",
+        "objects",
         "paged",
+        "paged_count",
         "shared",
         "structure",
-        "tensors",
         "versions",
     )
 
     def __init__(
         self,
         key: bytes,
-        structure: list[Any],
-        meta: list[tuple[Any, ...]],
-        tensors: list[torch.Tensor],
-        versions: list[int],
-        paged: int,
+        versions: bytes,
+        paged_count: int,
+        inference: bool,
+        paged: object,
+        objects: object,
+        structure: list[Any] | None = None,
+        meta: list[tuple[Any, ...]] | None = None,
     ) -> None:
         self.key = key
-        self.structure = structure
+        self.versions = versions  # int64 per tensor, -1 for an inference tensor
+        self.paged_count = paged_count  # the first ``paged_count`` tensors are the paged ones
+        self.paged = paged
+        self.objects = objects
+        self.structure = structure  # the Python walk's (None: the compiled walk's ticket)
         self.meta = meta
-        self.tensors = tensors
-        self.versions = versions
-        self.paged = paged  # the first ``paged`` tensors are the paged ones
         self.entry: _Entry | None = None
         self.memo: dict[Any, Any] = {}
         self.advanced = False  # the lookup stored the versions this run leaves
         self.shared: dict[Any, Any] = {}  # the geometry's memo (plans of other ids share it)
-
-    @property
-    def inference(self) -> bool:
-        """Whether an operand is an inference tensor (it has no version counter)."""
-        return -1 in self.versions
+        #: Whether an operand is an inference tensor (it has no version counter).
+        self.inference = inference
 
 
 _T = "t"  # a tensor's place in the structure
@@ -204,6 +208,13 @@ def _meta(tensors: list[torch.Tensor]) -> list[tuple[Any, ...]]:
     ]
 
 
+def _ints(encoded: bytes) -> array.array[int]:
+    """Encoded version counters (int64, native order) as a mutable array."""
+    out = array.array("q")
+    out.frombytes(encoded)
+    return out
+
+
 def _versions(tensors: list[torch.Tensor] | Any) -> list[int]:
     """Per tensor, its version counter; ``-1`` for an inference tensor, which has none."""
     try:
@@ -217,10 +228,8 @@ def _issue(entry: _Entry, ticket: PlanTicket) -> tuple[TransferPlan, PlanTicket]
     return entry.plan, ticket
 
 
-def _geo_key(ticket: PlanTicket, request: TransferRequest) -> bytes:
-    """The key without the block ids (their count stays): the operands' geometry, shared by
-    plans of other ids (a miss path only)."""
-    without_ids = (
+def _without_ids(request: TransferRequest) -> tuple[Any, ...]:
+    return (
         request.fmt,
         request.direction,
         len(request.block_ids),
@@ -228,7 +237,6 @@ def _geo_key(ticket: PlanTicket, request: TransferRequest) -> bytes:
         request.skip_blocks,
         request.shape,
     )
-    return _encode((ticket.structure, without_ids, ticket.meta))
 
 
 class PlanCache:
@@ -240,7 +248,14 @@ class PlanCache:
         capacity: Most plans kept (those validated longest ago go first).
     """
 
-    def __init__(self, device_type: str, device_index: int | None, capacity: int = 256) -> None:
+    def __init__(
+        self,
+        device_type: str,
+        device_index: int | None,
+        capacity: int = 256,
+        *,
+        compiled: bool | None = None,
+    ) -> None:
         if capacity <= 0:
             raise InvalidSettingError(
                 f"plan cache capacity must be positive, got {capacity}", setting="capacity"
@@ -253,6 +268,13 @@ class PlanCache:
         self._plans: collections.OrderedDict[bytes, _Entry] = collections.OrderedDict()
         self._geometries: dict[bytes, _Geometry] = {}
         self._lock = threading.Lock()
+        native = hotpath.load() if compiled is None or compiled else None
+        if compiled and native is None:
+            raise InvalidSettingError(
+                f"compiled=True but the hot path is not loadable: {hotpath.status()}",
+                setting="compiled",
+            )
+        self._walk = None if native is None else native.operand_key
         self.hits = 0
         self.misses = 0
         self.rebinds = 0
@@ -277,7 +299,7 @@ class PlanCache:
         ticket = self._ticket(request, paged, objects)
         template = None
         if ticket is not None:
-            versions = _encode(ticket.versions)
+            versions = ticket.versions
             entry = self._plans.get(ticket.key)  # a hit takes no lock: one atomic read
             if entry is not None:
                 if entry.geometry.versions == versions:
@@ -291,7 +313,7 @@ class PlanCache:
                         self.rebinds += 1
                         entry.geometry.versions = versions
                     return _issue(entry, ticket)
-            gkey = _geo_key(ticket, request)
+            gkey = self._geo_key(ticket, request)
             geo = self._geometries.get(gkey)
             if geo is not None:
                 template = geo.template
@@ -319,7 +341,7 @@ class PlanCache:
         old = self._plans.pop(ticket.key, None)
         if old is not None:  # first: dropping it may forget its geometry
             self._drop(old)
-        versions = _encode(ticket.versions)
+        versions = ticket.versions
         geo = self._geometries.get(gkey)
         if geo is None:
             geo = self._geometries[gkey] = _Geometry(plan, versions)
@@ -327,8 +349,8 @@ class PlanCache:
             geo.versions = versions
             if not rebound:
                 geo.template = plan
-        n = len(ticket.tensors)
-        written = range(ticket.paged, n) if plan.direction == Direction.D2H else range(ticket.paged)
+        n, p = len(ticket.versions) // 8, ticket.paged_count
+        written = range(p, n) if plan.direction == Direction.D2H else range(p)
         entry = _Entry(plan, geo, gkey, written)
         geo.entries += 1
         ticket.entry, ticket.memo, ticket.shared = entry, entry.memo, geo.memo
@@ -354,11 +376,11 @@ class PlanCache:
             return
         # Stored before the run, while the operands' metadata is in cache. A write by anybody
         # else, before or during the run, leaves other versions: the next lookup validates.
-        now = ticket.versions.copy()
+        now = _ints(ticket.versions)
         for k, i in enumerate(entry.written):
             if now[i] != -1:  # an inference tensor has no version counter
                 now[i] += delta[k]
-        entry.geometry.versions = _encode(now)
+        entry.geometry.versions = now.tobytes()
         ticket.advanced = True
 
     def failed(self, ticket: PlanTicket | None) -> None:
@@ -378,15 +400,17 @@ class PlanCache:
         key, so the entry can only ever match operands whose metadata was validated."""
         if ticket is None or ticket.entry is None or ticket.advanced:
             return
-        entry, seen, ts = ticket.entry, ticket.versions, ticket.tensors
+        entry, seen = ticket.entry, _ints(ticket.versions)
         written = entry.written
-        after = _versions(ts[written.start : written.stop])
+        tensors: list[torch.Tensor] = []
+        _flatten(ticket.paged, 0, [], tensors)
+        _flatten(ticket.objects, 1, [], tensors)
+        after = _versions(tensors[written.start : written.stop])
         entry.geometry.delta = [
             a - b for a, b in zip(after, seen[written.start : written.stop], strict=True)
         ]
-        now = seen.copy()
-        now[written.start : written.stop] = after
-        entry.geometry.versions = _encode(now)
+        seen[written.start : written.stop] = array.array("q", after)
+        entry.geometry.versions = seen.tobytes()
 
     def clear(self) -> None:
         """Forget every plan."""
@@ -399,6 +423,17 @@ class PlanCache:
     ) -> PlanTicket | None:
         if type(request) is not TransferRequest:
             return None
+        try:
+            # The encoded request, not the Struct: ``True == 1`` and ``1.0 == 1`` compare equal,
+            # but a bool or float field must fail validation, never hit a cached int's plan.
+            head = _encode(request)
+        except (TypeError, ValueError, OverflowError):  # not wire-safe: validate every time
+            return None
+        walk = self._walk
+        if walk is not None:  # the compiled walk: the same facts, in one call
+            found = walk(head, paged, objects)
+            if found is not None:
+                return PlanTicket(*found, paged, objects)
         structure: list[Any] = []
         tensors: list[torch.Tensor] = []
         if not _flatten(paged, 0, structure, tensors):
@@ -407,10 +442,17 @@ class PlanCache:
         if not _flatten(objects, 1, structure, tensors):
             return None
         meta = _meta(tensors)
-        try:
-            # The encoded request, not the Struct: ``True == 1`` and ``1.0 == 1`` compare equal,
-            # but a bool or float field must fail validation, never hit a cached int's plan.
-            key = _encode((structure, request, meta))
-        except (TypeError, ValueError, OverflowError):  # not wire-safe: validate every time
-            return None
-        return PlanTicket(key, structure, meta, tensors, _versions(tensors), n_paged)
+        key = head + _encode((structure, meta))
+        seen = _versions(tensors)
+        versions = array.array("q", seen).tobytes()
+        return PlanTicket(key, versions, n_paged, -1 in seen, paged, objects, structure, meta)
+
+    def _geo_key(self, ticket: PlanTicket, request: TransferRequest) -> bytes:
+        """The key without the block ids (their count stays): the operands' geometry, shared
+        by plans of other ids (a miss path only). A ticket keeps the walk that made it."""
+        head = _encode(_without_ids(request))
+        if ticket.structure is None and self._walk is not None:
+            found = self._walk(head, ticket.paged, ticket.objects)
+            assert found is not None  # the same operands the lookup walked
+            return found[0]
+        return head + _encode((ticket.structure, ticket.meta))

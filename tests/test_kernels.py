@@ -308,6 +308,7 @@ def test_hot_path_allocates_nothing_chunk_sized(
     assert py_bytes < chunk // 16, (py_bytes, chunk)
 
 
+@pytest.mark.usefixtures("hotpath_engine")  # the Python and the compiled kernel
 @pytest.mark.parametrize("path", ["run_fast", "reused stacked first", "reused rows first"])
 @pytest.mark.parametrize("alloc", ALLOCS)
 @pytest.mark.parametrize("fmt", [NHD, HND, MLA, KVFormat.TWO_X_NL_X_NB_BS_NH_HS])
@@ -386,6 +387,7 @@ def test_cache_checked_reuse_matches_the_reference(
         assert memo.get("stacked_gather"), "the one-call stacked gather did not run"
 
 
+@pytest.mark.usefixtures("hotpath_engine")  # the Python and the compiled kernel
 @pytest.mark.parametrize("rows_first", [False, True])
 @pytest.mark.parametrize("fmt", list(KVFormat))
 @pytest.mark.parametrize("alloc", ALLOCS)

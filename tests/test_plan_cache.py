@@ -17,6 +17,8 @@ from kvactors.runtime import Runtime
 if TYPE_CHECKING:
     from collections.abc import Callable
 
+pytestmark = pytest.mark.usefixtures("hotpath_engine")  # each test on both walks
+
 NL, NB, BS, NH, HS = 2, 8, 4, 2, 8
 T = 2 * BS
 FMT = KVFormat.NL_X_TWO_NB_BS_NH_HS

@@ -30,6 +30,7 @@ from typing import TYPE_CHECKING, Any
 
 import torch
 
+from kvactors import hotpath
 from kvactors.kernels._views import raw
 from kvactors.kernels.fast import _rows_steps, _stacked_geometry, run_fast
 from kvactors.layouts import Direction
@@ -146,6 +147,14 @@ def _stacked(
         (obj, index_tensor(ids[seg.start : seg.stop]), out)
         for (obj, out), seg in zip(outs, plan.segments, strict=True)
     )
+    native = hotpath.load()
+    plain = type(unit0) is torch.Tensor and all(type(o) is torch.Tensor for o in objects)
+    if native is not None and plain:  # the same calls, compiled (kvactors/_compiled/hotpath.cpp)
+        size, stride, offset = src_geo
+        compiled: Callable[[Any, Sequence[torch.Tensor]], None] = native.StackedGather(
+            size, stride, offset, dim, steps
+        )
+        return compiled
     return _stacked_kernel(src_geo, dim, steps)
 
 

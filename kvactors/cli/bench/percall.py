@@ -47,6 +47,7 @@ from typing import TYPE_CHECKING, Any
 import msgspec
 import torch
 
+from kvactors import hotpath
 from kvactors.errors import MissingDependencyError
 from kvactors.kernels.reused import index_tensor
 from kvactors.layouts import FORMAT_SPECS, Direction, KVFormat, ShapeDesc
@@ -108,6 +109,8 @@ class PercallReport(msgspec.Struct, kw_only=True):
     plan_cold_us: float
     ping_us: float
     seconds: float = 0.0
+    hotpath: str = ""
+    """Whether the runtime ran its compiled hot path (``kvactors hotpath``)."""
 
 
 def _baseline(name: str) -> Callable[..., Callable[[], None]] | None:
@@ -433,6 +436,7 @@ def run_percall_bench(
         plan_cold_us=plan_cold,
         ping_us=ping,
         seconds=time.perf_counter() - t_start,
+        hotpath=hotpath.status(),
     )
 
 
@@ -462,6 +466,8 @@ def format_percall(report: PercallReport) -> str:
         f"planning: warm {report.plan_warm_us:.1f} us, cold {report.plan_cold_us:.1f} us;"
         f" Runtime.ping {report.ping_us:.1f} us"
     )
+    if report.hotpath:
+        lines.append(f"hot path: {report.hotpath}")
     return "\n".join(lines)
 
 

@@ -1,0 +1,199 @@
+// kvactors' compiled hot path (optional; kvactors/hotpath.py builds and loads it).
+//
+// Theory of operation. On a small model the copy of one chunk takes tens of microseconds, and
+// it evicts the CPU caches: every Python object the next call touches then costs a cache miss.
+// The two steps of a reused transfer that touch the most objects are compiled here, and do
+// exactly what their Python versions do:
+//
+// * operand_key: the plan cache's fingerprint of a call's operands. It walks the operand
+//   structure (a tensor, or lists/tuples of them nested as deep as the Python walk allows) and
+//   writes, per node, a tag and a length, and per tensor its data pointer, storage offset,
+//   shape, stride, dtype, device and version counter: the facts a validated plan depends on
+//   and the counter every in-place write, set_ and resize_ bumps. It reads TensorImpl fields
+//   only; it never reads tensor memory. Anything it does not recognise (a tensor subclass
+//   among them: its Python methods may answer otherwise) returns None, and the caller takes
+//   the Python walk (and its errors).
+// * StackedGather: the reused kernel's stacked gather, one index_select per chunk into a view
+//   of the chunk, from a view of the stacked paged memory. It keeps only the views' geometry
+//   and its own index tensors, never an operand, and drops the GIL while torch copies. It is
+//   made only for plain tensors (kvactors/kernels/reused.py).
+#include <torch/extension.h>
+
+#include <cstdint>
+#include <string>
+#include <vector>
+
+namespace py = pybind11;
+
+namespace {
+
+constexpr int64_t kTensor = -101;
+constexpr int64_t kList = -102;
+constexpr int64_t kTuple = -103;
+constexpr int kMaxDepth = 3;  // lists/tuples deeper than this are not walked (as in Python)
+
+class Writer {
+ public:
+  explicit Writer(std::string& out) : out_(out) {}
+  void put(int64_t v) { out_.append(reinterpret_cast<const char*>(&v), sizeof(v)); }
+
+ private:
+  std::string& out_;
+};
+
+// One tensor's facts; false for a tensor whose facts are not plain strided memory.
+bool put_tensor(const at::Tensor& t, Writer& key, Writer& versions, bool& inference) {
+  if (!t.defined() || t.layout() != at::kStrided || !t.has_storage()) {
+    return false;
+  }
+  const at::TensorImpl* impl = t.unsafeGetTensorImpl();
+  if (impl->is_python_dispatch() || impl->has_symbolic_sizes_strides()) {
+    return false;
+  }
+  key.put(kTensor);
+  key.put(reinterpret_cast<int64_t>(t.data_ptr()));
+  key.put(t.storage_offset());
+  const auto sizes = t.sizes();
+  const auto strides = t.strides();
+  key.put(static_cast<int64_t>(sizes.size()));
+  for (const auto s : sizes) key.put(s);
+  for (const auto s : strides) key.put(s);
+  key.put(static_cast<int64_t>(t.scalar_type()));
+  const auto device = t.device();
+  key.put(static_cast<int64_t>(device.type()));
+  key.put(static_cast<int64_t>(device.index()));
+  if (t.is_inference()) {  // no version counter
+    inference = true;
+    versions.put(-1);
+  } else {
+    versions.put(static_cast<int64_t>(t._version()));
+  }
+  return true;
+}
+
+bool walk(py::handle value, int depth, Writer& key, Writer& versions, int64_t& count,
+          bool& inference) {
+  PyObject* obj = value.ptr();
+  if (THPVariable_Check(obj)) {
+    if (!THPVariable_CheckExact(obj)) {  // a subclass may answer differently in Python
+      return false;
+    }
+    ++count;
+    return put_tensor(THPVariable_Unpack(obj), key, versions, inference);
+  }
+  const bool is_list = PyList_Check(obj);
+  if (depth >= kMaxDepth || !(is_list || PyTuple_Check(obj))) {
+    return false;
+  }
+  const Py_ssize_t n = PySequence_Fast_GET_SIZE(obj);
+  PyObject** items = PySequence_Fast_ITEMS(obj);
+  key.put(is_list ? kList : kTuple);
+  key.put(static_cast<int64_t>(n));
+  for (Py_ssize_t i = 0; i < n; ++i) {
+    if (!walk(items[i], depth + 1, key, versions, count, inference)) {
+      return false;
+    }
+  }
+  return true;
+}
+
+// (key, versions, number of paged tensors, any inference tensor) or None; see the file comment.
+py::object operand_key(const py::bytes& prefix, py::handle paged, py::handle objects) {
+  std::string key = prefix;
+  std::string versions;
+  key.reserve(key.size() + 1024);
+  versions.reserve(256);
+  Writer k(key);
+  Writer v(versions);
+  int64_t n_paged = 0;
+  int64_t n_objects = 0;
+  bool inference = false;
+  try {
+    if (!walk(paged, 0, k, v, n_paged, inference) ||
+        !walk(objects, 1, k, v, n_objects, inference)) {
+      return py::none();
+    }
+  } catch (const c10::Error&) {  // a tensor whose facts cannot be read: the Python walk
+    return py::none();
+  }
+  return py::make_tuple(py::bytes(key), py::bytes(versions), n_paged, inference);
+}
+
+at::Tensor first_paged(py::handle paged) {
+  py::handle v = paged;
+  for (int depth = 0; depth < kMaxDepth; ++depth) {
+    if (THPVariable_Check(v.ptr())) {
+      return THPVariable_Unpack(v.ptr());
+    }
+    if (!(PyList_Check(v.ptr()) || PyTuple_Check(v.ptr())) ||
+        PySequence_Fast_GET_SIZE(v.ptr()) == 0) {
+      break;
+    }
+    v = PySequence_Fast_GET_ITEM(v.ptr(), 0);
+  }
+  throw py::type_error("the paged operand has no first tensor");
+}
+
+struct Step {
+  int64_t object;
+  at::Tensor index;
+  std::vector<int64_t> size;
+  std::vector<int64_t> stride;
+  int64_t offset;
+};
+
+class StackedGather {
+ public:
+  StackedGather(std::vector<int64_t> size, std::vector<int64_t> stride, int64_t offset,
+                int64_t dim, py::sequence steps)
+      : size_(std::move(size)), stride_(std::move(stride)), offset_(offset), dim_(dim) {
+    for (const auto step : steps) {
+      auto s = step.cast<py::tuple>();
+      auto geo = s[2].cast<py::tuple>();
+      steps_.push_back(Step{s[0].cast<int64_t>(), s[1].cast<at::Tensor>(),
+                            geo[0].cast<std::vector<int64_t>>(),
+                            geo[1].cast<std::vector<int64_t>>(), geo[2].cast<int64_t>()});
+    }
+  }
+
+  void operator()(py::handle paged, py::handle objects) const {
+    const at::Tensor unit0 = first_paged(paged);
+    PyObject* objs = objects.ptr();
+    if (!(PyList_Check(objs) || PyTuple_Check(objs))) {
+      throw py::type_error("objects must be a list or tuple of tensors");
+    }
+    std::vector<at::Tensor> outs;
+    outs.reserve(steps_.size());
+    const Py_ssize_t n = PySequence_Fast_GET_SIZE(objs);
+    for (const auto& step : steps_) {
+      if (step.object >= n || !THPVariable_Check(PySequence_Fast_GET_ITEM(objs, step.object))) {
+        throw py::type_error("objects do not match the plan");
+      }
+      outs.push_back(THPVariable_Unpack(PySequence_Fast_GET_ITEM(objs, step.object)));
+    }
+    py::gil_scoped_release nogil;
+    const at::Tensor src = unit0.as_strided(size_, stride_, offset_);
+    for (size_t i = 0; i < steps_.size(); ++i) {
+      const auto& step = steps_[i];
+      at::Tensor out = outs[i].as_strided(step.size, step.stride, step.offset);
+      at::index_select_out(out, src, dim_, step.index);
+    }
+  }
+
+ private:
+  std::vector<int64_t> size_;
+  std::vector<int64_t> stride_;
+  int64_t offset_;
+  int64_t dim_;
+  std::vector<Step> steps_;
+};
+
+}  // namespace
+
+PYBIND11_MODULE(TORCH_EXTENSION_NAME, m) {
+  m.attr("ABI") = 1;
+  m.def("operand_key", &operand_key, py::arg("prefix"), py::arg("paged"), py::arg("objects"));
+  py::class_<StackedGather>(m, "StackedGather")
+      .def(py::init<std::vector<int64_t>, std::vector<int64_t>, int64_t, int64_t, py::sequence>())
+      .def("__call__", &StackedGather::operator());
+}

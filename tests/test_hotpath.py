@@ -1,0 +1,190 @@
+"""The compiled hot path: its operand walk sees every fact the Python walk sees, declines what
+it does not know, and its loader never runs a build made for another source or torch."""
+
+from __future__ import annotations
+
+from typing import TYPE_CHECKING, Any
+
+import pytest
+import torch
+
+from kvactors import hotpath
+from kvactors.errors import InvalidSettingError, MissingDependencyError
+from kvactors.plan_cache import PlanCache
+
+if TYPE_CHECKING:
+    from collections.abc import Callable
+
+
+@pytest.fixture
+def native() -> hotpath.Hotpath:
+    module = hotpath.load()
+    if module is None:
+        pytest.skip(f"the compiled hot path is not in use ({hotpath.status()})")
+    return module
+
+
+def _key(native: hotpath.Hotpath, paged: Any, objects: Any) -> tuple[bytes, bytes, int, bool]:
+    found = native.operand_key(b"req", paged, objects)
+    assert found is not None
+    return found
+
+
+def _pool() -> torch.Tensor:
+    return torch.arange(4 * 2 * 8 * 16, dtype=torch.float32).view(4, 2, 8, 16)
+
+
+# Each keeps the tensor inside its storage (the object's storage holds twice its view).
+CHANGES: dict[str, Callable[[torch.Tensor], Any]] = {
+    "data pointer": lambda t: t.clone(),
+    "storage offset": lambda t: t.as_strided(t.shape, t.stride(), t.storage_offset() + 1),
+    "shape": lambda t: t[:, :4],
+    "stride": lambda t: t.as_strided(t.shape, (t.stride(0), 1, 8), t.storage_offset()),
+    "dtype": lambda t: t.view(torch.int32),
+    "device": lambda t: torch.empty_like(t, device="meta"),
+}
+
+
+@pytest.mark.parametrize("side", ["paged", "object"])
+@pytest.mark.parametrize("change", list(CHANGES))
+def test_every_metadata_fact_is_in_the_key(native: hotpath.Hotpath, change: str, side: str) -> None:
+    """The facts a validated plan depends on: change one, on either side, the key changes."""
+    pool = _pool()
+    obj = torch.zeros(4, 8, 16)[:2]
+    before = _key(native, list(pool.unbind(0)), [obj])
+    layers = list(pool.unbind(0))
+    if side == "paged":
+        layers[2] = CHANGES[change](layers[2])
+    else:
+        obj = CHANGES[change](obj)
+    assert _key(native, layers, [obj])[0] != before[0]
+
+
+def test_versions_are_apart_from_the_key(native: hotpath.Hotpath) -> None:
+    """An in-place write (and set_, which re-points a tensor) moves the version counter, which
+    is returned apart from the key: same key, other versions."""
+    pool = _pool()
+    layers = list(pool.unbind(0))
+    obj = torch.zeros(2, 16)
+    key, versions, n_paged, inference = _key(native, layers, [obj])
+    assert (n_paged, inference) == (4, False)
+    assert len(versions) == 8 * 5
+    layers[1].add_(1)
+    key2, versions2, _, _ = _key(native, layers, [obj])
+    assert key2 == key
+    assert versions2 != versions
+    obj.set_(torch.zeros(2, 16))  # type: ignore[call-overload]
+    key3, _, _, _ = _key(native, layers, [obj])
+    assert key3 != key  # another storage: another pointer
+
+
+def test_structure_is_in_the_key(native: hotpath.Hotpath) -> None:
+    """List or tuple, nesting and lengths, and where the paged operands end."""
+    a, b, c = (torch.zeros(4) for _ in range(3))
+    keys = {
+        _key(native, [a, b], [c])[0],
+        _key(native, (a, b), [c])[0],
+        _key(native, [a], [b, c])[0],
+        _key(native, [[a], [b]], [c])[0],
+        _key(native, [a, b], (c,))[0],
+        _key(native, a, [b, c])[0],
+    }
+    assert len(keys) == 6
+
+
+class _Sub(torch.Tensor):
+    """A tensor subclass (the fake vendors' tensors are one): its Python methods may answer
+    otherwise than its TensorImpl."""
+
+
+@pytest.mark.parametrize(
+    "paged",
+    [
+        pytest.param([1, 2], id="not a tensor"),
+        pytest.param([[[[torch.zeros(2)]]]], id="too deep"),
+        pytest.param({"k": torch.zeros(2)}, id="a dict"),
+        pytest.param([torch.zeros(2, 2).to_sparse()], id="sparse"),
+        pytest.param([torch.zeros(2).as_subclass(_Sub)], id="subclass"),
+    ],
+)
+def test_anything_unknown_is_declined(native: hotpath.Hotpath, paged: Any) -> None:
+    """``None``: the plan cache then takes the Python walk, with its own checks and errors."""
+    assert native.operand_key(b"", paged, [torch.zeros(2)]) is None
+
+
+def test_objects_may_nest_one_level_less(native: hotpath.Hotpath) -> None:
+    t = torch.zeros(2)
+    assert native.operand_key(b"", [[t]], [[t]]) is not None
+    assert native.operand_key(b"", [[t]], [[[t]]]) is None
+
+
+def test_inference_tensors_are_flagged(native: hotpath.Hotpath) -> None:
+    with torch.inference_mode():
+        t = torch.zeros(4)
+    _, versions, _, inference = _key(native, [t], [torch.zeros(4)])
+    assert inference
+    assert versions[:8] == (-1).to_bytes(8, "little", signed=True)
+
+
+def test_compiled_and_python_caches_take_the_same_decisions(native: hotpath.Hotpath) -> None:
+    """Both walks, one sequence of calls: hit, write (versions), new storage (miss)."""
+    from kvactors.layouts import Direction, KVFormat, ShapeDesc
+    from kvactors.plans import TransferRequest
+
+    nl, nb, bs, nh, hs = 2, 8, 4, 2, 8
+    base = torch.randn(nl, 2, nb, bs, nh, hs).to(torch.bfloat16)
+    paged = list(base.unbind(0))
+    objs = [torch.zeros(2, nl, 2 * bs, nh * hs, dtype=torch.bfloat16)]
+    req = TransferRequest(
+        fmt=int(KVFormat.NL_X_TWO_NB_BS_NH_HS),
+        direction=int(Direction.D2H),
+        block_ids=(3, 5),
+        chunk_size=2 * bs,
+        shape=ShapeDesc(
+            kv_size=2, nl=nl, nb=nb, bs=bs, nh=nh, hs=hs, element_size=2, dtype="bfloat16"
+        ),
+    )
+    caches = [PlanCache("cpu", 0, compiled=False), PlanCache("cpu", 0, compiled=True)]
+    seen: list[list[tuple[int, int]]] = [[], []]
+    for step in range(4):
+        if step == 2:
+            paged[1].mul_(2)  # a write: versions move
+        if step == 3:
+            paged[0] = paged[0].clone()  # another pointer
+        for cache, log in zip(caches, seen, strict=True):
+            cache.plan(req, paged, objs)
+            log.append((cache.hits, cache.misses))
+    assert seen[0] == seen[1] == [(0, 1), (1, 1), (1, 2), (1, 3)]
+
+
+def test_settings_are_checked(monkeypatch: pytest.MonkeyPatch) -> None:
+    monkeypatch.setenv("KVACTORS_HOTPATH", "yes")
+    with pytest.raises(InvalidSettingError, match="KVACTORS_HOTPATH"):
+        hotpath.load()
+    monkeypatch.setenv("KVACTORS_HOTPATH", "0")
+    assert hotpath.load() is None
+    assert hotpath.status().startswith("python: off")
+    with pytest.raises(InvalidSettingError, match="compiled=True"):
+        PlanCache("cpu", 0, compiled=True)
+
+
+def test_a_build_for_another_source_or_torch_is_never_loaded(
+    monkeypatch: pytest.MonkeyPatch, tmp_path: Any
+) -> None:
+    """The build folder is named by the source, torch and Python: an empty cache (or one of
+    another torch) has nothing to load, and ``KVACTORS_HOTPATH=1`` then refuses to go on."""
+    monkeypatch.setenv("KVACTORS_CACHE_DIR", str(tmp_path))
+    monkeypatch.setattr(hotpath, "_loaded", [])
+    monkeypatch.delenv("KVACTORS_HOTPATH", raising=False)
+    assert hotpath.load() is None
+    assert "not built" in hotpath.status()
+    assert hotpath.build_dir().is_relative_to(tmp_path)
+    monkeypatch.setattr(torch, "__version__", "0.0.0")
+    other = hotpath.build_dir()
+    monkeypatch.undo()
+    assert other != hotpath.build_dir()
+    monkeypatch.setenv("KVACTORS_CACHE_DIR", str(tmp_path))
+    monkeypatch.setattr(hotpath, "_loaded", [])
+    monkeypatch.setenv("KVACTORS_HOTPATH", "1")
+    with pytest.raises(MissingDependencyError, match="not built"):
+        hotpath.load()
