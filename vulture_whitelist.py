@@ -88,5 +88,3 @@ _.launches  # OpCounts field: serialised by name into the vendor bench rows (msg
 _.allocations  # OpCounts field: serialised by name into the vendor bench rows
 _.alloc_bytes  # OpCounts field: serialised by name into the vendor bench rows
 _.host_device_copies  # OpCounts property: H2D + D2H, for vendors' per-call budget checks
-# ---- the compiled hot path's Protocol (kvactors.hotpath): parameters named as the extension's
-_.prefix  # Hotpath.operand_key's first parameter, passed positionally

@@ -46,7 +46,7 @@ class Hotpath(Protocol):
     ABI: int
 
     def operand_key(
-        self, prefix: bytes, paged: object, objects: object
+        self, paged: object, objects: object
     ) -> tuple[bytes, bytes, int, bool] | None: ...
 
     def StackedGather(
@@ -55,7 +55,7 @@ class Hotpath(Protocol):
         stride: Any,
         offset: int,
         dim: int,
-        steps: Any,
+        outs: Any,
     ) -> Any: ...
 
 
@@ -145,6 +145,8 @@ def load() -> Hotpath | None:
     twins run). ``KVACTORS_HOTPATH=0`` turns it off; ``=1`` raises
     :class:`~kvactors.errors.MissingDependencyError` when it cannot be loaded."""
     setting = os.environ.get(_ENV, "")
+    if _loaded and _loaded[0] is not None and (setting == "" or setting == "1"):
+        return _loaded[0]  # the common call: no lock
     if setting not in ("", "0", "1"):
         raise InvalidSettingError(f"{_ENV} must be 0 or 1, got {setting!r}", setting=_ENV)
     if setting == "0":

@@ -106,33 +106,30 @@ class PlanTicket:
         "inference",
         "key",
         "memo",
-        "meta",
         "objects",
+        "operands",
         "paged",
         "paged_count",
         "shared",
-        "structure",
         "versions",
     )
 
     def __init__(
         self,
-        key: bytes,
+        operands: bytes,
         versions: bytes,
         paged_count: int,
         inference: bool,
         paged: object,
         objects: object,
-        structure: list[Any] | None = None,
-        meta: list[tuple[Any, ...]] | None = None,
+        request: bytes,
     ) -> None:
-        self.key = key
+        self.operands = operands  # the operands' part of the key (structure and metadata)
+        self.key = request + operands
         self.versions = versions  # int64 per tensor, -1 for an inference tensor
         self.paged_count = paged_count  # the first ``paged_count`` tensors are the paged ones
         self.paged = paged
         self.objects = objects
-        self.structure = structure  # the Python walk's (None: the compiled walk's ticket)
-        self.meta = meta
         self.entry: _Entry | None = None
         self.memo: dict[Any, Any] = {}
         self.advanced = False  # the lookup stored the versions this run leaves
@@ -431,9 +428,9 @@ class PlanCache:
             return None
         walk = self._walk
         if walk is not None:  # the compiled walk: the same facts, in one call
-            found = walk(head, paged, objects)
+            found = walk(paged, objects)
             if found is not None:
-                return PlanTicket(*found, paged, objects)
+                return PlanTicket(*found, paged, objects, head)
         structure: list[Any] = []
         tensors: list[torch.Tensor] = []
         if not _flatten(paged, 0, structure, tensors):
@@ -441,18 +438,14 @@ class PlanCache:
         n_paged = len(tensors)
         if not _flatten(objects, 1, structure, tensors):
             return None
-        meta = _meta(tensors)
-        key = head + _encode((structure, meta))
+        # Its own encoding (msgpack, where the compiled walk's starts with a negative int64
+        # tag): a key of one walk never equals a key of the other.
+        operands = _encode((structure, _meta(tensors)))
         seen = _versions(tensors)
         versions = array.array("q", seen).tobytes()
-        return PlanTicket(key, versions, n_paged, -1 in seen, paged, objects, structure, meta)
+        return PlanTicket(operands, versions, n_paged, -1 in seen, paged, objects, head)
 
     def _geo_key(self, ticket: PlanTicket, request: TransferRequest) -> bytes:
         """The key without the block ids (their count stays): the operands' geometry, shared
-        by plans of other ids (a miss path only). A ticket keeps the walk that made it."""
-        head = _encode(_without_ids(request))
-        if ticket.structure is None and self._walk is not None:
-            found = self._walk(head, ticket.paged, ticket.objects)
-            assert found is not None  # the same operands the lookup walked
-            return found[0]
-        return head + _encode((ticket.structure, ticket.meta))
+        by plans of other ids (a miss path only)."""
+        return _encode(_without_ids(request)) + ticket.operands

@@ -25,7 +25,7 @@ def native() -> hotpath.Hotpath:
 
 
 def _key(native: hotpath.Hotpath, paged: Any, objects: Any) -> tuple[bytes, bytes, int, bool]:
-    found = native.operand_key(b"req", paged, objects)
+    found = native.operand_key(paged, objects)
     assert found is not None
     return found
 
@@ -109,13 +109,13 @@ class _Sub(torch.Tensor):
 )
 def test_anything_unknown_is_declined(native: hotpath.Hotpath, paged: Any) -> None:
     """``None``: the plan cache then takes the Python walk, with its own checks and errors."""
-    assert native.operand_key(b"", paged, [torch.zeros(2)]) is None
+    assert native.operand_key(paged, [torch.zeros(2)]) is None
 
 
 def test_objects_may_nest_one_level_less(native: hotpath.Hotpath) -> None:
     t = torch.zeros(2)
-    assert native.operand_key(b"", [[t]], [[t]]) is not None
-    assert native.operand_key(b"", [[t]], [[[t]]]) is None
+    assert native.operand_key([[t]], [[t]]) is not None
+    assert native.operand_key([[t]], [[[t]]]) is None
 
 
 def test_inference_tensors_are_flagged(native: hotpath.Hotpath) -> None:

@@ -14,9 +14,10 @@
 //   among them: its Python methods may answer otherwise) returns None, and the caller takes
 //   the Python walk (and its errors).
 // * StackedGather: the reused kernel's stacked gather, one index_select per chunk into a view
-//   of the chunk, from a view of the stacked paged memory. It keeps only the views' geometry
-//   and its own index tensors, never an operand, and drops the GIL while torch copies. It is
-//   made only for plain tensors (kvactors/kernels/reused.py).
+//   of the chunk, from a view of the stacked paged memory. Made once per operand geometry;
+//   bind() builds a plan's index tensors straight from its block ids. It keeps only the
+//   views' geometry and its own index tensors, never an operand, and drops the GIL while
+//   torch copies. It is made only for plain tensors (kvactors/kernels/reused.py).
 #include <torch/extension.h>
 
 #include <cstdint>
@@ -98,10 +99,10 @@ bool walk(py::handle value, int depth, Writer& key, Writer& versions, int64_t& c
 }
 
 // (key, versions, number of paged tensors, any inference tensor) or None; see the file comment.
-py::object operand_key(const py::bytes& prefix, py::handle paged, py::handle objects) {
-  std::string key = prefix;
+py::object operand_key(py::handle paged, py::handle objects) {
+  std::string key;
   std::string versions;
-  key.reserve(key.size() + 1024);
+  key.reserve(1024);
   versions.reserve(256);
   Writer k(key);
   Writer v(versions);
@@ -134,49 +135,82 @@ at::Tensor first_paged(py::handle paged) {
   throw py::type_error("the paged operand has no first tensor");
 }
 
-struct Step {
+struct Out {
   int64_t object;
-  at::Tensor index;
   std::vector<int64_t> size;
   std::vector<int64_t> stride;
   int64_t offset;
 };
 
+// An int64 tensor of ids[start:stop] (Python ints, validated by the plan).
+at::Tensor index_of(const py::tuple& ids, int64_t start, int64_t stop) {
+  if (start < 0 || stop < start || stop > static_cast<int64_t>(ids.size())) {
+    throw py::value_error("block id range out of bounds");
+  }
+  at::Tensor index = at::empty({stop - start}, at::kLong);
+  int64_t* data = index.data_ptr<int64_t>();
+  for (int64_t i = start; i < stop; ++i) {
+    const long long v = PyLong_AsLongLong(PyTuple_GET_ITEM(ids.ptr(), i));
+    if (v == -1 && PyErr_Occurred()) {
+      throw py::error_already_set();
+    }
+    data[i - start] = v;
+  }
+  return index;
+}
+
+// Made once per operand geometry (no ids); bind() gives the kernel of one plan's block ids.
 class StackedGather {
  public:
   StackedGather(std::vector<int64_t> size, std::vector<int64_t> stride, int64_t offset,
-                int64_t dim, py::sequence steps)
+                int64_t dim, py::sequence outs)
       : size_(std::move(size)), stride_(std::move(stride)), offset_(offset), dim_(dim) {
-    for (const auto step : steps) {
-      auto s = step.cast<py::tuple>();
-      auto geo = s[2].cast<py::tuple>();
-      steps_.push_back(Step{s[0].cast<int64_t>(), s[1].cast<at::Tensor>(),
-                            geo[0].cast<std::vector<int64_t>>(),
-                            geo[1].cast<std::vector<int64_t>>(), geo[2].cast<int64_t>()});
+    for (const auto item : outs) {
+      auto o = item.cast<py::tuple>();
+      auto geo = o[1].cast<py::tuple>();
+      outs_.push_back(Out{o[0].cast<int64_t>(), geo[0].cast<std::vector<int64_t>>(),
+                          geo[1].cast<std::vector<int64_t>>(), geo[2].cast<int64_t>()});
     }
   }
 
+  // The kernel for these block ids: chunk i takes ids[ranges[i][0]:ranges[i][1]].
+  StackedGather bind(const py::tuple& ids, const py::sequence& ranges) const {
+    if (static_cast<size_t>(py::len(ranges)) != outs_.size()) {
+      throw py::value_error("one id range per chunk is needed");
+    }
+    StackedGather bound = *this;
+    bound.indices_.clear();
+    for (const auto item : ranges) {
+      auto r = item.cast<py::tuple>();
+      bound.indices_.push_back(index_of(ids, r[0].cast<int64_t>(), r[1].cast<int64_t>()));
+    }
+    return bound;
+  }
+
   void operator()(py::handle paged, py::handle objects) const {
+    if (indices_.size() != outs_.size()) {
+      throw py::value_error("the kernel has no block ids (bind it first)");
+    }
     const at::Tensor unit0 = first_paged(paged);
     PyObject* objs = objects.ptr();
     if (!(PyList_Check(objs) || PyTuple_Check(objs))) {
       throw py::type_error("objects must be a list or tuple of tensors");
     }
-    std::vector<at::Tensor> outs;
-    outs.reserve(steps_.size());
+    std::vector<at::Tensor> dst;
+    dst.reserve(outs_.size());
     const Py_ssize_t n = PySequence_Fast_GET_SIZE(objs);
-    for (const auto& step : steps_) {
-      if (step.object >= n || !THPVariable_Check(PySequence_Fast_GET_ITEM(objs, step.object))) {
+    for (const auto& out : outs_) {
+      if (out.object >= n || !THPVariable_Check(PySequence_Fast_GET_ITEM(objs, out.object))) {
         throw py::type_error("objects do not match the plan");
       }
-      outs.push_back(THPVariable_Unpack(PySequence_Fast_GET_ITEM(objs, step.object)));
+      dst.push_back(THPVariable_Unpack(PySequence_Fast_GET_ITEM(objs, out.object)));
     }
     py::gil_scoped_release nogil;
     const at::Tensor src = unit0.as_strided(size_, stride_, offset_);
-    for (size_t i = 0; i < steps_.size(); ++i) {
-      const auto& step = steps_[i];
-      at::Tensor out = outs[i].as_strided(step.size, step.stride, step.offset);
-      at::index_select_out(out, src, dim_, step.index);
+    for (size_t i = 0; i < outs_.size(); ++i) {
+      const auto& out = outs_[i];
+      at::Tensor view = dst[i].as_strided(out.size, out.stride, out.offset);
+      at::index_select_out(view, src, dim_, indices_[i]);
     }
   }
 
@@ -185,15 +219,17 @@ class StackedGather {
   std::vector<int64_t> stride_;
   int64_t offset_;
   int64_t dim_;
-  std::vector<Step> steps_;
+  std::vector<Out> outs_;
+  std::vector<at::Tensor> indices_;
 };
 
 }  // namespace
 
 PYBIND11_MODULE(TORCH_EXTENSION_NAME, m) {
   m.attr("ABI") = 1;
-  m.def("operand_key", &operand_key, py::arg("prefix"), py::arg("paged"), py::arg("objects"));
+  m.def("operand_key", &operand_key, py::arg("paged"), py::arg("objects"));
   py::class_<StackedGather>(m, "StackedGather")
       .def(py::init<std::vector<int64_t>, std::vector<int64_t>, int64_t, int64_t, py::sequence>())
+      .def("bind", &StackedGather::bind)
       .def("__call__", &StackedGather::operator());
 }

@@ -19,8 +19,11 @@ takes the stacked path first below 8 MiB and the rows path first from there. Any
 :func:`~kvactors.kernels.fast.run_fast` with the plan's memo.
 
 Plans of the same operands and request but other block ids share a second dict (``shared``,
-the plan cache's geometry memo): the view geometry is computed once for all of them, and a
-plan of new ids builds only its index tensors.
+the plan cache's geometry memo). Which path runs and the geometry of its views do not depend
+on the block ids, so the first plan of a geometry leaves there a *binder*: a function of a
+plan that builds only that plan's index tensors and its kernel. A plan of new ids (most of
+LMCache's calls) is bound at once, without deciding anything again. A binder keeps no
+operand: the kernel is given them on every call.
 """
 
 from __future__ import annotations
@@ -43,6 +46,8 @@ if TYPE_CHECKING:
 __all__ = ("index_tensor", "reused_kernel")
 
 _KEY = "reused_kernel"
+_BIND = "reused_binder"
+
 _ROWS_FIRST_BYTES = 8 << 20
 
 
@@ -64,7 +69,11 @@ def reused_kernel(
     which torch writes only in inference mode; the kernel then runs in it."""
     kernel: Callable[[Any, Sequence[torch.Tensor]], None] | None = memo.get(_KEY)
     if kernel is None:
-        kernel = _specialise(plan, paged, objects, memo, {} if shared is None else shared)
+        bind = None if shared is None else shared.get(_BIND)
+        if bind is not None:  # a plan of other ids on a geometry specialised before
+            kernel = bind(plan)
+        else:
+            kernel = _specialise(plan, paged, objects, memo, {} if shared is None else shared)
         if inference:
             kernel = _in_inference_mode(kernel)
         memo[_KEY] = kernel
@@ -118,7 +127,7 @@ def _specialise(
         if plan.rows is not None:
             steps = _rows_steps(plan)
             if steps:
-                return _rows_kernel(plan.rows, plan.direction, steps, unit0, objects)
+                return _rows(plan, steps, unit0, objects, shared)
         if plan.direction is Direction.D2H and plan.stacked is not None and rows_first:
             kernel = _stacked(plan, unit0, objects, shared)
             if kernel is not None:
@@ -142,33 +151,61 @@ def _stacked(
     if not layout:
         return None
     src_geo, dim, outs = layout
-    ids = plan.request.block_ids
-    steps = tuple(
-        (obj, index_tensor(ids[seg.start : seg.stop]), out)
-        for (obj, out), seg in zip(outs, plan.segments, strict=True)
-    )
+    ranges = tuple((seg.start, seg.stop) for seg in plan.segments)
     native = hotpath.load()
     plain = type(unit0) is torch.Tensor and all(type(o) is torch.Tensor for o in objects)
+    bind: Callable[[TransferPlan], Callable[[Any, Sequence[torch.Tensor]], None]]
     if native is not None and plain:  # the same calls, compiled (kvactors/_compiled/hotpath.cpp)
         size, stride, offset = src_geo
-        compiled: Callable[[Any, Sequence[torch.Tensor]], None] = native.StackedGather(
-            size, stride, offset, dim, steps
-        )
-        return compiled
-    return _stacked_kernel(src_geo, dim, steps)
+        unbound = native.StackedGather(size, stride, offset, dim, outs)
+
+        def bind(p: TransferPlan) -> Callable[[Any, Sequence[torch.Tensor]], None]:
+            bound: Callable[[Any, Sequence[torch.Tensor]], None] = unbound.bind(
+                p.request.block_ids, ranges
+            )
+            return bound
+
+    else:
+
+        def bind(p: TransferPlan) -> Callable[[Any, Sequence[torch.Tensor]], None]:
+            ids = p.request.block_ids
+            steps = tuple(
+                (obj, index_tensor(ids[start:stop]), out)
+                for (obj, out), (start, stop) in zip(outs, ranges, strict=True)
+            )
+            return _stacked_kernel(src_geo, dim, steps)
+
+    shared[_BIND] = bind
+    return bind(plan)
+
+
+def _rows(
+    plan: TransferPlan,
+    steps: tuple[tuple[int, torch.Tensor, Any], ...],
+    unit0: torch.Tensor,
+    objects: Sequence[torch.Tensor],
+    shared: dict[Any, Any],
+) -> Callable[[Any, Sequence[torch.Tensor]], None]:
+    g, direction = plan.rows, plan.direction
+    assert g is not None
+    # Same dtype on both sides (validated); one whose index_select is missing goes raw.
+    as_raw = any(objects[obj].dtype is not unit0.dtype for obj, _, _ in steps)
+
+    def bind(p: TransferPlan) -> Callable[[Any, Sequence[torch.Tensor]], None]:
+        return _rows_kernel(g, direction, _rows_steps(p), as_raw)
+
+    shared[_BIND] = bind
+    return _rows_kernel(g, direction, steps, as_raw)
 
 
 def _rows_kernel(
     g: RowGeometry,
     direction: Direction,
     steps: tuple[tuple[int, torch.Tensor, Any], ...],
-    unit0: torch.Tensor,
-    objects: Sequence[torch.Tensor],
+    as_raw: bool,
 ) -> Callable[[Any, Sequence[torch.Tensor]], None]:
     size, stride, offset = (g.nrows, g.piece), (g.row_stride, 1), g.storage_offset
     if direction is Direction.D2H:
-        # Same dtype on both sides (validated); one whose index_select is missing goes raw.
-        as_raw = any(objects[obj].dtype is not unit0.dtype for obj, _, _ in steps)
         outs = tuple((obj, idx, (idx.numel(), -1)) for obj, idx, _ in steps)
 
         def gather(paged: Any, objs: Sequence[torch.Tensor]) -> None:
