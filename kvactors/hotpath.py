@@ -58,6 +58,8 @@ class Hotpath(Protocol):
         outs: Any,
     ) -> Any: ...
 
+    def RowsScatter(self, nrows: int, piece: int, row_stride: int, offset: int) -> Any: ...
+
 
 _lock = threading.Lock()
 _loaded: list[Hotpath | None] = []  # empty: not tried yet

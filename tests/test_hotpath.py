@@ -188,3 +188,38 @@ def test_a_build_for_another_source_or_torch_is_never_loaded(
     monkeypatch.setenv("KVACTORS_HOTPATH", "1")
     with pytest.raises(MissingDependencyError, match="not built"):
         hotpath.load()
+
+
+def test_rows_scatter_checks_everything_before_a_byte_moves(native: hotpath.Hotpath) -> None:
+    """Row indices out of range, a chunk that does not hold the plan's rows, a device chunk:
+    refused, and the paged memory is untouched."""
+    paged = torch.zeros(8, 4)  # 8 rows of 4 elements
+    chunk = torch.ones(2, 4)
+    kernel = native.RowsScatter(8, 4, 4, 0)
+    with pytest.raises(ValueError, match="out of range"):
+        kernel.bind(((0, torch.tensor([1, 8])),))
+    bound = kernel.bind(((0, torch.tensor([1, 6])),))
+    with pytest.raises(ValueError, match="rows"):
+        bound([paged], [torch.ones(2, 2)])
+    with pytest.raises(ValueError, match="host memory"):
+        bound([paged], [torch.ones(2, 4, dtype=torch.float64)])
+    with pytest.raises(ValueError, match="host memory"):
+        bound([torch.empty(8, 4, device="meta")], [chunk])
+    with pytest.raises(TypeError, match="do not match"):
+        bound([paged], [])
+    assert not paged.any()
+    bound([paged], [chunk])
+    assert paged[[1, 6]].eq(1).all()
+    assert int(paged.sum()) == 8
+
+
+def test_stacked_gather_needs_its_block_ids(native: hotpath.Hotpath) -> None:
+    pool = torch.arange(16.0).view(4, 4)
+    out = torch.zeros(2, 4)
+    unbound = native.StackedGather([4, 4], [4, 1], 0, 0, ((0, ([2, 4], [4, 1], 0)),))
+    with pytest.raises(ValueError, match="bind"):
+        unbound([pool], [out])
+    with pytest.raises(ValueError, match="one id range per chunk"):
+        unbound.bind((3, 1), ())
+    unbound.bind((3, 1), ((0, 2),))([pool], [out])
+    assert torch.equal(out, pool[[3, 1]])

@@ -18,9 +18,13 @@
 //   bind() builds a plan's index tensors straight from its block ids. It keeps only the
 //   views' geometry and its own index tensors, never an operand, and drops the GIL while
 //   torch copies. It is made only for plain tensors (kvactors/kernels/reused.py).
+// * RowsScatter: the reused kernel's rows scatter on host memory, one memcpy per block row
+//   from the chunk into the paged memory, with the GIL dropped (numpy's fancy assignment,
+//   its Python twin, holds it for part of the copy: 4 threads scattered slower than one).
 #include <torch/extension.h>
 
 #include <cstdint>
+#include <cstring>
 #include <string>
 #include <vector>
 
@@ -223,6 +227,87 @@ class StackedGather {
   std::vector<at::Tensor> indices_;
 };
 
+// The rows path's scatter (host memory only): row idx[i] of a rows view of the paged memory
+// ([nrows, piece] elements, rows row_stride apart) takes row i of the chunk, one memcpy per
+// row with the GIL dropped. Every index and both views are checked before any byte moves.
+class RowsScatter {
+ public:
+  RowsScatter(int64_t nrows, int64_t piece, int64_t row_stride, int64_t offset)
+      : nrows_(nrows), piece_(piece), row_stride_(row_stride), offset_(offset) {}
+
+  // The kernel for one plan: per chunk, its object's index and its rows' index tensor.
+  RowsScatter bind(const py::sequence& steps) const {
+    RowsScatter bound = *this;
+    for (const auto item : steps) {
+      auto s = item.cast<py::tuple>();
+      at::Tensor idx = s[1].cast<at::Tensor>();
+      if (idx.scalar_type() != at::kLong || idx.dim() != 1 || !idx.is_cpu()) {
+        throw py::value_error("row indices must be a 1-D int64 CPU tensor");
+      }
+      idx = idx.contiguous();
+      const int64_t* ids = idx.data_ptr<int64_t>();
+      for (int64_t i = 0; i < idx.numel(); ++i) {
+        if (ids[i] < 0 || ids[i] >= nrows_) {
+          throw py::value_error("row index out of range");
+        }
+      }
+      bound.objects_.push_back(s[0].cast<int64_t>());
+      bound.indices_.push_back(idx);
+    }
+    return bound;
+  }
+
+  void operator()(py::handle paged, py::handle objects) const {
+    const at::Tensor unit0 = first_paged(paged);
+    PyObject* objs = objects.ptr();
+    if (!(PyList_Check(objs) || PyTuple_Check(objs))) {
+      throw py::type_error("objects must be a list or tuple of tensors");
+    }
+    if (!unit0.is_cpu()) {
+      throw py::value_error("the rows scatter copies host memory only");
+    }
+    const at::Tensor rows = unit0.as_strided({nrows_, piece_}, {row_stride_, 1}, offset_);
+    const int64_t es = unit0.element_size();
+    std::vector<at::Tensor> srcs;
+    srcs.reserve(indices_.size());
+    const Py_ssize_t n = PySequence_Fast_GET_SIZE(objs);
+    for (size_t k = 0; k < indices_.size(); ++k) {
+      const int64_t o = objects_[k];
+      if (o >= n || !THPVariable_Check(PySequence_Fast_GET_ITEM(objs, o))) {
+        throw py::type_error("objects do not match the plan");
+      }
+      const at::Tensor& obj = THPVariable_Unpack(PySequence_Fast_GET_ITEM(objs, o));
+      if (!obj.is_cpu() || obj.element_size() != es) {
+        throw py::value_error("a chunk is not host memory of the paged element size");
+      }
+      at::Tensor src = obj.view({indices_[k].numel(), -1});
+      if (src.size(1) != piece_ || src.stride(1) != 1) {
+        throw py::value_error("a chunk does not hold the plan's rows");
+      }
+      srcs.push_back(src);
+    }
+    char* base = static_cast<char*>(rows.data_ptr());
+    const size_t row_bytes = static_cast<size_t>(piece_ * es);
+    py::gil_scoped_release nogil;
+    for (size_t k = 0; k < indices_.size(); ++k) {
+      const int64_t* ids = indices_[k].data_ptr<int64_t>();
+      const char* src = static_cast<const char*>(srcs[k].data_ptr());
+      const int64_t src_stride = srcs[k].stride(0) * es;
+      for (int64_t i = 0; i < indices_[k].numel(); ++i) {
+        std::memcpy(base + ids[i] * row_stride_ * es, src + i * src_stride, row_bytes);
+      }
+    }
+  }
+
+ private:
+  int64_t nrows_;
+  int64_t piece_;
+  int64_t row_stride_;
+  int64_t offset_;
+  std::vector<int64_t> objects_;
+  std::vector<at::Tensor> indices_;
+};
+
 }  // namespace
 
 PYBIND11_MODULE(TORCH_EXTENSION_NAME, m) {
@@ -232,4 +317,8 @@ PYBIND11_MODULE(TORCH_EXTENSION_NAME, m) {
       .def(py::init<std::vector<int64_t>, std::vector<int64_t>, int64_t, int64_t, py::sequence>())
       .def("bind", &StackedGather::bind)
       .def("__call__", &StackedGather::operator());
+  py::class_<RowsScatter>(m, "RowsScatter")
+      .def(py::init<int64_t, int64_t, int64_t, int64_t>())
+      .def("bind", &RowsScatter::bind)
+      .def("__call__", &RowsScatter::operator());
 }

@@ -190,12 +190,25 @@ def _rows(
     assert g is not None
     # Same dtype on both sides (validated); one whose index_select is missing goes raw.
     as_raw = any(objects[obj].dtype is not unit0.dtype for obj, _, _ in steps)
+    native = hotpath.load()
+    plain = type(unit0) is torch.Tensor and all(type(o) is torch.Tensor for o in objects)
+    bind: Callable[[TransferPlan], Callable[[Any, Sequence[torch.Tensor]], None]]
+    if native is not None and plain and direction is Direction.H2D:  # compiled, GIL dropped
+        unbound = native.RowsScatter(g.nrows, g.piece, g.row_stride, g.storage_offset)
 
-    def bind(p: TransferPlan) -> Callable[[Any, Sequence[torch.Tensor]], None]:
-        return _rows_kernel(g, direction, _rows_steps(p), as_raw)
+        def bind(p: TransferPlan) -> Callable[[Any, Sequence[torch.Tensor]], None]:
+            bound: Callable[[Any, Sequence[torch.Tensor]], None] = unbound.bind(
+                tuple((obj, idx) for obj, idx, _ in _rows_steps(p))
+            )
+            return bound
+
+    else:
+
+        def bind(p: TransferPlan) -> Callable[[Any, Sequence[torch.Tensor]], None]:
+            return _rows_kernel(g, direction, _rows_steps(p), as_raw)
 
     shared[_BIND] = bind
-    return _rows_kernel(g, direction, steps, as_raw)
+    return bind(plan)
 
 
 def _rows_kernel(
