@@ -62,7 +62,9 @@ class Hotpath(Protocol):
 
 
 _lock = threading.Lock()
-_loaded: list[Hotpath | None] = []  # empty: not tried yet
+# (module or None,) once an import was tried, None before. Replaced whole, never mutated: a
+# reader without the lock sees the old tuple or the new one.
+_loaded: tuple[Hotpath | None] | None = None
 _reason: list[str] = [""]
 
 
@@ -106,8 +108,9 @@ def build(*, verbose: bool = False) -> Path:
         build_directory=str(out),
         verbose=verbose,
     )
+    global _loaded  # one tuple, replaced whole under the lock
     with _lock:
-        _loaded.clear()  # the next load() imports the new build
+        _loaded = None  # the next load() imports the new build
     return _module_path(out)
 
 
@@ -147,16 +150,18 @@ def load() -> Hotpath | None:
     twins run). ``KVACTORS_HOTPATH=0`` turns it off; ``=1`` raises
     :class:`~kvactors.errors.MissingDependencyError` when it cannot be loaded."""
     setting = os.environ.get(_ENV, "")
-    if _loaded and _loaded[0] is not None and (setting == "" or setting == "1"):
-        return _loaded[0]  # the common call: no lock
+    global _loaded  # one tuple, replaced whole under the lock
+    tried = _loaded
+    if tried is not None and tried[0] is not None and (setting == "" or setting == "1"):
+        return tried[0]  # the common call: no lock
     if setting not in ("", "0", "1"):
         raise InvalidSettingError(f"{_ENV} must be 0 or 1, got {setting!r}", setting=_ENV)
     if setting == "0":
         _reason[0] = f"off ({_ENV}=0)"
         return None
     with _lock:
-        if not _loaded:
-            _loaded.append(_import())
+        if _loaded is None:
+            _loaded = (_import(),)
         module = _loaded[0]
     if module is None and setting == "1":
         raise MissingDependencyError(f"{_ENV}=1 but the hot path {_reason[0]}", package="kvactors")

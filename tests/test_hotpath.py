@@ -174,7 +174,7 @@ def test_a_build_for_another_source_or_torch_is_never_loaded(
     """The build folder is named by the source, torch and Python: an empty cache (or one of
     another torch) has nothing to load, and ``KVACTORS_HOTPATH=1`` then refuses to go on."""
     monkeypatch.setenv("KVACTORS_CACHE_DIR", str(tmp_path))
-    monkeypatch.setattr(hotpath, "_loaded", [])
+    monkeypatch.setattr(hotpath, "_loaded", None)
     monkeypatch.delenv("KVACTORS_HOTPATH", raising=False)
     assert hotpath.load() is None
     assert "not built" in hotpath.status()
@@ -184,7 +184,7 @@ def test_a_build_for_another_source_or_torch_is_never_loaded(
     monkeypatch.undo()
     assert other != hotpath.build_dir()
     monkeypatch.setenv("KVACTORS_CACHE_DIR", str(tmp_path))
-    monkeypatch.setattr(hotpath, "_loaded", [])
+    monkeypatch.setattr(hotpath, "_loaded", None)
     monkeypatch.setenv("KVACTORS_HOTPATH", "1")
     with pytest.raises(MissingDependencyError, match="not built"):
         hotpath.load()
