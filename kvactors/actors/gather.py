@@ -126,6 +126,11 @@ class GatherActor(Actor[GatherRequest]):
         self._fences: dict[int, tuple[Callable[..., None], tuple[int, ...], int]] = {}
         self._fence_ids = itertools.count()
         self._scratch: dict[int, ScratchCache] = {}
+        # Staging buffers of inline device calls, one cache per calling thread (a cache serves
+        # one caller at a time; an inline call has synchronized its stream before it returns,
+        # so the next call of that thread may reuse them). Owned here, not by the thread: they
+        # go when the actor stops, not when the thread ends.
+        self._inline_scratch: dict[int, ScratchCache] = {}
         streams.on_retire(self._forget_stream)
         self.bytes_moved = 0
         self.transfers_ok = 0
@@ -149,7 +154,20 @@ class GatherActor(Actor[GatherRequest]):
     @property
     def scratch_allocations(self) -> int:
         """Staging buffers ever allocated by this device's staged kernels (flat when warm)."""
-        return sum(c.allocations for c in list(self._scratch.values()))
+        caches = [*self._scratch.values(), *self._inline_scratch.values()]
+        return sum(c.allocations for c in caches)
+
+    def _caller_scratch(self) -> ScratchCache:
+        ident = threading.get_ident()
+        cache = self._inline_scratch.get(ident)
+        if cache is None:  # one thread per ident at a time: no other thread adds this key
+            cache = self._inline_scratch[ident] = ScratchCache()
+        return cache
+
+    async def on_stop(self, closed: Any) -> None:
+        """Release the inline callers' staging buffers (no inline call starts once the
+        runtime closed; one still running keeps its own cache until it returns)."""
+        self._inline_scratch.clear()
 
     def receive(self, env: Envelope[GatherRequest]) -> Any:
         """Dispatch one message."""
@@ -286,6 +304,7 @@ class GatherActor(Actor[GatherRequest]):
                         )(paged, objects)
                 else:
                     stream = lane.stream
+                    scratch = self._caller_scratch()
                     backend.launch(
                         stream,
                         backend.transfer_kernel(
@@ -297,6 +316,7 @@ class GatherActor(Actor[GatherRequest]):
                                 paged,
                                 objects,
                                 copy=backend.copy_,  # the device's copy policy (rule 6)
+                                scratch=scratch,
                                 memo=memo,
                                 checked=memo is not None,
                             ),

@@ -51,3 +51,29 @@ def test_rule6_partial_chunk_gather_is_exact_on_both_routes(kind: str, inline: b
         want = expected_gather(host, IDS)
         exact = all(same(a, b) for a, b in zip(out, want, strict=True))
         assert exact, "a strided device-to-host copy was not blocking: the chunk holds zeros"
+
+
+@pytest.mark.parametrize("kind", ["mlu", "musa"])
+def test_inline_staging_buffers_belong_to_the_runtime_and_go_when_it_closes(kind: str) -> None:
+    """Inline device calls stage through device buffers. They are the runtime's (counted in
+    ``scratch_allocations``) and released when it closes, not kept by the calling thread
+    until it ends (a long-lived engine thread would hold device memory of a closed runtime)."""
+    import gc
+
+    from kvactors.kernels.fast import ScratchCache
+
+    def caches() -> list[ScratchCache]:
+        return [c for c in gc.get_objects() if type(c) is ScratchCache and c.allocations]
+
+    before = {id(c) for c in caches()}
+    with fake_vendor(kind, seed=1) as fake:
+        src = [fake.adopt(t) for t in paged(3)]
+        with Runtime(_backend(kind), inline=True) as rt:
+            rt.transfer(request(Direction.D2H, IDS), src, objects(2))
+            stats = rt.statistics()
+            mine = [c for c in caches() if id(c) not in before]
+            assert mine, "the inline call staged through a cache the runtime does not own"
+            assert stats.scratch_allocations == sum(c.allocations for c in mine)
+            del mine
+        gc.collect()
+        assert not [c for c in caches() if id(c) not in before]
