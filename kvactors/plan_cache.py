@@ -8,7 +8,9 @@ encoded into one ``bytes`` key (the request as msgpack, so ``True`` or ``1.0`` n
 for ``1``; dtypes and devices as small codes), and keeps with it every tensor's version
 counter (``t._version``, bumped by every in-place write, ``set_``, ``resize_`` and in-place
 view op such as ``transpose_``). A lookup recomputes the key and the versions from the
-operands it is given. Equal key and versions: the plan is reused. All of one tensor's facts
+operands it is given (in one call of the compiled hot path where it is built, see
+:mod:`kvactors.hotpath`: the same facts, read from each ``TensorImpl``; its keys never equal
+the Python walk's). Equal key and versions: the plan is reused. All of one tensor's facts
 are read in one pass, and the comparison is one dictionary lookup and one ``bytes``
 comparison: after a copy evicted the CPU caches, every stored Python object a comparison
 touched would cost a miss. Failed validations are never cached (every bad call raises afresh).

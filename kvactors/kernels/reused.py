@@ -139,6 +139,15 @@ def _specialise(
     return general
 
 
+def _compiled(unit0: torch.Tensor, objects: Sequence[torch.Tensor]) -> hotpath.Hotpath | None:
+    """The compiled hot path if it is loaded and every operand is a plain tensor (a subclass's
+    Python methods may answer otherwise than its ``TensorImpl``, which the extension reads)."""
+    native = hotpath.load()
+    if native is None or type(unit0) is not torch.Tensor:
+        return None
+    return native if all(type(o) is torch.Tensor for o in objects) else None
+
+
 def _stacked(
     plan: TransferPlan, unit0: torch.Tensor, objects: Sequence[torch.Tensor], shared: dict[Any, Any]
 ) -> Callable[[Any, Sequence[torch.Tensor]], None] | None:
@@ -152,10 +161,9 @@ def _stacked(
         return None
     src_geo, dim, outs = layout
     ranges = tuple((seg.start, seg.stop) for seg in plan.segments)
-    native = hotpath.load()
-    plain = type(unit0) is torch.Tensor and all(type(o) is torch.Tensor for o in objects)
+    native = _compiled(unit0, objects)
     bind: Callable[[TransferPlan], Callable[[Any, Sequence[torch.Tensor]], None]]
-    if native is not None and plain:  # the same calls, compiled (kvactors/_compiled/hotpath.cpp)
+    if native is not None:  # the same calls, compiled (kvactors/_compiled/hotpath.cpp)
         size, stride, offset = src_geo
         unbound = native.StackedGather(size, stride, offset, dim, outs)
 
@@ -190,10 +198,9 @@ def _rows(
     assert g is not None
     # Same dtype on both sides (validated); one whose index_select is missing goes raw.
     as_raw = any(objects[obj].dtype is not unit0.dtype for obj, _, _ in steps)
-    native = hotpath.load()
-    plain = type(unit0) is torch.Tensor and all(type(o) is torch.Tensor for o in objects)
+    native = _compiled(unit0, objects)
     bind: Callable[[TransferPlan], Callable[[Any, Sequence[torch.Tensor]], None]]
-    if native is not None and plain and direction is Direction.H2D:  # compiled, GIL dropped
+    if native is not None and direction is Direction.H2D:  # compiled, GIL dropped
         unbound = native.RowsScatter(g.nrows, g.piece, g.row_stride, g.storage_offset)
 
         def bind(p: TransferPlan) -> Callable[[Any, Sequence[torch.Tensor]], None]:
