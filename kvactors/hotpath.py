@@ -58,6 +58,15 @@ class Hotpath(Protocol):
         outs: Any,
     ) -> Any: ...
 
+    def StackedScatter(
+        self,
+        size: Any,
+        stride: Any,
+        offset: int,
+        dim: int,
+        outs: Any,
+    ) -> Any: ...
+
     def RowsScatter(self, nrows: int, piece: int, row_stride: int, offset: int) -> Any: ...
 
 

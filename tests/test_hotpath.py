@@ -223,3 +223,26 @@ def test_stacked_gather_needs_its_block_ids(native: hotpath.Hotpath) -> None:
         unbound.bind((3, 1), ())
     unbound.bind((3, 1), ((0, 2),))([pool], [out])
     assert torch.equal(out, pool[[3, 1]])
+
+
+def test_stacked_scatter_checks_before_a_byte_moves(native: hotpath.Hotpath) -> None:
+    """Block ids out of range or device memory: refused, the paged memory untouched; a
+    geometry without a contiguous run on both sides is not usable (numpy's scatter runs)."""
+    pool = torch.zeros(4, 2, 8)  # [B, H, D], blocks on axis 0
+    chunk = torch.ones(2, 2, 8)
+    outs = ((0, ([2, 2, 8], [16, 8, 1], 0)),)
+    unbound = native.StackedScatter([4, 2, 8], [16, 8, 1], 0, 0, outs)
+    assert unbound.usable
+    with pytest.raises(ValueError, match="out of range"):
+        unbound.bind((1, 4), ((0, 2),))
+    kernel = unbound.bind((3, 1), ((0, 2),))
+    with pytest.raises(ValueError, match="host memory"):
+        kernel([torch.empty(4, 2, 8, device="meta")], [chunk])
+    with pytest.raises(ValueError, match="host memory"):
+        kernel([pool], [chunk.double()])
+    assert not pool.any()
+    kernel([pool], [chunk])
+    assert pool[[3, 1]].eq(1).all()
+    assert int(pool.sum()) == 32
+    assert not native.StackedScatter([4, 2, 8], [16, 8, 2], 0, 0, outs).usable  # strided run
+    assert not native.StackedScatter([4, 1, 1], [16, 8, 1], 0, 0, outs).usable  # run = blocks

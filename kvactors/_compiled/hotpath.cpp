@@ -18,12 +18,15 @@
 //   bind() builds a plan's index tensors straight from its block ids. It keeps only the
 //   views' geometry and its own index tensors, never an operand, and drops the GIL while
 //   torch copies. It is made only for plain tensors (kvactors/kernels/reused.py).
+// * StackedScatter: the stacked gather's views the other way, for layouts without the rows
+//   path (HND): one memcpy per innermost run, in the chunk's memory order, GIL dropped.
 // * RowsScatter: the reused kernel's rows scatter on host memory, one memcpy per block row
 //   from the chunk into the paged memory, with the GIL dropped for the whole copy (its Python
 //   twin, numpy's fancy assignment, runs its setup under the GIL: 4 callers scattering MLA
 //   chunks at once took 1.3-1.9x the torch call's time with it, 0.8-1.0x with this).
 #include <torch/extension.h>
 
+#include <algorithm>
 #include <cstdint>
 #include <cstring>
 #include <string>
@@ -192,11 +195,15 @@ class StackedGather {
     return bound;
   }
 
-  void operator()(py::handle paged, py::handle objects) const {
-    if (indices_.size() != outs_.size()) {
-      throw py::value_error("the kernel has no block ids (bind it first)");
-    }
-    const at::Tensor unit0 = first_paged(paged);
+  const std::vector<int64_t>& size() const { return size_; }
+  const std::vector<int64_t>& stride() const { return stride_; }
+  int64_t offset() const { return offset_; }
+  int64_t dim() const { return dim_; }
+  const std::vector<Out>& outs() const { return outs_; }
+  const std::vector<at::Tensor>& indices() const { return indices_; }
+
+  // The chunk tensors of these objects, one per output, checked against the plan's list.
+  std::vector<at::Tensor> objects_of(py::handle objects) const {
     PyObject* objs = objects.ptr();
     if (!(PyList_Check(objs) || PyTuple_Check(objs))) {
       throw py::type_error("objects must be a list or tuple of tensors");
@@ -210,6 +217,15 @@ class StackedGather {
       }
       dst.push_back(THPVariable_Unpack(PySequence_Fast_GET_ITEM(objs, out.object)));
     }
+    return dst;
+  }
+
+  void operator()(py::handle paged, py::handle objects) const {
+    if (indices_.size() != outs_.size()) {
+      throw py::value_error("the kernel has no block ids (bind it first)");
+    }
+    const at::Tensor unit0 = first_paged(paged);
+    const std::vector<at::Tensor> dst = objects_of(objects);
     py::gil_scoped_release nogil;
     const at::Tensor src = unit0.as_strided(size_, stride_, offset_);
     for (size_t i = 0; i < outs_.size(); ++i) {
@@ -226,6 +242,148 @@ class StackedGather {
   int64_t dim_;
   std::vector<Out> outs_;
   std::vector<at::Tensor> indices_;
+};
+
+// The stacked scatter (host memory only), for layouts without the rows path (HND): chunk
+// element [.., j, ..] goes to paged element [.., ids[j], ..] of the stacked view, one memcpy
+// per innermost run (contiguous on both sides), walked in the chunk's memory order (reads in
+// sequence: the faster order of the C loop for a scatter). Made once per operand geometry
+// from the stacked gather's views (the same geometry, the other way); every index, both
+// views and the runs are checked before any byte moves.
+class StackedScatter {
+ public:
+  StackedScatter(std::vector<int64_t> size, std::vector<int64_t> stride, int64_t offset,
+                 int64_t dim, py::sequence outs)
+      : gather_(std::move(size), std::move(stride), offset, dim, std::move(outs)) {
+    // The run axis: the last one of more than one element; it must be contiguous on the
+    // paged side and in every chunk view, and not the block axis. Otherwise not usable (the
+    // caller keeps its other kernel).
+    const auto& sz = gather_.size();
+    run_ = -1;
+    for (int64_t d = static_cast<int64_t>(sz.size()) - 1; d >= 0; --d) {
+      if (sz[d] > 1) {
+        run_ = d;
+        break;
+      }
+    }
+    usable_ = run_ >= 0 && run_ != gather_.dim() && gather_.stride()[run_] == 1;
+    for (const auto& out : gather_.outs()) {
+      usable_ = usable_ && out.size.size() == sz.size() && out.stride[run_] == 1 &&
+                out.size[run_] == sz[run_];
+    }
+  }
+
+  bool usable() const { return usable_; }
+
+  StackedScatter bind(const py::tuple& ids, const py::sequence& ranges) const {
+    if (!usable_) {
+      throw py::value_error("no contiguous run axis: the stacked scatter does not apply");
+    }
+    StackedScatter bound = *this;
+    bound.gather_ = gather_.bind(ids, ranges);
+    for (size_t i = 0; i < bound.gather_.indices().size(); ++i) {
+      const at::Tensor& idx = bound.gather_.indices()[i];
+      const int64_t* v = idx.data_ptr<int64_t>();
+      const int64_t limit = bound.gather_.size()[bound.gather_.dim()];
+      for (int64_t k = 0; k < idx.numel(); ++k) {
+        if (v[k] < 0 || v[k] >= limit) {
+          throw py::value_error("block id out of range");
+        }
+      }
+    }
+    return bound;
+  }
+
+  void operator()(py::handle paged, py::handle objects) const {
+    const auto& g = gather_;
+    if (g.indices().size() != g.outs().size()) {
+      throw py::value_error("the kernel has no block ids (bind it first)");
+    }
+    const at::Tensor unit0 = first_paged(paged);
+    if (!unit0.is_cpu()) {
+      throw py::value_error("the stacked scatter copies host memory only");
+    }
+    const at::Tensor pool = unit0.as_strided(g.size(), g.stride(), g.offset());
+    const int64_t es = unit0.element_size();
+    const int64_t nd = pool.dim();
+    std::vector<at::Tensor> chunks = g.objects_of(objects);
+    std::vector<at::Tensor> views;
+    for (size_t i = 0; i < chunks.size(); ++i) {
+      const auto& out = g.outs()[i];
+      if (!chunks[i].is_cpu() || chunks[i].element_size() != es) {
+        throw py::value_error("a chunk is not host memory of the paged element size");
+      }
+      at::Tensor view = chunks[i].as_strided(out.size, out.stride, out.offset);
+      if (view.dim() != nd || view.stride(run_) != 1 || pool.stride(run_) != 1) {
+        throw py::value_error("a chunk's run axis is not contiguous on both sides");
+      }
+      for (int64_t d = 0; d < nd; ++d) {
+        if (d != g.dim() && view.size(d) != pool.size(d)) {
+          throw py::value_error("a chunk's view does not match the paged view");
+        }
+      }
+      views.push_back(view);
+    }
+    py::gil_scoped_release nogil;
+    for (size_t i = 0; i < views.size(); ++i) {
+      scatter_one(pool, views[i], g.indices()[i], g.dim(), run_, es);
+    }
+  }
+
+ private:
+  // Walk every other axis in the chunk's memory order (largest stride first), one memcpy
+  // per run.
+  static void scatter_one(const at::Tensor& pool, const at::Tensor& chunk, const at::Tensor& idx,
+                          int64_t dim, int64_t run_axis, int64_t es) {
+    if (chunk.numel() == 0) return;
+    // Axes other than the run, outermost first in the chunk's memory order; their sizes and
+    // strides in bytes, read once (a TensorImpl accessor per run would cost more than the run).
+    std::vector<int64_t> order;
+    for (int64_t d = 0; d < chunk.dim(); ++d) {
+      if (d != run_axis) order.push_back(d);
+    }
+    std::stable_sort(order.begin(), order.end(),
+                     [&](int64_t a, int64_t b) { return chunk.stride(a) > chunk.stride(b); });
+    const size_t n = order.size();
+    std::vector<int64_t> size(n), sstride(n), pstride(n);
+    int64_t block = -1;  // position of the block axis in `order`
+    for (size_t k = 0; k < n; ++k) {
+      size[k] = chunk.size(order[k]);
+      sstride[k] = chunk.stride(order[k]) * es;
+      pstride[k] = pool.stride(order[k]) * es;
+      if (order[k] == dim) block = static_cast<int64_t>(k);
+    }
+    const int64_t* ids = idx.data_ptr<int64_t>();
+    char* dst = static_cast<char*>(pool.data_ptr());
+    const char* src = static_cast<const char*>(chunk.data_ptr());
+    const size_t run = static_cast<size_t>(chunk.size(run_axis) * es);
+    std::vector<int64_t> at(n, 0);
+    while (true) {
+      int64_t so = 0;
+      int64_t po = 0;
+      for (size_t k = 0; k + 1 < n; ++k) {
+        so += at[k] * sstride[k];
+        po += (static_cast<int64_t>(k) == block ? ids[at[k]] : at[k]) * pstride[k];
+      }
+      // The innermost axis in one tight loop.
+      const size_t last = n - 1;
+      const bool last_is_block = static_cast<int64_t>(last) == block;
+      for (int64_t i = 0; i < size[last]; ++i) {
+        const int64_t p = po + (last_is_block ? ids[i] : i) * pstride[last];
+        std::memcpy(dst + p, src + so + i * sstride[last], run);
+      }
+      int64_t k = static_cast<int64_t>(last) - 1;
+      for (; k >= 0; --k) {
+        if (++at[k] < size[k]) break;
+        at[k] = 0;
+      }
+      if (k < 0) break;
+    }
+  }
+
+  StackedGather gather_;
+  int64_t run_ = -1;
+  bool usable_ = false;
 };
 
 // The rows path's scatter (host memory only): row idx[i] of a rows view of the paged memory
@@ -318,6 +476,11 @@ PYBIND11_MODULE(TORCH_EXTENSION_NAME, m) {
       .def(py::init<std::vector<int64_t>, std::vector<int64_t>, int64_t, int64_t, py::sequence>())
       .def("bind", &StackedGather::bind)
       .def("__call__", &StackedGather::operator());
+  py::class_<StackedScatter>(m, "StackedScatter")
+      .def(py::init<std::vector<int64_t>, std::vector<int64_t>, int64_t, int64_t, py::sequence>())
+      .def_property_readonly("usable", &StackedScatter::usable)
+      .def("bind", &StackedScatter::bind)
+      .def("__call__", &StackedScatter::operator());
   py::class_<RowsScatter>(m, "RowsScatter")
       .def(py::init<int64_t, int64_t, int64_t, int64_t>())
       .def("bind", &RowsScatter::bind)

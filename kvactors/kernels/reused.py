@@ -12,9 +12,12 @@ small model those misses, not the copy, are what separates a transfer from one t
 
 The one-call paths are :mod:`kvactors.kernels.fast`'s: the stacked gather (one
 ``index_select`` per object over the stacked view permuted into its physical order) and the
-rows path (one ``index_select`` or one numpy assignment of 2-D integer rows per object between
-a rows view of the stacked memory and the chunk, where the block planes are tight). A gather
-takes the stacked path first below 8 MiB and the rows path first from there. Anything else
+rows path (one ``index_select`` or one numpy assignment of 2-D integer rows per object
+between a rows view of the stacked memory and the chunk, where the block planes are tight).
+A gather takes the stacked path first below 8 MiB and the rows path first from there. With
+the compiled hot path (:mod:`kvactors.hotpath`) the stacked gather, the rows scatter and a
+stacked scatter for layouts without rows (HND: one ``memcpy`` per contiguous run) run
+compiled. Anything else
 (device plans, partial segments, separately allocated layers) runs
 :func:`~kvactors.kernels.fast.run_fast` with the plan's memo.
 
@@ -132,6 +135,10 @@ def _specialise(
             kernel = _stacked(plan, unit0, objects, shared)
             if kernel is not None:
                 return kernel
+        if plan.direction is Direction.H2D and plan.stacked is not None:
+            kernel = _stacked(plan, unit0, objects, shared)  # compiled only (else numpy's)
+            if kernel is not None:
+                return kernel
 
     def general(paged: Any, objects: Sequence[torch.Tensor]) -> None:
         run_fast(plan, paged, objects, memo=memo, checked=True)
@@ -151,6 +158,10 @@ def _compiled(unit0: torch.Tensor, objects: Sequence[torch.Tensor]) -> hotpath.H
 def _stacked(
     plan: TransferPlan, unit0: torch.Tensor, objects: Sequence[torch.Tensor], shared: dict[Any, Any]
 ) -> Callable[[Any, Sequence[torch.Tensor]], None] | None:
+    native = _compiled(unit0, objects)
+    scatter = plan.direction is Direction.H2D
+    if scatter and native is None:
+        return None  # the general kernel's numpy scatter
     layout = shared.get("stacked")
     if layout is None:  # the views' geometry, the same for every block id
         geo = _stacked_geometry(plan, unit0, objects)
@@ -161,11 +172,13 @@ def _stacked(
         return None
     src_geo, dim, outs = layout
     ranges = tuple((seg.start, seg.stop) for seg in plan.segments)
-    native = _compiled(unit0, objects)
     bind: Callable[[TransferPlan], Callable[[Any, Sequence[torch.Tensor]], None]]
     if native is not None:  # the same calls, compiled (kvactors/_compiled/hotpath.cpp)
         size, stride, offset = src_geo
-        unbound = native.StackedGather(size, stride, offset, dim, outs)
+        make = native.StackedScatter if scatter else native.StackedGather
+        unbound = make(size, stride, offset, dim, outs)
+        if scatter and not unbound.usable:  # no contiguous run: numpy's scatter
+            return None
 
         def bind(p: TransferPlan) -> Callable[[Any, Sequence[torch.Tensor]], None]:
             bound: Callable[[Any, Sequence[torch.Tensor]], None] = unbound.bind(
