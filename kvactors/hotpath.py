@@ -58,13 +58,14 @@ class Hotpath(Protocol):
         outs: Any,
     ) -> Any: ...
 
-    def StackedScatter(
+    def StackedRuns(
         self,
         size: Any,
         stride: Any,
         offset: int,
         dim: int,
         outs: Any,
+        to_chunk: bool,
     ) -> Any: ...
 
     def RowsScatter(self, nrows: int, piece: int, row_stride: int, offset: int) -> Any: ...

@@ -231,7 +231,7 @@ def test_stacked_scatter_checks_before_a_byte_moves(native: hotpath.Hotpath) -> 
     pool = torch.zeros(4, 2, 8)  # [B, H, D], blocks on axis 0
     chunk = torch.ones(2, 2, 8)
     outs = ((0, ([2, 2, 8], [16, 8, 1], 0)),)
-    unbound = native.StackedScatter([4, 2, 8], [16, 8, 1], 0, 0, outs)
+    unbound = native.StackedRuns([4, 2, 8], [16, 8, 1], 0, 0, outs, False)
     assert unbound.usable
     with pytest.raises(ValueError, match="out of range"):
         unbound.bind((1, 4), ((0, 2),))
@@ -244,5 +244,15 @@ def test_stacked_scatter_checks_before_a_byte_moves(native: hotpath.Hotpath) -> 
     kernel([pool], [chunk])
     assert pool[[3, 1]].eq(1).all()
     assert int(pool.sum()) == 32
-    assert not native.StackedScatter([4, 2, 8], [16, 8, 2], 0, 0, outs).usable  # strided run
-    assert not native.StackedScatter([4, 1, 1], [16, 8, 1], 0, 0, outs).usable  # run = blocks
+    assert not native.StackedRuns([4, 2, 8], [16, 8, 2], 0, 0, outs, False).usable  # strided run
+    assert not native.StackedRuns([4, 1, 1], [16, 8, 1], 0, 0, outs, False).usable  # run = blocks
+
+
+def test_stacked_runs_gather_into_the_chunk(native: hotpath.Hotpath) -> None:
+    pool = torch.arange(64.0).view(4, 2, 8)  # [B, H, D]
+    out = torch.zeros(2, 2, 8)
+    outs = ((0, ([2, 2, 8], [16, 8, 1], 0)),)
+    native.StackedRuns([4, 2, 8], [16, 8, 1], 0, 0, outs, True).bind((3, 1), ((0, 2),))(
+        [pool], [out]
+    )
+    assert torch.equal(out, pool[[3, 1]])

@@ -18,8 +18,9 @@
 //   bind() builds a plan's index tensors straight from its block ids. It keeps only the
 //   views' geometry and its own index tensors, never an operand, and drops the GIL while
 //   torch copies. It is made only for plain tensors (kvactors/kernels/reused.py).
-// * StackedScatter: the stacked gather's views the other way, for layouts without the rows
-//   path (HND): one memcpy per innermost run, in the chunk's memory order, GIL dropped.
+// * StackedRuns: the stacked gather's views copied run by run, for layouts without the rows
+//   path (HND): one memcpy per contiguous run, in the chunk's memory order, GIL dropped; the
+//   scatter, and the gather where it beats index_select's strided copy.
 // * RowsScatter: the reused kernel's rows scatter on host memory, one memcpy per block row
 //   from the chunk into the paged memory, with the GIL dropped for the whole copy (its Python
 //   twin, numpy's fancy assignment, runs its setup under the GIL: 4 callers scattering MLA
@@ -244,17 +245,18 @@ class StackedGather {
   std::vector<at::Tensor> indices_;
 };
 
-// The stacked scatter (host memory only), for layouts without the rows path (HND): chunk
-// element [.., j, ..] goes to paged element [.., ids[j], ..] of the stacked view, one memcpy
-// per innermost run (contiguous on both sides), walked in the chunk's memory order (reads in
-// sequence: the faster order of the C loop for a scatter). Made once per operand geometry
-// from the stacked gather's views (the same geometry, the other way); every index, both
-// views and the runs are checked before any byte moves.
-class StackedScatter {
+// Stacked runs (host memory only), for layouts without the rows path (HND): chunk element
+// [.., j, ..] and paged element [.., ids[j], ..] of the stacked view, copied one memcpy per
+// run (contiguous on both sides) into the chunk (a gather, to_chunk) or out of it (a
+// scatter), walked in the chunk's memory order (its side in sequence: the faster order of
+// the C loop). Made once per operand geometry from the stacked gather's views; every index,
+// both views and the runs are checked before any byte moves.
+class StackedRuns {
  public:
-  StackedScatter(std::vector<int64_t> size, std::vector<int64_t> stride, int64_t offset,
-                 int64_t dim, py::sequence outs)
-      : gather_(std::move(size), std::move(stride), offset, dim, std::move(outs)) {
+  StackedRuns(std::vector<int64_t> size, std::vector<int64_t> stride, int64_t offset,
+              int64_t dim, py::sequence outs, bool to_chunk)
+      : gather_(std::move(size), std::move(stride), offset, dim, std::move(outs)),
+        to_chunk_(to_chunk) {
     // The run axis: the last one of more than one element; it must be contiguous on the
     // paged side and in every chunk view, and not the block axis. Otherwise not usable (the
     // caller keeps its other kernel).
@@ -275,11 +277,11 @@ class StackedScatter {
 
   bool usable() const { return usable_; }
 
-  StackedScatter bind(const py::tuple& ids, const py::sequence& ranges) const {
+  StackedRuns bind(const py::tuple& ids, const py::sequence& ranges) const {
     if (!usable_) {
-      throw py::value_error("no contiguous run axis: the stacked scatter does not apply");
+      throw py::value_error("no contiguous run axis: the stacked runs do not apply");
     }
-    StackedScatter bound = *this;
+    StackedRuns bound = *this;
     bound.gather_ = gather_.bind(ids, ranges);
     for (size_t i = 0; i < bound.gather_.indices().size(); ++i) {
       const at::Tensor& idx = bound.gather_.indices()[i];
@@ -301,7 +303,7 @@ class StackedScatter {
     }
     const at::Tensor unit0 = first_paged(paged);
     if (!unit0.is_cpu()) {
-      throw py::value_error("the stacked scatter copies host memory only");
+      throw py::value_error("the stacked runs copy host memory only");
     }
     const at::Tensor pool = unit0.as_strided(g.size(), g.stride(), g.offset());
     const int64_t es = unit0.element_size();
@@ -326,15 +328,15 @@ class StackedScatter {
     }
     py::gil_scoped_release nogil;
     for (size_t i = 0; i < views.size(); ++i) {
-      scatter_one(pool, views[i], g.indices()[i], g.dim(), run_, es);
+      copy_runs(pool, views[i], g.indices()[i], g.dim(), run_, es, to_chunk_);
     }
   }
 
  private:
   // Walk every other axis in the chunk's memory order (largest stride first), one memcpy
   // per run.
-  static void scatter_one(const at::Tensor& pool, const at::Tensor& chunk, const at::Tensor& idx,
-                          int64_t dim, int64_t run_axis, int64_t es) {
+  static void copy_runs(const at::Tensor& pool, const at::Tensor& chunk, const at::Tensor& idx,
+                        int64_t dim, int64_t run_axis, int64_t es, bool to_chunk) {
     if (chunk.numel() == 0) return;
     // Axes other than the run, outermost first in the chunk's memory order; their sizes and
     // strides in bytes, read once (a TensorImpl accessor per run would cost more than the run).
@@ -354,8 +356,8 @@ class StackedScatter {
       if (order[k] == dim) block = static_cast<int64_t>(k);
     }
     const int64_t* ids = idx.data_ptr<int64_t>();
-    char* dst = static_cast<char*>(pool.data_ptr());
-    const char* src = static_cast<const char*>(chunk.data_ptr());
+    char* paged = static_cast<char*>(pool.data_ptr());
+    char* chunked = static_cast<char*>(chunk.data_ptr());
     const size_t run = static_cast<size_t>(chunk.size(run_axis) * es);
     std::vector<int64_t> at(n, 0);
     while (true) {
@@ -370,7 +372,12 @@ class StackedScatter {
       const bool last_is_block = static_cast<int64_t>(last) == block;
       for (int64_t i = 0; i < size[last]; ++i) {
         const int64_t p = po + (last_is_block ? ids[i] : i) * pstride[last];
-        std::memcpy(dst + p, src + so + i * sstride[last], run);
+        char* c = chunked + so + i * sstride[last];
+        if (to_chunk) {
+          std::memcpy(c, paged + p, run);
+        } else {
+          std::memcpy(paged + p, c, run);
+        }
       }
       int64_t k = static_cast<int64_t>(last) - 1;
       for (; k >= 0; --k) {
@@ -382,6 +389,7 @@ class StackedScatter {
   }
 
   StackedGather gather_;
+  bool to_chunk_ = false;
   int64_t run_ = -1;
   bool usable_ = false;
 };
@@ -476,11 +484,12 @@ PYBIND11_MODULE(TORCH_EXTENSION_NAME, m) {
       .def(py::init<std::vector<int64_t>, std::vector<int64_t>, int64_t, int64_t, py::sequence>())
       .def("bind", &StackedGather::bind)
       .def("__call__", &StackedGather::operator());
-  py::class_<StackedScatter>(m, "StackedScatter")
-      .def(py::init<std::vector<int64_t>, std::vector<int64_t>, int64_t, int64_t, py::sequence>())
-      .def_property_readonly("usable", &StackedScatter::usable)
-      .def("bind", &StackedScatter::bind)
-      .def("__call__", &StackedScatter::operator());
+  py::class_<StackedRuns>(m, "StackedRuns")
+      .def(py::init<std::vector<int64_t>, std::vector<int64_t>, int64_t, int64_t, py::sequence,
+                    bool>())
+      .def_property_readonly("usable", &StackedRuns::usable)
+      .def("bind", &StackedRuns::bind)
+      .def("__call__", &StackedRuns::operator());
   py::class_<RowsScatter>(m, "RowsScatter")
       .def(py::init<int64_t, int64_t, int64_t, int64_t>())
       .def("bind", &RowsScatter::bind)
