@@ -18,8 +18,8 @@ A gather takes the stacked path first below 8 MiB and the rows path first from t
 the compiled hot path (:mod:`kvactors.hotpath`) the stacked gather and the rows scatter run
 compiled, and layouts without rows (HND) copy run by run both ways (one ``memcpy`` per
 contiguous run: against torch's strided ``index_select``, a fresh-ids small-model HND gather
-went from 1.10-1.27x to 0.98x of the single torch call, 4 callers from 1.19-1.50x to 1.00x). Anything else
-(device plans, partial segments, separately allocated layers) runs
+went from 1.10-1.27x to 0.98x of the single torch call, 4 callers from 1.19-1.50x to 1.00x).
+Anything else (device plans, partial segments, separately allocated layers) runs
 :func:`~kvactors.kernels.fast.run_fast` with the plan's memo.
 
 Plans of the same operands and request but other block ids share a second dict (``shared``,
