@@ -256,3 +256,46 @@ def test_stacked_runs_gather_into_the_chunk(native: hotpath.Hotpath) -> None:
         [pool], [out]
     )
     assert torch.equal(out, pool[[3, 1]])
+
+
+def _runs_case(kind: str) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
+    """A stacked pool [L, B, ...] (blocks on axis 1), a chunk's memory, and the chunk seen in
+    the pool's axis order: its run spans S*H*D (NHD), H*D (a padded chunk) or D (HND)."""
+    g = torch.Generator().manual_seed(7)
+    if kind == "hnd":  # pool [L, B, H, S, D]; the chunk is [L, J, S, H, D] in memory
+        pool = torch.randn(3, 6, 2, 4, 32, generator=g)
+        memory = torch.zeros(3, 2, 4, 2, 32)
+        return pool, memory, memory.permute(0, 1, 3, 2, 4)
+    pool = torch.randn(3, 6, 4, 2, 32, generator=g)  # [L, B, S, H, D]
+    if kind == "padded":  # each token's heads padded by one head in the chunk
+        memory = torch.zeros(3, 2, 4, 3, 32)
+        return pool, memory, memory[:, :, :, :2]
+    memory = torch.zeros(3, 2, 4, 2, 32)
+    return pool, memory, memory
+
+
+@pytest.mark.parametrize("kind", ["nhd", "padded", "hnd"])
+@pytest.mark.parametrize("to_chunk", [True, False], ids=["gather", "scatter"])
+def test_stacked_runs_merge_every_axis_contiguous_on_both_sides(
+    native: hotpath.Hotpath, kind: str, to_chunk: bool
+) -> None:
+    """Runs span the inner axes contiguous in the pool and the chunk (up to S*H*D elements),
+    never past an axis one side strides otherwise: every element lands where index_select
+    and index_copy_ put it, and nothing else moves."""
+    pool, memory, view = _runs_case(kind)
+    ids = (5, 2)
+    outs = ((0, (list(view.shape), list(view.stride()), view.storage_offset())),)
+    unbound = native.StackedRuns(list(pool.shape), list(pool.stride()), 0, 1, outs, to_chunk)
+    assert unbound.usable
+    kernel = unbound.bind(ids, ((0, 2),))
+    index = torch.tensor(ids)
+    if to_chunk:
+        kernel([pool], [memory])
+        assert torch.equal(view, pool.index_select(1, index))
+        if kind == "padded":
+            assert not memory[:, :, :, 2].any()  # the padding stays untouched
+    else:
+        view.copy_(torch.randn(view.shape, generator=torch.Generator().manual_seed(3)))
+        expected = pool.clone().index_copy_(1, index, view)
+        kernel([pool], [memory])
+        assert torch.equal(pool, expected)

@@ -257,22 +257,25 @@ class StackedRuns {
               int64_t dim, py::sequence outs, bool to_chunk)
       : gather_(std::move(size), std::move(stride), offset, dim, std::move(outs)),
         to_chunk_(to_chunk) {
-    // The run axis: the last one of more than one element; it must be contiguous on the
-    // paged side and in every chunk view, and not the block axis. Otherwise not usable (the
-    // caller keeps its other kernel).
+    // The run: the innermost axes, merged while they are contiguous on the paged side and
+    // in every chunk view (a size-1 axis merges whatever its stride), never the block axis.
+    // A run of one element is not usable (the caller keeps its other kernel).
     const auto& sz = gather_.size();
-    run_ = -1;
-    for (int64_t d = static_cast<int64_t>(sz.size()) - 1; d >= 0; --d) {
-      if (sz[d] > 1) {
-        run_ = d;
-        break;
+    const auto& st = gather_.stride();
+    int64_t elems = 1;
+    inner_ = static_cast<int64_t>(sz.size());
+    for (int64_t d = static_cast<int64_t>(sz.size()) - 1; d >= 0 && d != gather_.dim(); --d) {
+      bool merges = sz[d] == 1 || st[d] == elems;
+      for (const auto& out : gather_.outs()) {
+        merges = merges && out.size.size() == sz.size() && out.size[d] == sz[d] &&
+                 (sz[d] == 1 || out.stride[d] == elems);
       }
+      if (!merges) break;
+      elems *= sz[d];
+      inner_ = d;
     }
-    usable_ = run_ >= 0 && run_ != gather_.dim() && gather_.stride()[run_] == 1;
-    for (const auto& out : gather_.outs()) {
-      usable_ = usable_ && out.size.size() == sz.size() && out.stride[run_] == 1 &&
-                out.size[run_] == sz[run_];
-    }
+    run_elems_ = elems;
+    usable_ = elems > 1;
   }
 
   bool usable() const { return usable_; }
@@ -316,8 +319,8 @@ class StackedRuns {
         throw py::value_error("a chunk is not host memory of the paged element size");
       }
       at::Tensor view = chunks[i].as_strided(out.size, out.stride, out.offset);
-      if (view.dim() != nd || view.stride(run_) != 1 || pool.stride(run_) != 1) {
-        throw py::value_error("a chunk's run axis is not contiguous on both sides");
+      if (view.dim() != nd) {
+        throw py::value_error("a chunk's view does not match the paged view");
       }
       for (int64_t d = 0; d < nd; ++d) {
         if (d != g.dim() && view.size(d) != pool.size(d)) {
@@ -328,24 +331,23 @@ class StackedRuns {
     }
     py::gil_scoped_release nogil;
     for (size_t i = 0; i < views.size(); ++i) {
-      copy_runs(pool, views[i], g.indices()[i], g.dim(), run_, es, to_chunk_);
+      copy_runs(pool, views[i], g.indices()[i], g.dim(), inner_, run_elems_ * es, to_chunk_);
     }
   }
 
  private:
-  // Walk every other axis in the chunk's memory order (largest stride first), one memcpy
-  // per run.
+  // Walk the axes outside the run in the chunk's memory order (largest stride first), one
+  // memcpy of `run` bytes per run.
   static void copy_runs(const at::Tensor& pool, const at::Tensor& chunk, const at::Tensor& idx,
-                        int64_t dim, int64_t run_axis, int64_t es, bool to_chunk) {
+                        int64_t dim, int64_t inner, int64_t run_bytes, bool to_chunk) {
     if (chunk.numel() == 0) return;
-    // Axes other than the run, outermost first in the chunk's memory order; their sizes and
-    // strides in bytes, read once (a TensorImpl accessor per run would cost more than the run).
+    // Their sizes and strides in bytes, read once (a TensorImpl accessor per run would cost
+    // more than the run). A run that spans every axis but the blocks leaves one axis to walk.
     std::vector<int64_t> order;
-    for (int64_t d = 0; d < chunk.dim(); ++d) {
-      if (d != run_axis) order.push_back(d);
-    }
+    for (int64_t d = 0; d < inner; ++d) order.push_back(d);
     std::stable_sort(order.begin(), order.end(),
                      [&](int64_t a, int64_t b) { return chunk.stride(a) > chunk.stride(b); });
+    const int64_t es = chunk.element_size();
     const size_t n = order.size();
     std::vector<int64_t> size(n), sstride(n), pstride(n);
     int64_t block = -1;  // position of the block axis in `order`
@@ -358,7 +360,7 @@ class StackedRuns {
     const int64_t* ids = idx.data_ptr<int64_t>();
     char* paged = static_cast<char*>(pool.data_ptr());
     char* chunked = static_cast<char*>(chunk.data_ptr());
-    const size_t run = static_cast<size_t>(chunk.size(run_axis) * es);
+    const size_t run = static_cast<size_t>(run_bytes);
     std::vector<int64_t> at(n, 0);
     while (true) {
       int64_t so = 0;
@@ -390,7 +392,8 @@ class StackedRuns {
 
   StackedGather gather_;
   bool to_chunk_ = false;
-  int64_t run_ = -1;
+  int64_t inner_ = 0;      // the run spans axes inner_.. (all inner to the block axis)
+  int64_t run_elems_ = 1;  // elements per run
   bool usable_ = false;
 };
 

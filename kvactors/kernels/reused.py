@@ -176,14 +176,12 @@ def _stacked(
     bind: Callable[[TransferPlan], Callable[[Any, Sequence[torch.Tensor]], None]]
     if native is not None:  # the same calls, compiled (kvactors/_compiled/hotpath.cpp)
         size, stride, offset = src_geo
-        unbound = None
-        if scatter or plan.rows is None:  # run by run (HND; a scatter of any stacked layout)
-            unbound = native.StackedRuns(size, stride, offset, dim, outs, not scatter)
-            if not unbound.usable:  # no contiguous run: numpy's scatter, torch's gather
-                if scatter:
-                    return None
-                unbound = None
-        if unbound is None:
+        # Run by run, the runs as long as both sides allow (a whole block plane on NHD, MLA
+        # and K/V lists): a few us under index_select's time on the small model's chunks.
+        unbound = native.StackedRuns(size, stride, offset, dim, outs, not scatter)
+        if not unbound.usable:  # no contiguous run: numpy's scatter, torch's gather
+            if scatter:
+                return None
             unbound = native.StackedGather(size, stride, offset, dim, outs)
 
         def bind(p: TransferPlan) -> Callable[[Any, Sequence[torch.Tensor]], None]:
