@@ -47,6 +47,7 @@ from __future__ import annotations
 
 import array
 import collections
+import sys
 import threading
 from typing import TYPE_CHECKING, Any
 
@@ -64,6 +65,7 @@ if TYPE_CHECKING:
 __all__ = ("PlanCache", "PlanTicket")
 
 _Tensor = torch.Tensor
+_LITTLE = sys.byteorder == "little"  # the encoded versions are int64 in native order
 _encode = msgspec.msgpack.Encoder().encode
 
 
@@ -71,7 +73,7 @@ class _Geometry:
     """What plans differing only in their block ids share: the operands' versions, and the
     latest plan validated in full (rebound for new ids)."""
 
-    __slots__ = ("delta", "entries", "memo", "template", "versions")
+    __slots__ = ("bump", "delta", "entries", "memo", "template", "versions")
 
     def __init__(self, plan: TransferPlan, versions: bytes) -> None:
         self.versions = versions  # the encoded version counters, one per tensor
@@ -81,6 +83,10 @@ class _Geometry:
         # How far one run moves the version of each written tensor (learned by the first
         # settle of any of its plans: plans of other ids run the same kernel path).
         self.delta: list[int] | None = None
+        # The same delta as one integer to add to the versions read as one little-endian
+        # integer (each counter one 64-bit lane; no counter gets near 2**63, so no lane
+        # carries into the next); None where the delta cannot be added that way.
+        self.bump: int | None = None
 
 
 class _Entry:
@@ -370,7 +376,16 @@ class PlanCache:
         if ticket is None or ticket.entry is None:
             return
         entry = ticket.entry
-        delta = entry.geometry.delta
+        geometry = entry.geometry
+        bump = geometry.bump
+        if bump is not None and not ticket.inference:  # one addition instead of a loop
+            versions = ticket.versions
+            geometry.versions = (int.from_bytes(versions, "little") + bump).to_bytes(
+                len(versions), "little"
+            )
+            ticket.advanced = True
+            return
+        delta = geometry.delta
         if delta is None:
             return
         # Stored before the run, while the operands' metadata is in cache. A write by anybody
@@ -379,7 +394,7 @@ class PlanCache:
         for k, i in enumerate(entry.written):
             if now[i] != -1:  # an inference tensor has no version counter
                 now[i] += delta[k]
-        entry.geometry.versions = now.tobytes()
+        geometry.versions = now.tobytes()
         ticket.advanced = True
 
     def failed(self, ticket: PlanTicket | None) -> None:
@@ -405,9 +420,13 @@ class PlanCache:
         _flatten(ticket.paged, 0, [], tensors)
         _flatten(ticket.objects, 1, [], tensors)
         after = _versions(tensors[written.start : written.stop])
-        entry.geometry.delta = [
-            a - b for a, b in zip(after, seen[written.start : written.stop], strict=True)
-        ]
+        delta = [a - b for a, b in zip(after, seen[written.start : written.stop], strict=True)]
+        entry.geometry.delta = delta
+        entry.geometry.bump = (
+            sum(d << (64 * i) for i, d in zip(written, delta, strict=True))
+            if _LITTLE and all(d >= 0 for d in delta)
+            else None
+        )
         seen[written.start : written.stop] = array.array("q", after)
         entry.geometry.versions = seen.tobytes()
 

@@ -306,7 +306,11 @@ def common_request(
     kinds = set(map(type, paged))
     if kinds != _TENSOR and kinds != _LIST:
         return None
-    fmt, dirn = _enum_int(engine_kv_format), _enum_int(direction)
+    # The enum cache's hits inline (the members LMCache passes are met on every call).
+    hit = _ENUMS.get(id(engine_kv_format))
+    fmt = hit[1] if hit is not None and hit[0] is engine_kv_format else _enum_int(engine_kv_format)
+    hit = _ENUMS.get(id(direction))
+    dirn = hit[1] if hit is not None and hit[0] is direction else _enum_int(direction)
     if fmt not in _PLAIN_FORMATS or dirn not in _DIRECTIONS:
         return None
     ids = tuple(block_ids)

@@ -187,7 +187,7 @@ class KvactorsDeviceOps(DeviceOps):
         self._lock = threading.Lock()
         self._runtimes: dict[int, Runtime] = {}
         self._home: Runtime | None = None
-        self._indices: dict[int, tuple[torch.device, int]] = {}
+        self._routes: dict[int, tuple[torch.device, Runtime, int]] = {}
         self._count_keys = (f"{self.kvactors_backend}:H2D", f"{self.kvactors_backend}:D2H")
 
     # -- runtime plumbing ---------------------------------------------------------------
@@ -227,19 +227,21 @@ class KvactorsDeviceOps(DeviceOps):
             )
         return self._current_index() if index is None else index
 
-    def _index_of(self, device: object) -> int:
+    def _route(self, device: object) -> tuple[Runtime, int]:
+        # The runtime and device index of a call's device, remembered for an immutable
+        # torch.device whose index is not taken from context, by identity (hashing a
+        # torch.device is slow); the entry holds the device, so its id stays its own.
         if type(device) is torch.device:
-            hit = self._indices.get(id(device))
+            hit = self._routes.get(id(device))
             if hit is not None and hit[0] is device:
-                return hit[1]
+                return hit[1], hit[2]
         index = self._device_index(device)
+        rt = self._runtimes.get(index) or self._runtime(index)
         if type(device) is torch.device and (device.index is not None or not self.uses_streams):
-            # An immutable device whose index is not from context, kept by identity (hashing
-            # a torch.device is slow); the entry holds the device, so its id stays its own.
-            if len(self._indices) >= 64:
-                self._indices.clear()
-            self._indices[id(device)] = (device, index)
-        return index
+            if len(self._routes) >= 64:
+                self._routes.clear()
+            self._routes[id(device)] = (device, rt, index)
+        return rt, index
 
     def _home_runtime(self) -> Runtime:
         home = self._home
@@ -303,13 +305,16 @@ class KvactorsDeviceOps(DeviceOps):
             )
             # check_tensor_operands refused anything but tensors; this keeps them, typed.
             objects = [o for o in lmcache_objects_ptrs if isinstance(o, torch.Tensor)]
-        index = self._index_of(device)
-        rt = self._runtimes.get(index) or self._runtime(index)
+        hit = self._routes.get(id(device))
+        if hit is not None and hit[0] is device:
+            rt, index = hit[1], hit[2]
+        else:
+            rt, index = self._route(device)
         rt.transfer(
             request,
             paged_buffer_ptrs_tensor,
             objects,
-            stream_handle=self._stream_handle(rt, index),
+            stream_handle=self._stream_handle(rt, index) if self.uses_streams else 0,
             complete=self.complete_on_return,
         )
         key = self._count_keys[request.direction]
