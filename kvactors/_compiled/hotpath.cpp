@@ -13,14 +13,15 @@
 //   only; it never reads tensor memory. Anything it does not recognise (a tensor subclass
 //   among them: its Python methods may answer otherwise) returns None, and the caller takes
 //   the Python walk (and its errors).
-// * StackedGather: the reused kernel's stacked gather, one index_select per chunk into a view
-//   of the chunk, from a view of the stacked paged memory. Made once per operand geometry;
-//   bind() builds a plan's index tensors straight from its block ids. It keeps only the
-//   views' geometry and its own index tensors, never an operand, and drops the GIL while
-//   torch copies. It is made only for plain tensors (kvactors/kernels/reused.py).
-// * StackedRuns: the stacked gather's views copied run by run, for layouts without the rows
-//   path (HND): one memcpy per contiguous run, in the chunk's memory order, GIL dropped; the
-//   scatter, and the gather where it beats index_select's strided copy.
+// * StackedRuns: the reused kernel's stacked copy, both ways: chunk element [.., j, ..] and
+//   paged element [.., ids[j], ..] of the stacked view, one memcpy per run, in the chunk's
+//   memory order, with the GIL dropped. A run spans every inner axis contiguous on both sides
+//   (a whole block plane on NHD, MLA and K/V lists; a head's row on HND). Made once per
+//   operand geometry; bind() builds a plan's index tensors straight from its block ids. It
+//   keeps only the views' geometry and its own index tensors, never an operand. It is made
+//   only for plain tensors (kvactors/kernels/reused.py).
+// * StackedGather: the same gather as one index_select per chunk into a view of the chunk,
+//   for geometries without a contiguous run (StackedRuns is not usable there).
 // * RowsScatter: the reused kernel's rows scatter on host memory, one memcpy per block row
 //   from the chunk into the paged memory, with the GIL dropped for the whole copy (its Python
 //   twin, numpy's fancy assignment, runs its setup under the GIL: 4 callers scattering MLA
@@ -245,12 +246,12 @@ class StackedGather {
   std::vector<at::Tensor> indices_;
 };
 
-// Stacked runs (host memory only), for layouts without the rows path (HND): chunk element
-// [.., j, ..] and paged element [.., ids[j], ..] of the stacked view, copied one memcpy per
-// run (contiguous on both sides) into the chunk (a gather, to_chunk) or out of it (a
-// scatter), walked in the chunk's memory order (its side in sequence: the faster order of
-// the C loop). Made once per operand geometry from the stacked gather's views; every index,
-// both views and the runs are checked before any byte moves.
+// Stacked runs (host memory only): chunk element [.., j, ..] and paged element [.., ids[j], ..]
+// of the stacked view, copied one memcpy per run (contiguous on both sides) into the chunk
+// (a gather, to_chunk) or out of it (a scatter), walked in the chunk's memory order (its side
+// in sequence: the faster order of the C loop). Made once per operand geometry from the
+// stacked gather's views; every index, both views and the runs are checked before any byte
+// moves.
 class StackedRuns {
  public:
   StackedRuns(std::vector<int64_t> size, std::vector<int64_t> stride, int64_t offset,

@@ -201,8 +201,17 @@ class GatherActor(Actor[GatherRequest]):
         memo = None if ticket is None else ticket.memo
 
         inference = ticket is not None and ticket.inference
+        # A plain backend's plan from the cache runs the kernel the inline path runs,
+        # specialised on the lane, never on the loop.
+        shared = ticket.shared if self._plain and ticket is not None else None
 
         def torch_kernel() -> None:
+            if shared is not None:
+                assert memo is not None
+                reused_kernel(plan, paged, objects, memo, shared, inference=inference)(
+                    paged, objects
+                )
+                return
             # Inference tensors (made under torch.inference_mode) are written only in it.
             with torch.inference_mode(inference):
                 run_fast(plan, paged, objects, copy=copy, scratch=scratch, memo=memo)
