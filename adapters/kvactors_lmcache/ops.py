@@ -117,14 +117,30 @@ REMOVED_IN_LMCACHE_057: frozenset[str] = frozenset(
 )
 """DeviceOps members of 0.5.6 that 0.5.7 removed (no 0.5.7 caller; inherited on 0.5.6 only)."""
 
+# Per calling thread, a dict that only that thread writes (a count without a lock: the
+# transfer call pays no lock, and no update is lost); the registry keeps every thread's dict,
+# also after the thread ended.
 _counts_lock = threading.Lock()
-_counts: Counter[str] = Counter()
+_thread_counts: list[dict[str, int]] = []
+_tls = threading.local()
+
+
+def _my_counts() -> dict[str, int]:
+    mine: dict[str, int] = {}
+    with _counts_lock:
+        _thread_counts.append(mine)
+    _tls.counts = mine
+    return mine
 
 
 def transfer_counts() -> dict[str, int]:
     """Transfers served by the kvactors ops in this process, keyed ``"<backend>:<H2D|D2H>"``."""
     with _counts_lock:
-        return dict(_counts)
+        dicts = list(_thread_counts)
+    total: Counter[str] = Counter()
+    for counts in dicts:
+        total.update(dict(counts))  # one C call: the owner's writes never interleave with it
+    return dict(total)
 
 
 def _default_runtime_factory(backend: str, device_index: int) -> Runtime:
@@ -317,9 +333,11 @@ class KvactorsDeviceOps(DeviceOps):
             stream_handle=self._stream_handle(rt, index) if self.uses_streams else 0,
             complete=self.complete_on_return,
         )
+        counts = getattr(_tls, "counts", None)
+        if counts is None:
+            counts = _my_counts()
         key = self._count_keys[request.direction]
-        with _counts_lock:
-            _counts[key] += 1
+        counts[key] = counts.get(key, 0) + 1
 
     # -- completions and events (sync-then-publish through the StreamActor) ----------------
 

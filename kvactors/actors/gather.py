@@ -59,7 +59,8 @@ if TYPE_CHECKING:
 
     from kvactors.actors.directory import StreamDirectory
     from kvactors.actors.lane import Lane
-    from kvactors.plans import TransferRequest
+    from kvactors.plan_cache import PlanTicket
+    from kvactors.plans import TransferPlan, TransferRequest
 
 __all__ = ("GatherActor", "TransferOperands")
 
@@ -288,17 +289,18 @@ class GatherActor(Actor[GatherRequest]):
         plain = self._plain
         if not plain:
             request, paged, objects = backend.prepare_transfer(request, paged, objects)
-        plan, ticket = self.plans.lookup(request, paged, objects)
-        memo = None if ticket is None else ticket.memo
+        plans = self.plans
+        plan, ticket = plans.lookup(request, paged, objects)
         if not lane.claim_inline():
             return None
-        plans = self.plans
+        shared = self._shared
         try:
-            with self._shared:
+            with shared:
                 self._ledger.begin(transfer_id, plan.touched_blocks)
             ok = False
-            plans.running(ticket)
             try:
+                if ticket is not None:
+                    plans.running(ticket)
                 if plain:  # launch would call the kernel at once; its marker is complete
                     if ticket is None:
                         run_fast(plan, paged, objects)
@@ -312,26 +314,7 @@ class GatherActor(Actor[GatherRequest]):
                             inference=ticket.inference,
                         )(paged, objects)
                 else:
-                    stream = lane.stream
-                    scratch = self._caller_scratch()
-                    backend.launch(
-                        stream,
-                        backend.transfer_kernel(
-                            plan,
-                            paged,
-                            objects,
-                            lambda: run_fast(
-                                plan,
-                                paged,
-                                objects,
-                                copy=backend.copy_,  # the device's copy policy (rule 6)
-                                scratch=scratch,
-                                memo=memo,
-                                checked=memo is not None,
-                            ),
-                        ),
-                    )
-                    backend.record_marker(stream).synchronize()
+                    self._launch_inline(backend, lane, plan, paged, objects, ticket)
                 ok = True
             except BaseException as exc:
                 plans.failed(ticket)
@@ -346,17 +329,59 @@ class GatherActor(Actor[GatherRequest]):
                     raise
                 raise failure from exc
             finally:
-                released = self._finish(transfer_id, ok, plan.nbytes)
+                # _finish, inline: the first Python to run after a copy pays for every
+                # object it touches again, a call frame included.
+                with shared:
+                    released = self._ledger.finish(transfer_id)
+                    if ok:
+                        self.transfers_ok += 1
+                        self.bytes_moved += plan.nbytes
+                    else:
+                        self.transfers_failed += 1
                 if released and self._loop is not None:
                     # A closed loop means the runtime stopped, and its stop failed the fences.
                     with contextlib.suppress(RuntimeError):
                         self._loop.call_soon_threadsafe(self._release, released)
         finally:
             lane.end_inline()
-        plans.settle(plan, ticket)
+        if ticket is not None and not ticket.advanced:
+            plans.settle(plan, ticket)
         return TransferDone(
             transfer_id=transfer_id, nbytes=plan.nbytes, blocks=len(plan.touched_blocks)
         )
+
+    def _launch_inline(
+        self,
+        backend: Backend,
+        lane: Lane,
+        plan: TransferPlan,
+        paged: Any,
+        objects: Sequence[torch.Tensor],
+        ticket: PlanTicket | None,
+    ) -> None:
+        # An inline device call: the kernel launched on the lane's stream from the caller's
+        # thread, staging through the caller's own buffers, then waited for.
+        stream = lane.stream
+        scratch = self._caller_scratch()
+        memo = None if ticket is None else ticket.memo
+        backend.launch(
+            stream,
+            backend.transfer_kernel(
+                plan,
+                paged,
+                objects,
+                lambda: run_fast(
+                    plan,
+                    paged,
+                    objects,
+                    copy=backend.copy_,  # the device's copy policy (rule 6)
+                    scratch=scratch,
+                    memo=memo,
+                    checked=memo is not None,
+                ),
+            ),
+        )
+        backend.record_marker(stream).synchronize()
 
     def _forget_stream(self, handle: int) -> None:
         # The stream's actor retired idle: no work of it is left, its staging buffers go.
