@@ -31,7 +31,9 @@
 #include <algorithm>
 #include <cstdint>
 #include <cstring>
+#include <memory>
 #include <string>
+#include <utility>
 #include <vector>
 
 namespace py = pybind11;
@@ -152,57 +154,56 @@ struct Out {
   int64_t offset;
 };
 
-// An int64 tensor of ids[start:stop] (Python ints, validated by the plan).
-at::Tensor index_of(const py::tuple& ids, int64_t start, int64_t stop) {
+// ids[start:stop] (Python ints) into out.
+void read_ids(const py::tuple& ids, int64_t start, int64_t stop, int64_t* out) {
   if (start < 0 || stop < start || stop > static_cast<int64_t>(ids.size())) {
     throw py::value_error("block id range out of bounds");
   }
-  at::Tensor index = at::empty({stop - start}, at::kLong);
-  int64_t* data = index.data_ptr<int64_t>();
   for (int64_t i = start; i < stop; ++i) {
     const long long v = PyLong_AsLongLong(PyTuple_GET_ITEM(ids.ptr(), i));
     if (v == -1 && PyErr_Occurred()) {
       throw py::error_already_set();
     }
-    data[i - start] = v;
+    out[i - start] = v;
   }
-  return index;
 }
 
-// Made once per operand geometry (no ids); bind() gives the kernel of one plan's block ids.
-class StackedGather {
- public:
-  StackedGather(std::vector<int64_t> size, std::vector<int64_t> stride, int64_t offset,
-                int64_t dim, py::sequence outs)
-      : size_(std::move(size)), stride_(std::move(stride)), offset_(offset), dim_(dim) {
-    for (const auto item : outs) {
+// The stacked views' geometry, without ids: made once per operand geometry and shared, never
+// copied, by every kernel bound from it (a bind on caches the previous copy evicted pays for
+// every allocation it makes).
+struct Stacked {
+  Stacked(std::vector<int64_t> size_, std::vector<int64_t> stride_, int64_t offset_,
+          int64_t dim_, const py::sequence& outs_)
+      : size(std::move(size_)), stride(std::move(stride_)), offset(offset_), dim(dim_) {
+    for (const auto item : outs_) {
       auto o = item.cast<py::tuple>();
       auto geo = o[1].cast<py::tuple>();
-      outs_.push_back(Out{o[0].cast<int64_t>(), geo[0].cast<std::vector<int64_t>>(),
-                          geo[1].cast<std::vector<int64_t>>(), geo[2].cast<int64_t>()});
+      outs.push_back(Out{o[0].cast<int64_t>(), geo[0].cast<std::vector<int64_t>>(),
+                         geo[1].cast<std::vector<int64_t>>(), geo[2].cast<int64_t>()});
     }
   }
 
-  // The kernel for these block ids: chunk i takes ids[ranges[i][0]:ranges[i][1]].
-  StackedGather bind(const py::tuple& ids, const py::sequence& ranges) const {
-    if (static_cast<size_t>(py::len(ranges)) != outs_.size()) {
+  // The (start, stop) id range of every chunk: one per output, each as long as its view's
+  // block axis.
+  std::vector<std::pair<int64_t, int64_t>> ranges_of(const py::sequence& ranges) const {
+    if (static_cast<size_t>(py::len(ranges)) != outs.size()) {
       throw py::value_error("one id range per chunk is needed");
     }
-    StackedGather bound = *this;
-    bound.indices_.clear();
+    std::vector<std::pair<int64_t, int64_t>> out;
+    out.reserve(outs.size());
+    size_t i = 0;
     for (const auto item : ranges) {
       auto r = item.cast<py::tuple>();
-      bound.indices_.push_back(index_of(ids, r[0].cast<int64_t>(), r[1].cast<int64_t>()));
+      const int64_t start = r[0].cast<int64_t>();
+      const int64_t stop = r[1].cast<int64_t>();
+      const auto& o = outs[i++];
+      if (dim < 0 || dim >= static_cast<int64_t>(o.size.size()) || stop - start != o.size[dim]) {
+        throw py::value_error("an id range does not match its chunk's blocks");
+      }
+      out.emplace_back(start, stop);
     }
-    return bound;
+    return out;
   }
-
-  const std::vector<int64_t>& size() const { return size_; }
-  const std::vector<int64_t>& stride() const { return stride_; }
-  int64_t offset() const { return offset_; }
-  int64_t dim() const { return dim_; }
-  const std::vector<Out>& outs() const { return outs_; }
-  const std::vector<at::Tensor>& indices() const { return indices_; }
 
   // The chunk tensors of these objects, one per output, checked against the plan's list.
   std::vector<at::Tensor> objects_of(py::handle objects) const {
@@ -211,9 +212,9 @@ class StackedGather {
       throw py::type_error("objects must be a list or tuple of tensors");
     }
     std::vector<at::Tensor> dst;
-    dst.reserve(outs_.size());
+    dst.reserve(outs.size());
     const Py_ssize_t n = PySequence_Fast_GET_SIZE(objs);
-    for (const auto& out : outs_) {
+    for (const auto& out : outs) {
       if (out.object >= n || !THPVariable_Check(PySequence_Fast_GET_ITEM(objs, out.object))) {
         throw py::type_error("objects do not match the plan");
       }
@@ -222,27 +223,52 @@ class StackedGather {
     return dst;
   }
 
+  std::vector<int64_t> size;
+  std::vector<int64_t> stride;
+  int64_t offset;
+  int64_t dim;
+  std::vector<Out> outs;
+};
+
+// Made once per operand geometry (no ids); bind() gives the kernel of one plan's block ids.
+class StackedGather {
+ public:
+  StackedGather(std::vector<int64_t> size, std::vector<int64_t> stride, int64_t offset,
+                int64_t dim, const py::sequence& outs)
+      : geo_(std::make_shared<const Stacked>(std::move(size), std::move(stride), offset, dim,
+                                             outs)) {}
+
+  // The kernel for these block ids: chunk i takes ids[ranges[i][0]:ranges[i][1]].
+  StackedGather bind(const py::tuple& ids, const py::sequence& ranges) const {
+    StackedGather bound(geo_);
+    for (const auto& [start, stop] : geo_->ranges_of(ranges)) {
+      at::Tensor index = at::empty({stop - start}, at::kLong);
+      read_ids(ids, start, stop, index.data_ptr<int64_t>());
+      bound.indices_.push_back(std::move(index));
+    }
+    return bound;
+  }
+
   void operator()(py::handle paged, py::handle objects) const {
-    if (indices_.size() != outs_.size()) {
+    const Stacked& g = *geo_;
+    if (indices_.size() != g.outs.size()) {
       throw py::value_error("the kernel has no block ids (bind it first)");
     }
     const at::Tensor unit0 = first_paged(paged);
-    const std::vector<at::Tensor> dst = objects_of(objects);
+    const std::vector<at::Tensor> dst = g.objects_of(objects);
     py::gil_scoped_release nogil;
-    const at::Tensor src = unit0.as_strided(size_, stride_, offset_);
-    for (size_t i = 0; i < outs_.size(); ++i) {
-      const auto& out = outs_[i];
+    const at::Tensor src = unit0.as_strided(g.size, g.stride, g.offset);
+    for (size_t i = 0; i < g.outs.size(); ++i) {
+      const auto& out = g.outs[i];
       at::Tensor view = dst[i].as_strided(out.size, out.stride, out.offset);
-      at::index_select_out(view, src, dim_, indices_[i]);
+      at::index_select_out(view, src, g.dim, indices_[i]);
     }
   }
 
  private:
-  std::vector<int64_t> size_;
-  std::vector<int64_t> stride_;
-  int64_t offset_;
-  int64_t dim_;
-  std::vector<Out> outs_;
+  explicit StackedGather(std::shared_ptr<const Stacked> geo) : geo_(std::move(geo)) {}
+
+  std::shared_ptr<const Stacked> geo_;
   std::vector<at::Tensor> indices_;
 };
 
@@ -250,24 +276,25 @@ class StackedGather {
 // of the stacked view, copied one memcpy per run (contiguous on both sides) into the chunk
 // (a gather, to_chunk) or out of it (a scatter), walked in the chunk's memory order (its side
 // in sequence: the faster order of the C loop). Made once per operand geometry from the
-// stacked gather's views; every index, both views and the runs are checked before any byte
-// moves.
+// stacked gather's views; a bound kernel holds its ids as plain integers, not tensors. Every
+// index, both views and the runs are checked before any byte moves.
 class StackedRuns {
  public:
   StackedRuns(std::vector<int64_t> size, std::vector<int64_t> stride, int64_t offset,
-              int64_t dim, py::sequence outs, bool to_chunk)
-      : gather_(std::move(size), std::move(stride), offset, dim, std::move(outs)),
+              int64_t dim, const py::sequence& outs, bool to_chunk)
+      : geo_(std::make_shared<const Stacked>(std::move(size), std::move(stride), offset, dim,
+                                             outs)),
         to_chunk_(to_chunk) {
     // The run: the innermost axes, merged while they are contiguous on the paged side and
     // in every chunk view (a size-1 axis merges whatever its stride), never the block axis.
     // A run of one element is not usable (the caller keeps its other kernel).
-    const auto& sz = gather_.size();
-    const auto& st = gather_.stride();
+    const Stacked& g = *geo_;
+    const auto& sz = g.size;
     int64_t elems = 1;
     inner_ = static_cast<int64_t>(sz.size());
-    for (int64_t d = static_cast<int64_t>(sz.size()) - 1; d >= 0 && d != gather_.dim(); --d) {
-      bool merges = sz[d] == 1 || st[d] == elems;
-      for (const auto& out : gather_.outs()) {
+    for (int64_t d = static_cast<int64_t>(sz.size()) - 1; d >= 0 && d != g.dim; --d) {
+      bool merges = sz[d] == 1 || g.stride[d] == elems;
+      for (const auto& out : g.outs) {
         merges = merges && out.size.size() == sz.size() && out.size[d] == sz[d] &&
                  (sz[d] == 1 || out.stride[d] == elems);
       }
@@ -276,7 +303,7 @@ class StackedRuns {
       inner_ = d;
     }
     run_elems_ = elems;
-    usable_ = elems > 1;
+    usable_ = elems > 1 && g.dim >= 0 && g.dim < static_cast<int64_t>(sz.size());
   }
 
   bool usable() const { return usable_; }
@@ -285,37 +312,37 @@ class StackedRuns {
     if (!usable_) {
       throw py::value_error("no contiguous run axis: the stacked runs do not apply");
     }
-    StackedRuns bound = *this;
-    bound.gather_ = gather_.bind(ids, ranges);
-    for (size_t i = 0; i < bound.gather_.indices().size(); ++i) {
-      const at::Tensor& idx = bound.gather_.indices()[i];
-      const int64_t* v = idx.data_ptr<int64_t>();
-      const int64_t limit = bound.gather_.size()[bound.gather_.dim()];
-      for (int64_t k = 0; k < idx.numel(); ++k) {
-        if (v[k] < 0 || v[k] >= limit) {
+    StackedRuns bound = *this;  // the geometry is shared, not copied
+    const int64_t limit = geo_->size[geo_->dim];
+    for (const auto& [start, stop] : geo_->ranges_of(ranges)) {
+      std::vector<int64_t> chunk_ids(static_cast<size_t>(stop - start));
+      read_ids(ids, start, stop, chunk_ids.data());
+      for (const int64_t v : chunk_ids) {
+        if (v < 0 || v >= limit) {
           throw py::value_error("block id out of range");
         }
       }
+      bound.ids_.push_back(std::move(chunk_ids));
     }
     return bound;
   }
 
   void operator()(py::handle paged, py::handle objects) const {
-    const auto& g = gather_;
-    if (g.indices().size() != g.outs().size()) {
+    const Stacked& g = *geo_;
+    if (ids_.size() != g.outs.size()) {
       throw py::value_error("the kernel has no block ids (bind it first)");
     }
     const at::Tensor unit0 = first_paged(paged);
     if (!unit0.is_cpu()) {
       throw py::value_error("the stacked runs copy host memory only");
     }
-    const at::Tensor pool = unit0.as_strided(g.size(), g.stride(), g.offset());
+    const at::Tensor pool = unit0.as_strided(g.size, g.stride, g.offset);
     const int64_t es = unit0.element_size();
     const int64_t nd = pool.dim();
     std::vector<at::Tensor> chunks = g.objects_of(objects);
     std::vector<at::Tensor> views;
     for (size_t i = 0; i < chunks.size(); ++i) {
-      const auto& out = g.outs()[i];
+      const auto& out = g.outs[i];
       if (!chunks[i].is_cpu() || chunks[i].element_size() != es) {
         throw py::value_error("a chunk is not host memory of the paged element size");
       }
@@ -324,7 +351,7 @@ class StackedRuns {
         throw py::value_error("a chunk's view does not match the paged view");
       }
       for (int64_t d = 0; d < nd; ++d) {
-        if (d != g.dim() && view.size(d) != pool.size(d)) {
+        if (d != g.dim && view.size(d) != pool.size(d)) {
           throw py::value_error("a chunk's view does not match the paged view");
         }
       }
@@ -332,14 +359,14 @@ class StackedRuns {
     }
     py::gil_scoped_release nogil;
     for (size_t i = 0; i < views.size(); ++i) {
-      copy_runs(pool, views[i], g.indices()[i], g.dim(), inner_, run_elems_ * es, to_chunk_);
+      copy_runs(pool, views[i], ids_[i].data(), g.dim, inner_, run_elems_ * es, to_chunk_);
     }
   }
 
  private:
   // Walk the axes outside the run in the chunk's memory order (largest stride first), one
   // memcpy of `run` bytes per run.
-  static void copy_runs(const at::Tensor& pool, const at::Tensor& chunk, const at::Tensor& idx,
+  static void copy_runs(const at::Tensor& pool, const at::Tensor& chunk, const int64_t* ids,
                         int64_t dim, int64_t inner, int64_t run_bytes, bool to_chunk) {
     if (chunk.numel() == 0) return;
     // Their sizes and strides in bytes, read once (a TensorImpl accessor per run would cost
@@ -358,7 +385,6 @@ class StackedRuns {
       pstride[k] = pool.stride(order[k]) * es;
       if (order[k] == dim) block = static_cast<int64_t>(k);
     }
-    const int64_t* ids = idx.data_ptr<int64_t>();
     char* paged = static_cast<char*>(pool.data_ptr());
     char* chunked = static_cast<char*>(chunk.data_ptr());
     const size_t run = static_cast<size_t>(run_bytes);
@@ -391,7 +417,8 @@ class StackedRuns {
     }
   }
 
-  StackedGather gather_;
+  std::shared_ptr<const Stacked> geo_;
+  std::vector<std::vector<int64_t>> ids_;  // per chunk, its block ids (bound kernels only)
   bool to_chunk_ = false;
   int64_t inner_ = 0;      // the run spans axes inner_.. (all inner to the block axis)
   int64_t run_elems_ = 1;  // elements per run
