@@ -306,10 +306,10 @@ def test_an_id_range_must_match_its_chunks_blocks(native: hotpath.Hotpath, kind:
     """A range of more or fewer ids than the chunk's view has blocks is refused at bind (the
     copy would read ids past the range's end)."""
     outs = ((0, ([2, 2, 8], [16, 8, 1], 0)),)
-    args: tuple[Any, ...] = ([4, 2, 8], [16, 8, 1], 0, 0, outs)
-    unbound = (
-        native.StackedRuns(*args, True) if kind == "StackedRuns" else native.StackedGather(*args)
-    )
+    if kind == "StackedRuns":
+        unbound = native.StackedRuns([4, 2, 8], [16, 8, 1], 0, 0, outs, True)
+    else:
+        unbound = native.StackedGather([4, 2, 8], [16, 8, 1], 0, 0, outs)
     for ranges in (((0, 1),), ((0, 3),), ((0, 2), (0, 2))):
         with pytest.raises(ValueError, match=r"id range|one id range per chunk"):
             unbound.bind((3, 1, 2), ranges)
