@@ -314,3 +314,18 @@ def test_an_id_range_must_match_its_chunks_blocks(native: hotpath.Hotpath, kind:
         with pytest.raises(ValueError, match=r"id range|one id range per chunk"):
             unbound.bind((3, 1, 2), ranges)
     unbound.bind((3, 1, 2), ((1, 3),))
+
+
+def test_stacked_runs_stay_inside_each_storage(native: hotpath.Hotpath) -> None:
+    """A paged tensor or a chunk too small for the kernel's views is refused before any
+    byte moves (the kernel makes no view tensors: it checks the bounds itself)."""
+    outs = ((0, ([2, 2, 8], [16, 8, 1], 0)),)
+    kernel = native.StackedRuns([4, 2, 8], [16, 8, 1], 0, 0, outs, True).bind((3, 1), ((0, 2),))
+    pool, chunk = torch.ones(4, 2, 8), torch.zeros(2, 2, 8)
+    with pytest.raises(ValueError, match="past its tensor's storage"):
+        kernel([torch.ones(63)], [chunk])  # one element short of the paged view
+    with pytest.raises(ValueError, match="past its tensor's storage"):
+        kernel([pool], [torch.zeros(31)])  # one element short of the chunk's view
+    assert not chunk.any()
+    kernel([pool], [chunk])
+    assert chunk.eq(1).all()

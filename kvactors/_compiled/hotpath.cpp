@@ -336,57 +336,85 @@ class StackedRuns {
     if (!unit0.is_cpu()) {
       throw py::value_error("the stacked runs copy host memory only");
     }
-    const at::Tensor pool = unit0.as_strided(g.size, g.stride, g.offset);
+    // No view tensors: each side's first byte, checked as as_strided checks its view (on
+    // caches the previous copy evicted, two tensors made and freed per chunk cost more than
+    // the arithmetic).
     const int64_t es = unit0.element_size();
-    const int64_t nd = pool.dim();
+    char* pool = view_base(unit0, g.size, g.stride, g.offset);
+    const size_t nd = g.size.size();
     std::vector<at::Tensor> chunks = g.objects_of(objects);
-    std::vector<at::Tensor> views;
+    std::vector<char*> bases;
     for (size_t i = 0; i < chunks.size(); ++i) {
       const auto& out = g.outs[i];
       if (!chunks[i].is_cpu() || chunks[i].element_size() != es) {
         throw py::value_error("a chunk is not host memory of the paged element size");
       }
-      at::Tensor view = chunks[i].as_strided(out.size, out.stride, out.offset);
-      if (view.dim() != nd) {
+      if (out.size.size() != nd) {
         throw py::value_error("a chunk's view does not match the paged view");
       }
-      for (int64_t d = 0; d < nd; ++d) {
-        if (d != g.dim && view.size(d) != pool.size(d)) {
+      for (size_t d = 0; d < nd; ++d) {
+        if (static_cast<int64_t>(d) != g.dim && out.size[d] != g.size[d]) {
           throw py::value_error("a chunk's view does not match the paged view");
         }
       }
-      views.push_back(view);
+      bases.push_back(view_base(chunks[i], out.size, out.stride, out.offset));
+    }
+    if (pool == nullptr) {
+      return;  // an empty paged view: nothing to copy
     }
     py::gil_scoped_release nogil;
-    for (size_t i = 0; i < views.size(); ++i) {
-      copy_runs(pool, views[i], ids_[i].data(), g.dim, inner_, run_elems_ * es, to_chunk_);
+    for (size_t i = 0; i < bases.size(); ++i) {
+      if (bases[i] == nullptr) continue;  // an empty chunk view
+      const auto& out = g.outs[i];
+      copy_runs(pool, g.stride, bases[i], out.size, out.stride, ids_[i].data(), g.dim, inner_,
+                es, run_elems_ * es, to_chunk_);
     }
   }
 
  private:
+  // The first byte of the view (sizes, strides and offset in elements) of t's storage, once
+  // every element of it is inside the storage; nullptr for an empty view.
+  static char* view_base(const at::Tensor& t, const std::vector<int64_t>& size,
+                         const std::vector<int64_t>& stride, int64_t offset) {
+    if (size.size() != stride.size() || offset < 0) {
+      throw py::value_error("a view's geometry is malformed");
+    }
+    int64_t last = offset;
+    for (size_t d = 0; d < size.size(); ++d) {
+      if (size[d] < 0 || stride[d] < 0) {
+        throw py::value_error("a view's geometry is malformed");
+      }
+      if (size[d] == 0) return nullptr;
+      last += (size[d] - 1) * stride[d];
+    }
+    const c10::Storage& storage = t.storage();
+    if (!storage || (last + 1) * t.element_size() > static_cast<int64_t>(storage.nbytes())) {
+      throw py::value_error("a view reaches past its tensor's storage");
+    }
+    return static_cast<char*>(storage.mutable_data()) + offset * t.element_size();
+  }
+
   // Walk the axes outside the run in the chunk's memory order (largest stride first), one
   // memcpy of `run` bytes per run.
-  static void copy_runs(const at::Tensor& pool, const at::Tensor& chunk, const int64_t* ids,
-                        int64_t dim, int64_t inner, int64_t run_bytes, bool to_chunk) {
-    if (chunk.numel() == 0) return;
-    // Their sizes and strides in bytes, read once (a TensorImpl accessor per run would cost
-    // more than the run). A run that spans every axis but the blocks leaves one axis to walk.
+  static void copy_runs(char* paged, const std::vector<int64_t>& pool_stride, char* chunked,
+                        const std::vector<int64_t>& size_of, const std::vector<int64_t>& stride_of,
+                        const int64_t* ids, int64_t dim, int64_t inner, int64_t es,
+                        int64_t run_bytes, bool to_chunk) {
+    // Sizes and strides in bytes of the axes outside the run. A run that spans every axis
+    // but the blocks leaves one axis to walk.
     std::vector<int64_t> order;
     for (int64_t d = 0; d < inner; ++d) order.push_back(d);
     std::stable_sort(order.begin(), order.end(),
-                     [&](int64_t a, int64_t b) { return chunk.stride(a) > chunk.stride(b); });
-    const int64_t es = chunk.element_size();
+                     [&](int64_t a, int64_t b) { return stride_of[a] > stride_of[b]; });
     const size_t n = order.size();
     std::vector<int64_t> size(n), sstride(n), pstride(n);
     int64_t block = -1;  // position of the block axis in `order`
     for (size_t k = 0; k < n; ++k) {
-      size[k] = chunk.size(order[k]);
-      sstride[k] = chunk.stride(order[k]) * es;
-      pstride[k] = pool.stride(order[k]) * es;
+      size[k] = size_of[order[k]];
+      sstride[k] = stride_of[order[k]] * es;
+      pstride[k] = pool_stride[order[k]] * es;
       if (order[k] == dim) block = static_cast<int64_t>(k);
     }
-    char* paged = static_cast<char*>(pool.data_ptr());
-    char* chunked = static_cast<char*>(chunk.data_ptr());
     const size_t run = static_cast<size_t>(run_bytes);
     std::vector<int64_t> at(n, 0);
     while (true) {
