@@ -25,6 +25,13 @@ Any change validates again, at the cost of what changed:
   the new ids (:func:`~kvactors.plans.rebind_block_ids`: exact ints, in range, no repeat
   among an H2D transfer's copied positions; anything else validates in full and raises as
   ``plan_transfer`` does);
+* other chunk buffers of the same layout (LMCache's traffic too: each store gathers into
+  buffers its host pool hands out): the chunks' data pointers and storage offsets end the
+  operands' key, and everything before them (the chunks' shape, stride, dtype, device and
+  the structure, the paged operands in full) is their *layout*. ``plan_transfer`` reads no
+  chunk's address, so a plan of the same layout is rebound to the new ids and the new
+  chunks' addresses (:func:`~kvactors.plans.rebind_block_ids`), and the kernel facts its
+  geometry learned (views relative to each chunk's own storage offset) are shared;
 * other versions only (data was written: another thread's scatter into the same KV cache,
   the engine's own writes): the key proves metadata and request unchanged, and no plan
   depends on data, so the block ids are validated again and the plan and its kernel stay.
@@ -66,27 +73,47 @@ __all__ = ("PlanCache", "PlanTicket")
 
 _Tensor = torch.Tensor
 _LITTLE = sys.byteorder == "little"  # the encoded versions are int64 in native order
+_ADDRESS = 16  # a chunk's data pointer and storage offset at the end of the operands' key
 _encode = msgspec.msgpack.Encoder().encode
 
 
+class _Layout:
+    """What geometries differing only in their chunks' addresses share: a plan validated in
+    full (rebound for other ids and chunks), the kernel facts that depend on neither, and how
+    far one run moves the written tensors' versions (the same kernel path runs)."""
+
+    __slots__ = ("bump", "delta", "geometries", "memo", "template")
+
+    def __init__(self, plan: TransferPlan) -> None:
+        self.template = plan
+        self.geometries = 0  # geometries of this layout in the cache
+        self.memo: dict[Any, Any] = {}  # kernel facts that depend on no id and no address
+        self.delta: list[int] | None = None
+        self.bump: int | None = None
+
+
 class _Geometry:
-    """What plans differing only in their block ids share: the operands' versions, and the
-    latest plan validated in full (rebound for new ids)."""
+    """What plans differing only in their block ids share: the operands' versions, the
+    latest plan validated for them (rebound for new ids), and their layout's memo."""
 
-    __slots__ = ("bump", "delta", "entries", "memo", "template", "versions")
+    __slots__ = ("bump", "delta", "entries", "layout", "layout_key", "memo", "template", "versions")
 
-    def __init__(self, plan: TransferPlan, versions: bytes) -> None:
+    def __init__(
+        self, plan: TransferPlan, versions: bytes, layout: _Layout, layout_key: bytes
+    ) -> None:
         self.versions = versions  # the encoded version counters, one per tensor
         self.template = plan
         self.entries = 0  # plans of this geometry in the cache
-        self.memo: dict[Any, Any] = {}  # kernel facts that do not depend on the block ids
+        self.layout = layout
+        self.layout_key = layout_key
+        self.memo = layout.memo  # kernel facts that do not depend on the block ids
         # How far one run moves the version of each written tensor (learned by the first
-        # settle of any of its plans: plans of other ids run the same kernel path).
-        self.delta: list[int] | None = None
+        # settle of any plan of the layout: they run the same kernel path).
+        self.delta: list[int] | None = layout.delta
         # The same delta as one integer to add to the versions read as one little-endian
         # integer (each counter one 64-bit lane; no counter gets near 2**63, so no lane
         # carries into the next); None where the delta cannot be added that way.
-        self.bump: int | None = None
+        self.bump: int | None = layout.bump
 
 
 class _Entry:
@@ -144,6 +171,11 @@ class PlanTicket:
         self.shared: dict[Any, Any] = {}  # the geometry's memo (plans of other ids share it)
         #: Whether an operand is an inference tensor (it has no version counter).
         self.inference = inference
+
+    @property
+    def chunks(self) -> int:
+        """How many chunk tensors the operands hold (their addresses end ``operands``)."""
+        return len(self.versions) // 8 - self.paged_count
 
 
 _T = "t"  # a tensor's place in the structure
@@ -272,6 +304,7 @@ class PlanCache:
         # the dummies its deletions left at the front.
         self._plans: collections.OrderedDict[bytes, _Entry] = collections.OrderedDict()
         self._geometries: dict[bytes, _Geometry] = {}
+        self._layouts: dict[bytes, _Layout] = {}
         self._lock = threading.Lock()
         native = hotpath.load() if compiled is None or compiled else None
         if compiled and native is None:
@@ -303,6 +336,7 @@ class PlanCache:
         that reused a plan."""
         ticket = self._ticket(request, paged, objects)
         template = None
+        object_ptrs = None
         if ticket is not None:
             versions = ticket.versions
             entry = self._plans.get(ticket.key)  # a hit takes no lock: one atomic read
@@ -318,11 +352,19 @@ class PlanCache:
                         self.rebinds += 1
                         entry.geometry.versions = versions
                     return _issue(entry, ticket)
-            gkey = self._geo_key(ticket, request)
+            head = _encode(_without_ids(request))
+            gkey = head + ticket.operands
+            lkey = head + ticket.operands[: len(ticket.operands) - _ADDRESS * ticket.chunks]
             geo = self._geometries.get(gkey)
             if geo is not None:
                 template = geo.template
-        plan = None if template is None else rebind_block_ids(template, request)
+            else:  # other chunk buffers of a known layout: rebound to their addresses too
+                layout = self._layouts.get(lkey)
+                if layout is not None:
+                    template = layout.template
+                    addresses = _ints(ticket.operands[len(lkey) - len(head) :])
+                    object_ptrs = tuple(addresses[0::2])
+        plan = None if template is None else rebind_block_ids(template, request, object_ptrs)
         rebound = plan is not None
         if plan is None:
             plan = plan_transfer(
@@ -335,12 +377,15 @@ class PlanCache:
         with self._lock:
             self.misses += 1
             if ticket is not None:
-                self._keep(plan, ticket, gkey, rebound=rebound)
+                self._keep(plan, ticket, gkey, lkey, rebound=rebound)
         return plan, ticket
 
-    def _keep(self, plan: TransferPlan, ticket: PlanTicket, gkey: bytes, *, rebound: bool) -> None:
-        # Under the lock. A plan validated in full becomes its geometry's template; the
-        # versions the lookup saw become the geometry's (same metadata: the key says so).
+    def _keep(
+        self, plan: TransferPlan, ticket: PlanTicket, gkey: bytes, lkey: bytes, *, rebound: bool
+    ) -> None:
+        # Under the lock. A plan validated in full becomes its geometry's template, and its
+        # layout's; the versions the lookup saw become the geometry's (same metadata: the key
+        # says so).
         if rebound:
             self.rebinds += 1
         old = self._plans.pop(ticket.key, None)
@@ -349,11 +394,18 @@ class PlanCache:
         versions = ticket.versions
         geo = self._geometries.get(gkey)
         if geo is None:
-            geo = self._geometries[gkey] = _Geometry(plan, versions)
+            layout = self._layouts.get(lkey)
+            if layout is None:
+                layout = self._layouts[lkey] = _Layout(plan)
+            elif not rebound:
+                layout.template = plan
+            layout.geometries += 1
+            geo = self._geometries[gkey] = _Geometry(plan, versions, layout, lkey)
         else:
             geo.versions = versions
             if not rebound:
                 geo.template = plan
+                geo.layout.template = plan
         n, p = len(ticket.versions) // 8, ticket.paged_count
         written = range(p, n) if plan.direction == Direction.D2H else range(p)
         entry = _Entry(plan, geo, gkey, written)
@@ -368,6 +420,10 @@ class PlanCache:
         geo.entries -= 1
         if geo.entries == 0 and self._geometries.get(gone.geo_key) is geo:
             del self._geometries[gone.geo_key]
+            layout = geo.layout
+            layout.geometries -= 1
+            if layout.geometries == 0 and self._layouts.get(geo.layout_key) is layout:
+                del self._layouts[geo.layout_key]
 
     def running(self, ticket: PlanTicket | None) -> None:
         """The transfer of ``ticket`` runs now (call :meth:`settle` after it ran, or
@@ -421,12 +477,14 @@ class PlanCache:
         _flatten(ticket.objects, 1, [], tensors)
         after = _versions(tensors[written.start : written.stop])
         delta = [a - b for a, b in zip(after, seen[written.start : written.stop], strict=True)]
-        entry.geometry.delta = delta
-        entry.geometry.bump = (
+        bump = (
             sum(d << (64 * i) for i, d in zip(written, delta, strict=True))
             if _LITTLE and all(d >= 0 for d in delta)
             else None
         )
+        geo = entry.geometry
+        geo.delta = geo.layout.delta = delta
+        geo.bump = geo.layout.bump = bump
         seen[written.start : written.stop] = array.array("q", after)
         entry.geometry.versions = seen.tobytes()
 
@@ -435,6 +493,7 @@ class PlanCache:
         with self._lock:
             self._plans.clear()
             self._geometries.clear()
+            self._layouts.clear()
 
     def _ticket(
         self, request: TransferRequest, paged: object, objects: object
@@ -460,13 +519,15 @@ class PlanCache:
         if not _flatten(objects, 1, structure, tensors):
             return None
         # Its own encoding (msgpack, where the compiled walk's starts with a negative int64
-        # tag): a key of one walk never equals a key of the other.
-        operands = _encode((structure, _meta(tensors)))
+        # tag): a key of one walk never equals a key of the other. As in the compiled walk,
+        # the chunks' data pointers and storage offsets end it (16 bytes per chunk).
+        chunks = tensors[n_paged:]
+        meta = _meta(tensors[:n_paged]) + [m[2:] for m in _meta(chunks)]
+        addresses = array.array("q")
+        for t in chunks:
+            addresses.append(t.data_ptr())
+            addresses.append(int(t.storage_offset()))
+        operands = _encode((structure, meta)) + addresses.tobytes()
         seen = _versions(tensors)
         versions = array.array("q", seen).tobytes()
         return PlanTicket(operands, versions, n_paged, -1 in seen, paged, objects, head)
-
-    def _geo_key(self, ticket: PlanTicket, request: TransferRequest) -> bytes:
-        """The key without the block ids (their count stays): the operands' geometry, shared
-        by plans of other ids (a miss path only)."""
-        return _encode(_without_ids(request)) + ticket.operands

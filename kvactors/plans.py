@@ -403,15 +403,21 @@ def plan_transfer(
     )
 
 
-def rebind_block_ids(plan: TransferPlan, request: TransferRequest) -> TransferPlan | None:
+def rebind_block_ids(
+    plan: TransferPlan, request: TransferRequest, object_ptrs: tuple[int, ...] | None = None
+) -> TransferPlan | None:
     """``plan`` for ``request``, which differs from ``plan.request`` at most in the block ids
     (the same count of them): the ids are validated as :func:`plan_transfer` validates them,
     everything else was validated for the plan. ``None`` when the ids are not exact ints in
     range (or repeat among an H2D transfer's copied positions): :func:`plan_transfer` then
     validates in full and raises its specific error.
 
+    ``object_ptrs``: the chunks are other buffers than the plan's, of the same shape, stride,
+    dtype and device (``plan_transfer`` reads no chunk's address); their data pointers.
+
     The caller proves the rest of the request and the operands unchanged (the plan cache
-    compares the encoded request without ids and every operand fact)."""
+    compares the encoded request without ids and every operand fact but the chunks'
+    addresses, which ``object_ptrs`` gives)."""
     ids = request.block_ids
     if type(ids) is not tuple or len(ids) != len(plan.request.block_ids):
         return None
@@ -428,4 +434,10 @@ def rebind_block_ids(plan: TransferPlan, request: TransferRequest) -> TransferPl
             return None
     else:
         touched = frozenset()
-    return msgspec.structs.replace(plan, request=request, touched_blocks=touched)
+    if object_ptrs is None:
+        return msgspec.structs.replace(plan, request=request, touched_blocks=touched)
+    if len(object_ptrs) != len(plan.object_ptrs):
+        return None
+    return msgspec.structs.replace(
+        plan, request=request, touched_blocks=touched, object_ptrs=object_ptrs
+    )

@@ -443,3 +443,25 @@ def test_a_replaced_or_evicted_plan_never_orphans_its_geometry(
     cache.plan(_request(block_ids=(2, 4)), paged, objs)
     assert cache.rebinds == 3
     assert len(cache) == 2
+
+
+@pytest.mark.parametrize("direction", [int(Direction.D2H), int(Direction.H2D)])
+def test_other_chunk_buffers_of_a_layout_validate_only_ids_and_addresses(direction: int) -> None:
+    """Chunk buffers of the planned layout at other addresses (another allocation, views at
+    other offsets of one pool) are rebound, not validated in full: exactly the plan a full
+    validation makes, their own data pointers included."""
+    cache = PlanCache("cpu", 0)
+    paged, objs = _operands()
+    cache.plan(_request(direction=direction), paged, objs)
+    o = objs[0]
+    pool = torch.zeros(3 * o.numel() + 5, dtype=o.dtype)
+    buffers = [
+        [torch.zeros_like(o)],
+        [pool[5 : 5 + o.numel()].view(o.shape)],
+        [pool[5 + 2 * o.numel() :].view(o.shape)],
+    ]
+    for bufs, ids in zip(buffers, [(6, 1), (0, 7), (2, 4)], strict=True):
+        req = _request(direction=direction, block_ids=ids)
+        assert _planned(cache, req, paged, bufs)
+        assert cache.plan(req, paged, bufs) == _full(req, paged, bufs)
+    assert cache.rebinds == cache.misses - 1 == 3

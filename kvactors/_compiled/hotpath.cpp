@@ -9,10 +9,12 @@
 //   structure (a tensor, or lists/tuples of them nested as deep as the Python walk allows) and
 //   writes, per node, a tag and a length, and per tensor its data pointer, storage offset,
 //   shape, stride, dtype, device and version counter: the facts a validated plan depends on
-//   and the counter every in-place write, set_ and resize_ bumps. It reads TensorImpl fields
-//   only; it never reads tensor memory. Anything it does not recognise (a tensor subclass
-//   among them: its Python methods may answer otherwise) returns None, and the caller takes
-//   the Python walk (and its errors).
+//   and the counter every in-place write, set_ and resize_ bumps (the chunks' data pointers
+//   and storage offsets last: the key without them is the chunks' layout, which the plan
+//   cache shares between chunk buffers). It reads TensorImpl fields only; it never reads
+//   tensor memory. Anything it does not recognise (a tensor subclass among them: its Python
+//   methods may answer otherwise) returns None, and the caller takes the Python walk (and its
+//   errors).
 // * StackedRuns: the reused kernel's stacked copy, both ways: chunk element [.., j, ..] and
 //   paged element [.., ids[j], ..] of the stacked view, one memcpy per run, in the chunk's
 //   memory order, with the GIL dropped. A run spans every inner axis contiguous on both sides
@@ -54,8 +56,11 @@ class Writer {
   std::string& out_;
 };
 
-// One tensor's facts; false for a tensor whose facts are not plain strided memory.
-bool put_tensor(const at::Tensor& t, Writer& key, Writer& versions, bool& inference) {
+// One tensor's facts; false for a tensor whose facts are not plain strided memory. Its data
+// pointer and storage offset go to `where` (the key itself for a paged tensor, the key's tail
+// for a chunk: see operand_key).
+bool put_tensor(const at::Tensor& t, Writer& key, Writer& where, Writer& versions,
+                bool& inference) {
   if (!t.defined() || t.layout() != at::kStrided || !t.has_storage()) {
     return false;
   }
@@ -64,8 +69,8 @@ bool put_tensor(const at::Tensor& t, Writer& key, Writer& versions, bool& infere
     return false;
   }
   key.put(kTensor);
-  key.put(reinterpret_cast<int64_t>(t.data_ptr()));
-  key.put(t.storage_offset());
+  where.put(reinterpret_cast<int64_t>(t.data_ptr()));
+  where.put(t.storage_offset());
   const auto sizes = t.sizes();
   const auto strides = t.strides();
   key.put(static_cast<int64_t>(sizes.size()));
@@ -84,15 +89,15 @@ bool put_tensor(const at::Tensor& t, Writer& key, Writer& versions, bool& infere
   return true;
 }
 
-bool walk(py::handle value, int depth, Writer& key, Writer& versions, int64_t& count,
-          bool& inference) {
+bool walk(py::handle value, int depth, Writer& key, Writer& where, Writer& versions,
+          int64_t& count, bool& inference) {
   PyObject* obj = value.ptr();
   if (THPVariable_Check(obj)) {
     if (!THPVariable_CheckExact(obj)) {  // a subclass may answer differently in Python
       return false;
     }
     ++count;
-    return put_tensor(THPVariable_Unpack(obj), key, versions, inference);
+    return put_tensor(THPVariable_Unpack(obj), key, where, versions, inference);
   }
   const bool is_list = PyList_Check(obj);
   if (depth >= kMaxDepth || !(is_list || PyTuple_Check(obj))) {
@@ -103,7 +108,7 @@ bool walk(py::handle value, int depth, Writer& key, Writer& versions, int64_t& c
   key.put(is_list ? kList : kTuple);
   key.put(static_cast<int64_t>(n));
   for (Py_ssize_t i = 0; i < n; ++i) {
-    if (!walk(items[i], depth + 1, key, versions, count, inference)) {
+    if (!walk(items[i], depth + 1, key, where, versions, count, inference)) {
       return false;
     }
   }
@@ -111,24 +116,30 @@ bool walk(py::handle value, int depth, Writer& key, Writer& versions, int64_t& c
 }
 
 // (key, versions, number of paged tensors, any inference tensor) or None; see the file comment.
+// The chunks' data pointers and storage offsets end the key, 16 bytes per chunk: the key
+// without them is the layout the plan cache shares between chunk buffers.
 py::object operand_key(py::handle paged, py::handle objects) {
   std::string key;
+  std::string tail;
   std::string versions;
   key.reserve(1024);
+  tail.reserve(128);
   versions.reserve(256);
   Writer k(key);
+  Writer t(tail);
   Writer v(versions);
   int64_t n_paged = 0;
   int64_t n_objects = 0;
   bool inference = false;
   try {
-    if (!walk(paged, 0, k, v, n_paged, inference) ||
-        !walk(objects, 1, k, v, n_objects, inference)) {
+    if (!walk(paged, 0, k, k, v, n_paged, inference) ||
+        !walk(objects, 1, k, t, v, n_objects, inference)) {
       return py::none();
     }
   } catch (const c10::Error&) {  // a tensor whose facts cannot be read: the Python walk
     return py::none();
   }
+  key += tail;
   return py::make_tuple(py::bytes(key), py::bytes(versions), n_paged, inference);
 }
 
@@ -147,6 +158,8 @@ at::Tensor first_paged(py::handle paged) {
   throw py::type_error("the paged operand has no first tensor");
 }
 
+// A chunk's view: its object's index, and sizes, strides and storage offset in elements, the
+// offset counted from the chunk's own storage offset (chunk buffers of one layout share it).
 struct Out {
   int64_t object;
   std::vector<int64_t> size;
@@ -260,7 +273,8 @@ class StackedGather {
     const at::Tensor src = unit0.as_strided(g.size, g.stride, g.offset);
     for (size_t i = 0; i < g.outs.size(); ++i) {
       const auto& out = g.outs[i];
-      at::Tensor view = dst[i].as_strided(out.size, out.stride, out.offset);
+      at::Tensor view =
+          dst[i].as_strided(out.size, out.stride, dst[i].storage_offset() + out.offset);
       at::index_select_out(view, src, g.dim, indices_[i]);
     }
   }
@@ -357,7 +371,8 @@ class StackedRuns {
           throw py::value_error("a chunk's view does not match the paged view");
         }
       }
-      bases.push_back(view_base(chunks[i], out.size, out.stride, out.offset));
+      bases.push_back(
+          view_base(chunks[i], out.size, out.stride, chunks[i].storage_offset() + out.offset));
     }
     if (pool == nullptr) {
       return;  // an empty paged view: nothing to copy

@@ -164,10 +164,21 @@ def _stacked(
     if scatter and native is None:
         return None  # the general kernel's numpy scatter
     layout = shared.get("stacked")
-    if layout is None:  # the views' geometry, the same for every block id
+    if layout is None:  # the views' geometry, the same for every block id and chunk buffer
         geo = _stacked_geometry(plan, unit0, objects)
+        # A chunk view's storage offset counted from its chunk's: other buffers of the same
+        # layout (the plan cache shares this memo between them) sit at other offsets.
         layout = shared["stacked"] = (
-            (geo[0], geo[1], tuple((obj, out) for obj, _, out in geo[2])) if geo else ()
+            (
+                geo[0],
+                geo[1],
+                tuple(
+                    (obj, (size, stride, offset - objects[obj].storage_offset()))
+                    for obj, _, (size, stride, offset) in geo[2]
+                ),
+            )
+            if geo
+            else ()
         )
     if not layout:
         return None
@@ -271,7 +282,9 @@ def _stacked_kernel(
 ) -> Callable[[Any, Sequence[torch.Tensor]], None]:
     def gather(paged: Any, objs: Sequence[torch.Tensor]) -> None:
         src = _first(paged).as_strided(*src_geo)
-        for obj, ids, out_geo in steps:
-            torch.index_select(src, dim, ids, out=objs[obj].as_strided(*out_geo))
+        for obj, ids, (size, stride, offset) in steps:
+            out = objs[obj]
+            view = out.as_strided(size, stride, out.storage_offset() + offset)
+            torch.index_select(src, dim, ids, out=view)
 
     return gather
