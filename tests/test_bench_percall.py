@@ -23,8 +23,9 @@ def test_percall_rows_compare_every_contender_with_the_single_torch_call() -> No
         for c in (1, 2):
             for d in ("gather", "scatter"):
                 expected.append((lay, d, c, "same"))
-                if c == 1:  # single callers also run with other block ids on every call
-                    expected.append((lay, d, c, "fresh"))
+                if c == 1:  # single callers also run with other block ids on every call,
+                    expected.append((lay, d, c, "fresh"))  # and with other chunk buffers too
+                    expected.append((lay, d, c, "bufs"))
     assert [(r.layout, r.direction, r.callers, r.ids) for r in report.rows] == expected
     for r in report.rows:
         assert {"torch", "runtime"} <= set(r.p50_us)

@@ -31,11 +31,13 @@ def _call(
     objects: Sequence[torch.Tensor],
     device: torch.device | None = None,
     id_sets: Sequence[Sequence[int]] | None = None,
+    object_sets: Sequence[Sequence[torch.Tensor]] | None = None,
 ) -> Callable[[], None]:
     # The arguments LMCache's engine-driven context passes, built once; the callable makes
     # the call only (the figure is the op's cost, not the argument conversion). With
     # ``id_sets`` each call takes the next set's block ids in a new list, as LMCache's
-    # traffic brings other blocks on most calls.
+    # traffic brings other blocks on most calls; with ``object_sets`` also the next set of
+    # chunk buffers (a store gathers into buffers its host pool hands out).
     import torch
     from lmcache import lmcache_native as native
 
@@ -49,6 +51,14 @@ def _call(
     dev = torch.device("cpu") if device is None else device
     chunk, skip = request.chunk_size, request.skip_blocks
 
+    if id_sets and object_sets:
+        cycle = itertools.cycle([list(i) for i in id_sets])
+        buffers = itertools.cycle([list(o) for o in object_sets])
+
+        def fresh_buffers() -> None:
+            op(paged, next(buffers), list(next(cycle)), dev, direction, sd, chunk, fmt, skip)
+
+        return fresh_buffers
     if id_sets:
         cycle = itertools.cycle([list(i) for i in id_sets])
 
@@ -68,12 +78,21 @@ def lmcache_torch_transfer(
     paged: Any,
     objects: Sequence[torch.Tensor],
     id_sets: Sequence[Sequence[int]] | None = None,
+    object_sets: Sequence[Sequence[torch.Tensor]] | None = None,
 ) -> Callable[[], None]:
     """A zero-argument callable running LMCache's torch path for ``request`` on the operands
-    (each call with the next of ``id_sets``' block ids when given)."""
+    (each call with the next of ``id_sets``' block ids when given, and the next of
+    ``object_sets``' chunk buffers when given too)."""
     from lmcache.v1.platform.torch_ops import multi_layer_block_kv_transfer
 
-    return _call(multi_layer_block_kv_transfer, request, paged, objects, id_sets=id_sets)
+    return _call(
+        multi_layer_block_kv_transfer,
+        request,
+        paged,
+        objects,
+        id_sets=id_sets,
+        object_sets=object_sets,
+    )
 
 
 def _vendor_ops_transfer(
@@ -124,10 +143,12 @@ def kvactors_op_transfer(
     paged: Any,
     objects: Sequence[torch.Tensor],
     id_sets: Sequence[Sequence[int]] | None = None,
+    object_sets: Sequence[Sequence[torch.Tensor]] | None = None,
 ) -> Callable[[], None]:
     """A zero-argument callable making LMCache's DeviceOps call of the ``kvactors_cpu`` plugin
     (``multi_layer_block_kv_transfer`` with LMCache's native argument types) for ``request``
-    (each call with the next of ``id_sets``' block ids when given).
+    (each call with the next of ``id_sets``' block ids when given, and the next of
+    ``object_sets``' chunk buffers when given too).
 
     One ops instance per process, shared by every caller, as LMCache shares its resolved ops.
     """
@@ -135,4 +156,11 @@ def kvactors_op_transfer(
 
     if not _OPS:
         _OPS.append(KvactorsCpuOps())
-    return _call(_OPS[0].multi_layer_block_kv_transfer, request, paged, objects, id_sets=id_sets)
+    return _call(
+        _OPS[0].multi_layer_block_kv_transfer,
+        request,
+        paged,
+        objects,
+        id_sets=id_sets,
+        object_sets=object_sets,
+    )

@@ -14,11 +14,13 @@ call with their order rotated every repetition, in one run:
   types (``kvactors.baselines`` entry point ``kvactors_op``, shipped by the adapter);
 * ``lmcache``: LMCache's torch path on the same operands (entry point ``lmcache_torch``).
 
-Every single-caller case of the small model runs twice: with the same block ids on every
-call (``ids=same``: a plan validated once is reused) and with other ids on every call
+Every single-caller case of the small model runs three times: with the same block ids on
+every call (``ids=same``: a plan validated once is reused), with other ids on every call
 (``ids=fresh``: more id sets than the plan cache holds, as LMCache's traffic brings other
 blocks of the same KV cache on most calls; the torch call then builds its index tensor from
-the call's id list, as any caller holding a list must).
+the call's id list, as any caller holding a list must), and with other ids and another chunk
+buffer on every call (``ids=bufs``: views at other offsets of one host pool, more than the
+plan cache holds, as a store into buffers of LMCache's host pool brings).
 
 With ``callers=4`` every contender runs in 4 threads at once, each thread on its own chunk
 (and, for scatters, its own block ids); the figure is the per-call latency and the aggregate
@@ -80,6 +82,7 @@ _FORMATS = {
 CONTENDERS = ("torch", "runtime", "op", "lmcache")
 _BS, _TOKENS = 16, 256
 _ID_SETS = 384  # above the runtime's plan cache capacity (256)
+_BUF_STEP = 64  # elements between two chunk buffers of the pool (``bufs`` cases)
 
 
 class PercallRow(msgspec.Struct, frozen=True, kw_only=True):
@@ -91,7 +94,9 @@ class PercallRow(msgspec.Struct, frozen=True, kw_only=True):
     callers: int
     ids: str = "same"
     """``same``: every call repeats its block ids; ``fresh``: every call brings other ids
-    (more sets than the plan cache holds), as LMCache's traffic does."""
+    (more sets than the plan cache holds), as LMCache's traffic does; ``bufs``: other ids and
+    another chunk buffer on every call (views at other offsets of one host pool, more than
+    the plan cache holds), as a store into buffers of LMCache's host pool brings."""
     nbytes: int
     reps: int
     p50_us: dict[str, float]
@@ -165,6 +170,20 @@ class _Case:
             dtype="bfloat16",
         )
         self.nbytes = self.objects[0][0].nbytes
+        self._buffers: dict[int, list[list[torch.Tensor]]] = {}
+
+    def buffer_sets(self, c: int) -> list[list[torch.Tensor]]:
+        """Caller ``c``'s chunk buffers for the ``bufs`` cases: views at other offsets of one
+        pool (they overlap: the figure is the host's cost per call, not the pool's memory)."""
+        sets = self._buffers.get(c)
+        if sets is None:
+            obj = self.objects[c][0]
+            pool = torch.zeros(obj.numel() + _ID_SETS * _BUF_STEP, dtype=obj.dtype)
+            n = obj.numel()
+            sets = self._buffers[c] = [
+                [pool[k * _BUF_STEP : k * _BUF_STEP + n].view(obj.shape)] for k in range(_ID_SETS)
+            ]
+        return sets
 
     def request(self, c: int, direction: Direction) -> TransferRequest:
         return TransferRequest(
@@ -175,9 +194,10 @@ class _Case:
             shape=self.shape,
         )
 
-    def chunk_view(self, c: int) -> torch.Tensor:
-        """Caller ``c``'s chunk seen in the stacked pool's axis order, blocks on block_dim."""
-        obj = self.objects[c][0]
+    def chunk_view(self, c: int, obj: torch.Tensor | None = None) -> torch.Tensor:
+        """Caller ``c``'s chunk (or ``obj``) seen in the stacked pool's axis order, blocks on
+        block_dim."""
+        obj = self.objects[c][0] if obj is None else obj
         nl, j, s, h, d = self.nl, self.bpo, _BS, self.nh, self.hs
         if self.spec.is_mla:
             return obj.view(nl, j, s, d)  # pool [L, B, S, D]
@@ -188,8 +208,31 @@ class _Case:
             return v.permute(1, 0, 2, 4, 3, 5)  # pool [L, P, B, H, S, D]
         return v.permute(1, 0, 2, 3, 4, 5)  # pool [L, P, B, S, H, D]
 
-    def torch_call(self, c: int, direction: Direction, fresh: bool = False) -> Callable[[], None]:
+    def torch_call(
+        self, c: int, direction: Direction, fresh: bool = False, buffers: bool = False
+    ) -> Callable[[], None]:
         view, ids, dim, pool = self.chunk_view(c), self.ids_t[c], self.block_dim, self.stacked
+        if buffers:  # another chunk buffer too: the call's view of it
+            ring = itertools.cycle(
+                [
+                    (list(i), self.chunk_view(c, b[0]))
+                    for i, b in zip(self.id_sets[c], self.buffer_sets(c), strict=True)
+                ]
+            )
+            tensor = index_tensor
+            if direction is Direction.D2H:
+
+                def gather_buffers() -> None:
+                    i, out = next(ring)
+                    torch.index_select(pool, dim, tensor(i), out=out)
+
+                return gather_buffers
+
+            def scatter_buffers() -> None:
+                i, src = next(ring)
+                pool.index_copy_(dim, tensor(i), src)
+
+            return scatter_buffers
         if fresh:  # the index tensor is built from the call's id list, as any caller must
             sets = itertools.cycle([list(i) for i in self.id_sets[c]])
             tensor = index_tensor  # the cheapest way there is (kvactors' own, too)
@@ -218,15 +261,32 @@ class _Case:
 
 
 def _contenders(
-    cases: dict[str, _Case], c: int, direction: Direction, rt: Runtime, fresh: bool = False
+    cases: dict[str, _Case],
+    c: int,
+    direction: Direction,
+    rt: Runtime,
+    fresh: bool = False,
+    buffers: bool = False,
 ) -> dict[str, Callable[[], None]]:
     """Caller ``c``'s call of every contender, each on its own copy of the operands (same
     shapes, ids and values): a contender's writes must not count as changes of another's.
-    ``fresh``: every call takes the next of the case's id sets."""
-    out: dict[str, Callable[[], None]] = {"torch": cases["torch"].torch_call(c, direction, fresh)}
+    ``fresh``: every call takes the next of the case's id sets; ``buffers``: and the next of
+    its chunk buffers."""
+    out: dict[str, Callable[[], None]] = {
+        "torch": cases["torch"].torch_call(c, direction, fresh, buffers)
+    }
     case = cases["runtime"]
     req, paged, objs = case.request(c, direction), case.paged, case.objects[c]
-    if fresh:
+    if buffers:
+        ring = itertools.cycle(list(zip(case.id_sets[c], case.buffer_sets(c), strict=True)))
+        replace = msgspec.structs.replace
+
+        def through_buffers() -> None:
+            ids, bufs = next(ring)
+            rt.transfer(replace(req, block_ids=ids), paged, bufs)
+
+        out["runtime"] = through_buffers
+    elif fresh:
         sets = itertools.cycle(case.id_sets[c])
         replace = msgspec.structs.replace
 
@@ -246,7 +306,10 @@ def _contenders(
             case = cases[name]
             args = (case.request(c, direction), case.paged, case.objects[c])
             with contextlib.suppress(ImportError):  # the adapter is there, lmcache is not
-                out[name] = make(*args, case.id_sets[c]) if fresh else make(*args)
+                if buffers:
+                    out[name] = make(*args, case.id_sets[c], case.buffer_sets(c))
+                else:
+                    out[name] = make(*args, case.id_sets[c]) if fresh else make(*args)
     return out
 
 
@@ -426,6 +489,12 @@ def run_percall_bench(
                                 _row(case, model, layout, direction, 1, r, times, None, "fresh")
                             )
                             step(f"percall {model} {layout} {d} x1 fresh ids")
+                            bufs = _contenders(cases, 0, direction, rt, fresh=True, buffers=True)
+                            times = _one_caller(bufs, r)
+                            rows.append(
+                                _row(case, model, layout, direction, 1, r, times, None, "bufs")
+                            )
+                            step(f"percall {model} {layout} {d} x1 fresh ids and buffers")
                     del cases, case, per
         plan_warm, plan_cold, ping = _planning(
             rt, _Case("small", "nhd", 1, seed), 200 if quick else 1000
@@ -503,7 +572,7 @@ def plot_percall(report: PercallReport, path: str) -> None:
         range(len(rows)),
         [
             f"{r.model} {r.layout}\n{r.direction} x{r.callers}"
-            + ("\nfresh ids" if r.ids == "fresh" else "")
+            + {"fresh": "\nfresh ids", "bufs": "\nids+buffers"}.get(r.ids, "")
             for r in rows
         ],
         fontsize=7,
