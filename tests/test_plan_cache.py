@@ -465,3 +465,21 @@ def test_other_chunk_buffers_of_a_layout_validate_only_ids_and_addresses(directi
         assert _planned(cache, req, paged, bufs)
         assert cache.plan(req, paged, bufs) == _full(req, paged, bufs)
     assert cache.rebinds == cache.misses - 1 == 3
+
+
+def test_layouts_and_geometries_never_outlive_their_plans() -> None:
+    """Every call into another chunk buffer makes a geometry of the same layout; evicting the
+    plans drops both, so neither grows with the buffers a pool hands out."""
+    cache = PlanCache("cpu", 0, capacity=2)
+    paged, objs = _operands()
+    for k in range(12):
+        bufs = [torch.zeros_like(objs[0])]
+        cache.plan(_request(block_ids=(k % NB, (k + 3) % NB)), paged, bufs)
+        assert len(cache) <= 2
+        assert len(cache._geometries) <= 2
+        assert len(cache._layouts) == 1
+    assert cache.rebinds == 11
+    for k in range(2):  # another layout (the other direction) evicts the first one's plans
+        cache.plan(_request(direction=int(Direction.H2D), block_ids=(k, k + 2)), paged, objs)
+    assert len(cache._layouts) == 1
+    assert len(cache._geometries) == 1
