@@ -326,18 +326,24 @@ class KvactorsDeviceOps(DeviceOps):
             rt, index = hit[1], hit[2]
         else:
             rt, index = self._route(device)
-        rt.transfer(
-            request,
-            paged_buffer_ptrs_tensor,
-            objects,
-            stream_handle=self._stream_handle(rt, index) if self.uses_streams else 0,
-            complete=self.complete_on_return,
-        )
+        # Counted before the call (while this thread's counts are in cache; after the copy
+        # they would not be), taken back if it raises.
         counts = getattr(_tls, "counts", None)
         if counts is None:
             counts = _my_counts()
         key = self._count_keys[request.direction]
         counts[key] = counts.get(key, 0) + 1
+        try:
+            rt.transfer(
+                request,
+                paged_buffer_ptrs_tensor,
+                objects,
+                stream_handle=self._stream_handle(rt, index) if self.uses_streams else 0,
+                complete=self.complete_on_return,
+            )
+        except BaseException:
+            counts[key] -= 1
+            raise
 
     # -- completions and events (sync-then-publish through the StreamActor) ----------------
 

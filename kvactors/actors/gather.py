@@ -291,6 +291,10 @@ class GatherActor(Actor[GatherRequest]):
             request, paged, objects = backend.prepare_transfer(request, paged, objects)
         plans = self.plans
         plan, ticket = plans.lookup(request, paged, objects)
+        # The reply, made while the plan is in cache (after the copy it would not be).
+        done = TransferDone(
+            transfer_id=transfer_id, nbytes=plan.nbytes, blocks=len(plan.touched_blocks)
+        )
         if not lane.claim_inline():
             return None
         shared = self._shared
@@ -346,9 +350,7 @@ class GatherActor(Actor[GatherRequest]):
             lane.end_inline()
         if ticket is not None and not ticket.advanced:
             plans.settle(plan, ticket)
-        return TransferDone(
-            transfer_id=transfer_id, nbytes=plan.nbytes, blocks=len(plan.touched_blocks)
-        )
+        return done
 
     def _launch_inline(
         self,
