@@ -409,3 +409,18 @@ def test_the_common_call_converts_as_the_full_checks_do() -> None:
     )
     expect = torch.stack([p[:, [3, 5]] for p in layers], 1).reshape(got[0].shape)
     assert torch.equal(got[0], expect)
+
+
+def test_a_refused_call_is_not_counted(cpu_ops: Any) -> None:
+    """``transfer_counts`` counts transfers served: a call the runtime refuses leaves it as it
+    was (the count is taken before the call and back when it raises)."""
+    from kvactors_lmcache.ops import transfer_counts
+
+    layers, objs = _layers(1), _objs(2)
+    _gather(cpu_ops, layers, [0, 1, 2, 3], objs)
+    before = transfer_counts().get("cpu:D2H", 0)
+    with pytest.raises(ValueError, match="out of range"):
+        _gather(cpu_ops, layers, [0, 1, 2, NB], objs)
+    assert transfer_counts().get("cpu:D2H", 0) == before
+    _gather(cpu_ops, layers, [4, 5, 6, 7], objs)
+    assert transfer_counts()["cpu:D2H"] == before + 1
