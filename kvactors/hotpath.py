@@ -1,10 +1,11 @@
 """The compiled hot path: build it once per torch, load it if it was built.
 
-Theory of operation. ``kvactors/_compiled/hotpath.cpp`` compiles the two steps of a reused
-transfer that touch the most Python objects (the plan cache's operand fingerprint and the
-stacked gather kernel; see that file) into a torch C++ extension. Both have pure-Python twins
-that do the same work, and kvactors runs everywhere without the extension; with it, a small
-model's call costs the host less (``kvactors bench`` reports which one ran).
+Theory of operation. ``kvactors/_compiled/hotpath.cpp`` compiles the steps of a transfer
+that touch the most Python objects (the plan cache's operand fingerprint, the stacked copy in
+both directions and the host rows scatter; see that file) into a torch C++ extension. Each has
+a pure-Python twin that does the same work, and kvactors runs everywhere without the
+extension; with it, a small model's call costs the host less (``kvactors bench`` reports
+which one ran).
 
 :func:`build` compiles the source with torch's own extension builder (a C++ compiler and
 ``ninja`` are needed) into a folder named by a digest of the source, the torch version and
