@@ -1,7 +1,8 @@
 """Map LMCache's transfer arguments onto kvactors' own request and operand types.
 
 Theory of operation. LMCache hands the op native enums (``EngineKVFormat``,
-``TransferDirection``), a pybind ``PageBufferShapeDesc`` with a dynamic ``dtype`` attribute,
+``TransferDirection``), a ``PageBufferShapeDesc`` with a dynamic ``dtype`` attribute (LMCache's
+pybind class, or the kvactors ops' own, whose values are one tuple: ``shape_desc``),
 engine block ids as a list (tensor mode) or a device tensor (pointer mode), and the paged
 operand in the per-format structure LMCache normalised it to. kvactors speaks plain ints and
 frozen structs: :class:`kvactors.plans.TransferRequest` with a
@@ -30,6 +31,7 @@ import torch
 from kvactors.errors import OperandTypeError, TransferValidationError
 from kvactors.layouts import Direction, KVFormat, ShapeDesc
 from kvactors.plans import TransferRequest
+from kvactors_lmcache.shape_desc import UNSET, KvactorsShapeDesc
 
 if TYPE_CHECKING:
     from kvactors.devices.base import Backend
@@ -203,6 +205,7 @@ def block_ids_tuple(block_ids: Any) -> tuple[int, ...]:
 _SHAPE_FIELDS = ("kv_size", "nl", "nb", "bs", "nh", "hs", "element_size", "block_stride_elems")
 _read_shape = operator.attrgetter(*_SHAPE_FIELDS)  # one C call for all eight fields
 _DTYPE_TYPES = (torch.dtype, str, type(None))
+_KEY_DTYPES = {torch.dtype, str, type(None), type(UNSET)}  # exact types: plain equality
 _SHAPES: dict[tuple[Any, ...], ShapeDesc] = {}
 _SHAPES_MAX = 256
 _FORMATS = frozenset(int(f) for f in KVFormat) - frozenset(_REFUSED_FORMATS)
@@ -218,6 +221,9 @@ def _shape_key(shape_desc: Any) -> tuple[Any, ...] | None:
     mutable: its identity proves nothing), or ``None`` unless each is of the exact type whose
     equal values convert equally (``int`` fields; ``True == 1`` and ``1.0 == 1`` must not
     share a key; a ``torch.dtype``, string or ``None`` dtype)."""
+    if type(shape_desc) is KvactorsShapeDesc:  # exact ints already: its setters made them
+        values: tuple[Any, ...] = shape_desc.values
+        return values if type(values[8]) in _KEY_DTYPES else None
     try:
         fields = _read_shape(shape_desc)
     except AttributeError:
@@ -318,13 +324,19 @@ def common_request(
         return None
     assert fmt is not None
     assert dirn is not None
+    # The kvactors ops' own descriptor (shape_desc.py): its values are the cache's key.
+    shape = None
+    if type(shape_desc) is KvactorsShapeDesc:
+        values = shape_desc.values
+        if type(values[8]) in _KEY_DTYPES:
+            shape = _SHAPES.get(values)
     return TransferRequest(
         fmt=fmt,
         direction=dirn,
         block_ids=ids,
         chunk_size=lmcache_chunk_size,
         skip_blocks=skip_prefix_n_blocks,
-        shape=_cached_shape_desc(shape_desc),
+        shape=shape if shape is not None else _cached_shape_desc(shape_desc),
     )
 
 

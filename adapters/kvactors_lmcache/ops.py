@@ -47,6 +47,7 @@ from kvactors.errors import (
     UnsupportedOperationError,
 )
 from kvactors_lmcache import convert
+from kvactors_lmcache.shape_desc import KvactorsShapeDesc
 
 if TYPE_CHECKING:
     from kvactors.runtime import Runtime
@@ -70,8 +71,7 @@ RuntimeFactory = Callable[[str, int], "Runtime"]
 # and fails on any public member that is neither overridden nor listed here, and on any listed
 # name the installed class lacks (unless LMCache removed it: REMOVED_IN_LMCACHE_057).
 DELIBERATELY_INHERITED: dict[str, str] = {
-    # Shared types: LMCache's own classes, used by make_page_buffer_shape_desc.
-    "PageBufferShapeDesc": "LMCache's native shape descriptor type (needs dynamic dtype attr)",
+    # Shared types: LMCache's own plan classes.
     "StagingCopy": "LMCache plan type, only used by native object-group transfers",
     "LaunchVar": "LMCache plan type, only used by native object-group transfers",
     "BatchStep": "LMCache plan type, only used by native object-group transfers",
@@ -185,6 +185,10 @@ class KvactorsDeviceOps(DeviceOps):
     kvactors_backend: ClassVar[str] = ""
     #: Whether transfers carry the caller's current stream (accelerators) or handle 0.
     uses_streams: ClassVar[bool] = True
+    #: The descriptor LMCache builds for every transfer while these ops are the process-global
+    #: ``lmcache.device_ops`` (``make_page_buffer_shape_desc``): LMCache's fields as plain
+    #: values, which the op reads in one attribute (see ``shape_desc``).
+    PageBufferShapeDesc = KvactorsShapeDesc
 
     def __init__(
         self,

@@ -79,10 +79,10 @@ def _lmcache_ops_class(kind: str) -> type[Any]:
         pytest.skip(f"lmcache {version} has no {name} (LMCache's own {kind} backend)")
 
 
-def _desc(case: Case) -> Any:
-    import lmcache.lmcache_native as native
-
-    sd = native.PageBufferShapeDesc()
+def _desc(case: Case, ops: Any) -> Any:
+    # The descriptor class LMCache builds while ``ops`` are the process-global ops: LMCache's
+    # native one for its own, the kvactors descriptor for the kvactors ops.
+    sd = type(ops).PageBufferShapeDesc()
     shape = case.shape()
     for f in ("kv_size", "nl", "nb", "bs", "nh", "hs", "element_size", "block_stride_elems"):
         setattr(sd, f, getattr(shape, f))
@@ -181,7 +181,7 @@ def _transfer(ops: Any, case: Case, ids: list[int], skip: int, direction: int, d
 
     def call(paged: Any, objects: list[torch.Tensor]) -> None:
         ops.multi_layer_block_kv_transfer(
-            paged, objects, list(ids), dev, native.TransferDirection(direction), _desc(case),
+            paged, objects, list(ids), dev, native.TransferDirection(direction), _desc(case, ops),
             case.bpo * case.bs, native.EngineKVFormat(int(case.fmt)), skip,
         )  # fmt: skip
 
@@ -261,7 +261,8 @@ def test_refusals_match(vendor: tuple[Any, ...], what: str) -> None:
             def call(paged: Any, objects: list[torch.Tensor]) -> None:
                 ops.multi_layer_block_kv_transfer(
                     paged, objects, list(ids), dev, native.TransferDirection(direction),
-                    _desc(case), case.bpo * case.bs - 1, native.EngineKVFormat(int(case.fmt)), 0,
+                    _desc(case, ops), case.bpo * case.bs - 1,
+                    native.EngineKVFormat(int(case.fmt)), 0,
                 )  # fmt: skip
 
             return call
