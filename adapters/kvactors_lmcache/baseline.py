@@ -32,16 +32,19 @@ def _call(
     device: torch.device | None = None,
     id_sets: Sequence[Sequence[int]] | None = None,
     object_sets: Sequence[Sequence[torch.Tensor]] | None = None,
+    desc_type: type | None = None,
 ) -> Callable[[], None]:
     # The arguments LMCache's engine-driven context passes, built once; the callable makes
-    # the call only (the figure is the op's cost, not the argument conversion). With
+    # the call only (the figure is the op's cost, not the argument conversion). The shape
+    # descriptor is of the class LMCache builds while these ops are the process-global ones
+    # (``desc_type``; LMCache's native class by default). With
     # ``id_sets`` each call takes the next set's block ids in a new list, as LMCache's
     # traffic brings other blocks on most calls; with ``object_sets`` also the next set of
     # chunk buffers (a store gathers into buffers its host pool hands out).
     import torch
     from lmcache import lmcache_native as native
 
-    sd = native.PageBufferShapeDesc()
+    sd = (native.PageBufferShapeDesc if desc_type is None else desc_type)()
     for f in ("kv_size", "nl", "nb", "bs", "nh", "hs", "element_size", "block_stride_elems"):
         setattr(sd, f, getattr(request.shape, f))
     sd.dtype = objects[0].dtype
@@ -115,7 +118,14 @@ def _vendor_ops_transfer(
         raise MissingDependencyError(
             f"lmcache {getattr(lmcache, '__version__', '?')} has no {cls}", package="lmcache"
         ) from exc
-    return _call(ops.multi_layer_block_kv_transfer, request, paged, objects, device)
+    return _call(
+        ops.multi_layer_block_kv_transfer,
+        request,
+        paged,
+        objects,
+        device,
+        desc_type=type(ops).PageBufferShapeDesc,
+    )
 
 
 def lmcache_mlu_ops(
@@ -163,4 +173,5 @@ def kvactors_op_transfer(
         objects,
         id_sets=id_sets,
         object_sets=object_sets,
+        desc_type=KvactorsCpuOps.PageBufferShapeDesc,
     )
