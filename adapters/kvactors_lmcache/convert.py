@@ -2,7 +2,7 @@
 
 Theory of operation. LMCache hands the op native enums (``EngineKVFormat``,
 ``TransferDirection``), a ``PageBufferShapeDesc`` with a dynamic ``dtype`` attribute (LMCache's
-pybind class, or the kvactors ops' own, whose values are one tuple: ``shape_desc``),
+pybind class, or the kvactors ops' own, read as one tuple: ``shape_desc``),
 engine block ids as a list (tensor mode) or a device tensor (pointer mode), and the paged
 operand in the per-format structure LMCache normalised it to. kvactors speaks plain ints and
 frozen structs: :class:`kvactors.plans.TransferRequest` with a
@@ -31,7 +31,7 @@ import torch
 from kvactors.errors import OperandTypeError, TransferValidationError
 from kvactors.layouts import Direction, KVFormat, ShapeDesc
 from kvactors.plans import TransferRequest
-from kvactors_lmcache.shape_desc import UNSET, KvactorsShapeDesc
+from kvactors_lmcache.shape_desc import UNSET, KvactorsShapeDesc, values_of
 
 if TYPE_CHECKING:
     from kvactors.devices.base import Backend
@@ -222,7 +222,7 @@ def _shape_key(shape_desc: Any) -> tuple[Any, ...] | None:
     equal values convert equally (``int`` fields; ``True == 1`` and ``1.0 == 1`` must not
     share a key; a ``torch.dtype``, string or ``None`` dtype)."""
     if type(shape_desc) is KvactorsShapeDesc:  # exact ints already: its setters made them
-        values: tuple[Any, ...] = shape_desc.values
+        values: tuple[Any, ...] = values_of(shape_desc)
         return values if type(values[8]) in _KEY_DTYPES else None
     try:
         fields = _read_shape(shape_desc)
@@ -327,7 +327,7 @@ def common_request(
     # The kvactors ops' own descriptor (shape_desc.py): its values are the cache's key.
     shape = None
     if type(shape_desc) is KvactorsShapeDesc:
-        values = shape_desc.values
+        values = values_of(shape_desc)
         if type(values[8]) in _KEY_DTYPES:
             shape = _SHAPES.get(values)
     return TransferRequest(

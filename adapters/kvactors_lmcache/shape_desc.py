@@ -7,25 +7,27 @@ reads every field again (a descriptor is mutable: its identity proves nothing). 
 LMCache's native (pybind11) class is a C++ property, and on the caches a copy leaves behind,
 reading all of them cost the op about 15 us of a small model's call.
 
-:class:`KvactorsShapeDesc` keeps the fields in one tuple, ``values``: the eight ints, then the
-dtype. Its setters accept exactly what the native setters accept (pybind11's int caster: anything
-with ``__int__`` or ``__index__`` but a float, truncated, within int32; anything else is a
-``TypeError``) and store an exact ``int``, so the
-op reads the whole descriptor in one attribute and finds its converted form by that tuple
-(:func:`kvactors_lmcache.convert.common_request`). Every write makes a new tuple; nothing can
-change the values a reader holds. ``dtype`` keeps the native class's dynamic-attribute
-behaviour: absent until set (``getattr(desc, "dtype", None)`` is ``None``), any object, and
-deletable; other dynamic attributes are accepted too.
+:class:`KvactorsShapeDesc` keeps each field in a slot of its own (the eight ints, then the
+dtype), and :data:`values_of` reads all nine as one tuple in one C call. The setters accept
+exactly what the native setters accept (pybind11's int caster: anything with ``__int__`` or
+``__index__`` but a float, truncated, within int32; anything else is a ``TypeError``) and
+store an exact ``int``, so the op finds the converted form by that tuple without checking a
+type (:func:`kvactors_lmcache.convert.common_request`). Each write stores one slot, as each
+native setter stores one field, so writes from several threads are never lost. ``dtype``
+keeps the native class's dynamic-attribute behaviour: absent until set
+(``getattr(desc, "dtype", None)`` is ``None``), any object, deletable; other dynamic
+attributes are accepted too.
 """
 
 from __future__ import annotations
 
+import operator
 from typing import Any, Final
 
-__all__ = ("FIELDS", "UNSET", "KvactorsShapeDesc")
+__all__ = ("FIELDS", "UNSET", "KvactorsShapeDesc", "values_of")
 
 FIELDS: Final = ("kv_size", "nl", "nb", "bs", "nh", "hs", "element_size", "block_stride_elems")
-"""The native descriptor's integer fields, in the order of :attr:`KvactorsShapeDesc.values`."""
+"""The native descriptor's integer fields, in the order of :data:`values_of`."""
 
 _INT32_MIN: Final = -(2**31)
 _INT32_MAX: Final = 2**31 - 1
@@ -39,9 +41,7 @@ class _Unset:
 
 
 UNSET: Final = _Unset()
-"""The last entry of :attr:`KvactorsShapeDesc.values` while ``dtype`` was never set."""
-
-_ZERO: Final = (0, 0, 0, 0, 0, 0, 0, 0, UNSET)
+"""The last of :data:`values_of` while ``dtype`` was never set (or was deleted)."""
 
 
 def _int32(name: str, value: object) -> int:
@@ -51,15 +51,13 @@ def _int32(name: str, value: object) -> int:
     if kind is int:
         number: int = value  # type: ignore[assignment]
     else:
-        convert = (
-            None
-            if issubclass(kind, float)
-            else (getattr(kind, "__int__", None) or getattr(kind, "__index__", None))
-        )
+        to_int = None
+        if not issubclass(kind, float):
+            to_int = getattr(kind, "__int__", None) or getattr(kind, "__index__", None)
         try:
-            if convert is None:
+            if to_int is None:
                 raise TypeError
-            number = int(convert(value))
+            number = int(to_int(value))
         except Exception:
             raise TypeError(
                 f"PageBufferShapeDesc.{name} must be an integer, got {value!r}"
@@ -69,14 +67,16 @@ def _int32(name: str, value: object) -> int:
     return number
 
 
-def _field(position: int, name: str) -> property:
+def _field(name: str) -> property:
+    slot = f"_{name}"
+    load = operator.attrgetter(slot)
+
     def get(self: KvactorsShapeDesc) -> int:
-        value: int = self.values[position]
+        value: int = load(self)
         return value
 
     def set_(self: KvactorsShapeDesc, value: object) -> None:
-        old = self.values
-        self.values = (*old[:position], _int32(name, value), *old[position + 1 :])
+        object.__setattr__(self, slot, _int32(name, value))
 
     return property(get, set_, doc=f"LMCache's ``{name}`` (int32).")
 
@@ -87,43 +87,59 @@ class KvactorsShapeDesc:
     Fields default to 0, as on the native class; ``dtype`` is absent until set.
     """
 
-    __slots__ = ("__dict__", "values")
+    __slots__ = (
+        "__dict__",
+        "_block_stride_elems",
+        "_bs",
+        "_dtype",
+        "_element_size",
+        "_hs",
+        "_kv_size",
+        "_nb",
+        "_nh",
+        "_nl",
+    )
 
-    #: ``(kv_size, nl, nb, bs, nh, hs, element_size, block_stride_elems, dtype)``; the dtype is
-    #: :data:`UNSET` while absent. Replaced, never changed, by every write.
-    values: tuple[Any, ...]
-
-    kv_size = _field(0, "kv_size")
-    nl = _field(1, "nl")
-    nb = _field(2, "nb")
-    bs = _field(3, "bs")
-    nh = _field(4, "nh")
-    hs = _field(5, "hs")
-    element_size = _field(6, "element_size")
-    block_stride_elems = _field(7, "block_stride_elems")
+    kv_size = _field("kv_size")
+    nl = _field("nl")
+    nb = _field("nb")
+    bs = _field("bs")
+    nh = _field("nh")
+    hs = _field("hs")
+    element_size = _field("element_size")
+    block_stride_elems = _field("block_stride_elems")
 
     def __init__(self) -> None:
-        self.values = _ZERO
+        self._kv_size = self._nl = self._nb = self._bs = self._nh = self._hs = 0
+        self._element_size = self._block_stride_elems = 0
+        self._dtype: Any = UNSET
 
     @property
     def dtype(self) -> Any:
         """The KV dtype LMCache sets (a dynamic attribute: ``AttributeError`` while absent)."""
-        value = self.values[8]
+        value = self._dtype
         if value is UNSET:
             raise AttributeError(f"{type(self).__name__!r} object has no attribute 'dtype'")
         return value
 
     @dtype.setter
     def dtype(self, value: Any) -> None:
-        self.values = (*self.values[:8], value)
+        self._dtype = value
 
     @dtype.deleter
     def dtype(self) -> None:
-        if self.values[8] is UNSET:
+        if self._dtype is UNSET:
             raise AttributeError("dtype")
-        self.values = (*self.values[:8], UNSET)
+        self._dtype = UNSET
 
     def __repr__(self) -> str:
-        fields = ", ".join(f"{n}={v}" for n, v in zip(FIELDS, self.values, strict=False))
-        dtype = self.values[8]
+        values = values_of(self)
+        fields = ", ".join(f"{n}={v}" for n, v in zip(FIELDS, values, strict=False))
+        dtype = values[8]
         return f"KvactorsShapeDesc({fields}{'' if dtype is UNSET else f', dtype={dtype!r}'})"
+
+
+values_of: Final = operator.attrgetter(*(f"_{name}" for name in FIELDS), "_dtype")
+"""``(kv_size, nl, nb, bs, nh, hs, element_size, block_stride_elems, dtype)`` of a
+:class:`KvactorsShapeDesc` (the dtype :data:`UNSET` while absent), read in one C call: slot
+reads run no Python code, so no other thread writes between them."""
