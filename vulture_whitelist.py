@@ -31,10 +31,6 @@ _.event_ipc_backend  # DeviceSpec: LMCache-driven (IPC handle) mode
 _.create_cache_context  # DeviceSpec: LMCache's MP server per registered cache
 _.refused_ops  # KvactorsMluOps: read at import to install the refusing legacy ops LMCache calls
 
-# ---- read by name through operator.attrgetter strings ----------------------------------
-# adapters/kvactors_lmcache/shape_desc.py: the slots values_of and the field properties read
-_._kv_size, _._nl, _._nb, _._bs, _._nh, _._hs, _._element_size, _._block_stride_elems
-
 # ---- the interpreter and the standard library read these --------------------------------
 _.__cause__  # exception chaining: tracebacks and `raise ... from` readers
 _.converter  # logging.Formatter reads it (UTC timestamps in kvactors.logs)

@@ -221,9 +221,11 @@ def _shape_key(shape_desc: Any) -> tuple[Any, ...] | None:
     mutable: its identity proves nothing), or ``None`` unless each is of the exact type whose
     equal values convert equally (``int`` fields; ``True == 1`` and ``1.0 == 1`` must not
     share a key; a ``torch.dtype``, string or ``None`` dtype)."""
-    if type(shape_desc) is KvactorsShapeDesc:  # exact ints already: its setters made them
-        values: tuple[Any, ...] = values_of(shape_desc)
-        return values if type(values[8]) in _KEY_DTYPES else None
+    # The kvactors descriptor's key: (its eight ints, which its setters made exact, dtype),
+    # a pair that never equals the flat key of another descriptor.
+    if type(shape_desc) is KvactorsShapeDesc:
+        values = values_of(shape_desc)
+        return values if type(values[1]) in _KEY_DTYPES else None
     try:
         fields = _read_shape(shape_desc)
     except AttributeError:
@@ -328,7 +330,7 @@ def common_request(
     shape = None
     if type(shape_desc) is KvactorsShapeDesc:
         values = values_of(shape_desc)
-        if type(values[8]) in _KEY_DTYPES:
+        if type(values[1]) in _KEY_DTYPES:
             shape = _SHAPES.get(values)
     return TransferRequest(
         fmt=fmt,

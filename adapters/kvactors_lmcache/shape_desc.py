@@ -7,13 +7,14 @@ reads every field again (a descriptor is mutable: its identity proves nothing). 
 LMCache's native (pybind11) class is a C++ property, and on the caches a copy leaves behind,
 reading all of them cost the op about 15 us of a small model's call.
 
-:class:`KvactorsShapeDesc` keeps each field in a slot of its own (the eight ints, then the
-dtype), and :data:`values_of` reads all nine as one tuple in one C call. The setters accept
-exactly what the native setters accept (pybind11's int caster: anything with ``__int__`` or
-``__index__`` but a float, truncated, within int32; anything else is a ``TypeError``) and
-store an exact ``int``, so the op finds the converted form by that tuple without checking a
-type (:func:`kvactors_lmcache.convert.common_request`). Each write stores one slot, as each
-native setter stores one field, so writes from several threads are never lost. ``dtype``
+:class:`KvactorsShapeDesc` keeps each field as an entry of its own in the instance
+dictionary, and :func:`values_of` reads the eight ints as one tuple in one C call, and the
+dtype. The setters accept exactly what the native setters accept (pybind11's int caster:
+anything with ``__int__`` or ``__index__`` but a float, truncated, within int32; anything
+else is a ``TypeError``, here :class:`~kvactors.errors.OperandTypeError`) and store an exact
+``int``, so the op finds the converted form by those values without checking a type
+(:func:`kvactors_lmcache.convert.common_request`). Each write stores one entry, as each native
+setter stores one field, so writes from several threads are never lost. ``dtype``
 keeps the native class's dynamic-attribute behaviour: absent until set
 (``getattr(desc, "dtype", None)`` is ``None``), any object, deletable; other dynamic
 attributes are accepted too.
@@ -24,10 +25,12 @@ from __future__ import annotations
 import operator
 from typing import Any, Final
 
+from kvactors.errors import OperandTypeError
+
 __all__ = ("FIELDS", "UNSET", "KvactorsShapeDesc", "values_of")
 
 FIELDS: Final = ("kv_size", "nl", "nb", "bs", "nh", "hs", "element_size", "block_stride_elems")
-"""The native descriptor's integer fields, in the order of :data:`values_of`."""
+"""The native descriptor's integer fields, in the order of :func:`values_of`."""
 
 _INT32_MIN: Final = -(2**31)
 _INT32_MAX: Final = 2**31 - 1
@@ -41,7 +44,11 @@ class _Unset:
 
 
 UNSET: Final = _Unset()
-"""The last of :data:`values_of` while ``dtype`` was never set (or was deleted)."""
+"""The dtype :func:`values_of` gives while ``dtype`` was never set (or was deleted)."""
+
+
+def _refused(name: str, why: str) -> OperandTypeError:
+    return OperandTypeError(f"PageBufferShapeDesc.{name} {why}", field=f"shape_desc.{name}")
 
 
 def _int32(name: str, value: object) -> int:
@@ -54,31 +61,31 @@ def _int32(name: str, value: object) -> int:
         to_int = None
         if not issubclass(kind, float):
             to_int = getattr(kind, "__int__", None) or getattr(kind, "__index__", None)
+        if to_int is None:
+            raise _refused(name, f"must be an integer, got {value!r}")
         try:
-            if to_int is None:
-                raise TypeError
             number = int(to_int(value))
         except Exception:
-            raise TypeError(
-                f"PageBufferShapeDesc.{name} must be an integer, got {value!r}"
-            ) from None
+            raise _refused(name, f"must be an integer, got {value!r}") from None
     if not _INT32_MIN <= number <= _INT32_MAX:
-        raise TypeError(f"PageBufferShapeDesc.{name} = {number} does not fit in int32")
+        raise _refused(name, f"= {number} does not fit in int32")
     return number
 
 
 def _field(name: str) -> property:
-    slot = f"_{name}"
-    load = operator.attrgetter(slot)
+    key = f"_{name}"
 
     def get(self: KvactorsShapeDesc) -> int:
-        value: int = load(self)
+        value: int = self.__dict__[key]
         return value
 
     def set_(self: KvactorsShapeDesc, value: object) -> None:
-        object.__setattr__(self, slot, _int32(name, value))
+        self.__dict__[key] = _int32(name, value)
 
     return property(get, set_, doc=f"LMCache's ``{name}`` (int32).")
+
+
+_ZEROS: Final = {f"_{name}": 0 for name in FIELDS}
 
 
 class KvactorsShapeDesc:
@@ -86,19 +93,6 @@ class KvactorsShapeDesc:
 
     Fields default to 0, as on the native class; ``dtype`` is absent until set.
     """
-
-    __slots__ = (
-        "__dict__",
-        "_block_stride_elems",
-        "_bs",
-        "_dtype",
-        "_element_size",
-        "_hs",
-        "_kv_size",
-        "_nb",
-        "_nh",
-        "_nl",
-    )
 
     kv_size = _field("kv_size")
     nl = _field("nl")
@@ -110,17 +104,12 @@ class KvactorsShapeDesc:
     block_stride_elems = _field("block_stride_elems")
 
     def __init__(self) -> None:
-        self._kv_size = self._nl = self._nb = self._bs = self._nh = self._hs = 0
-        self._element_size = self._block_stride_elems = 0
-        self._dtype: Any = UNSET
+        self.__dict__.update(_ZEROS)
 
     @property
     def dtype(self) -> Any:
         """The KV dtype LMCache sets (a dynamic attribute: ``AttributeError`` while absent)."""
-        value = self._dtype
-        if value is UNSET:
-            raise AttributeError(f"{type(self).__name__!r} object has no attribute 'dtype'")
-        return value
+        return self._dtype
 
     @dtype.setter
     def dtype(self, value: Any) -> None:
@@ -128,18 +117,19 @@ class KvactorsShapeDesc:
 
     @dtype.deleter
     def dtype(self) -> None:
-        if self._dtype is UNSET:
-            raise AttributeError("dtype")
-        self._dtype = UNSET
+        del self._dtype  # AttributeError while absent, as on the native class
 
     def __repr__(self) -> str:
-        values = values_of(self)
-        fields = ", ".join(f"{n}={v}" for n, v in zip(FIELDS, values, strict=False))
-        dtype = values[8]
+        ints, dtype = values_of(self)
+        fields = ", ".join(f"{n}={v}" for n, v in zip(FIELDS, ints, strict=True))
         return f"KvactorsShapeDesc({fields}{'' if dtype is UNSET else f', dtype={dtype!r}'})"
 
 
-values_of: Final = operator.attrgetter(*(f"_{name}" for name in FIELDS), "_dtype")
-"""``(kv_size, nl, nb, bs, nh, hs, element_size, block_stride_elems, dtype)`` of a
-:class:`KvactorsShapeDesc` (the dtype :data:`UNSET` while absent), read in one C call: slot
-reads run no Python code, so no other thread writes between them."""
+_ints_of: Final = operator.attrgetter(*(f"_{name}" for name in FIELDS))
+
+
+def values_of(desc: KvactorsShapeDesc) -> tuple[tuple[int, ...], Any]:
+    """``((kv_size, nl, nb, bs, nh, hs, element_size, block_stride_elems), dtype)`` of a
+    descriptor, the dtype :data:`UNSET` while absent. The eight are read in one C call, which
+    runs no Python code, so no other thread writes between them."""
+    return _ints_of(desc), desc.__dict__.get("_dtype", UNSET)
