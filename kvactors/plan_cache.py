@@ -1,19 +1,20 @@
 """Validated plans, reused while their operands have not changed (pure, thread-safe).
 
-Theory of operation. :func:`~kvactors.plans.plan_transfer` reads metadata only, so its answer
-is a function of the request and of every operand's metadata: its data pointer, storage
-offset, shape, stride, dtype and device, plus the operand structure (a list of layers,
-``[[K...], [V...]]``, one tensor). :class:`PlanCache` keys a validated plan by all of it,
-encoded into one ``bytes`` key (the request as msgpack, so ``True`` or ``1.0`` never pass
-for ``1``; dtypes and devices as small codes), and keeps with it every tensor's version
-counter (``t._version``, bumped by every in-place write, ``set_``, ``resize_`` and in-place
-view op such as ``transpose_``). A lookup recomputes the key and the versions from the
-operands it is given (in one call of the compiled hot path where it is built, see
-:mod:`kvactors.hotpath`: the same facts, read from each ``TensorImpl``; its keys never equal
-the Python walk's). Equal key and versions: the plan is reused. All of one tensor's facts
-are read in one pass, and the comparison is one dictionary lookup and one ``bytes``
-comparison: after a copy evicted the CPU caches, every stored Python object a comparison
-touched would cost a miss. Failed validations are never cached (every bad call raises afresh).
+Theory of operation. :func:`~kvactors.plans.plan_transfer` reads metadata only, so its
+answer is a function of the request and of every operand's metadata: its data pointer,
+storage offset, shape, stride, dtype and device, plus the operand structure (a list of
+layers, ``[[K...], [V...]]``, one tensor). :class:`PlanCache` keys a validated plan by all
+of it, encoded into one ``bytes`` key (the request as msgpack, so ``True`` or ``1.0`` never
+pass for ``1``: every field but the block ids, then the ids; dtypes and devices as small
+codes), and keeps with it every tensor's version counter (``t._version``, bumped by every
+in-place write, ``set_``, ``resize_`` and in-place view op such as ``transpose_``). A lookup
+recomputes the key and the versions from the operands it is given (in one call of the
+compiled hot path where it is built, see :mod:`kvactors.hotpath`: the same facts, read from
+each ``TensorImpl``; its keys never equal the Python walk's). Equal key and versions: the
+plan is reused. All of one tensor's facts are read in one pass, and the comparison is one
+dictionary lookup and one ``bytes`` comparison: after a copy evicted the CPU caches, every
+stored Python object a comparison touched would cost a miss. Failed validations are never
+cached (every bad call raises afresh).
 
 Any change validates again, at the cost of what changed:
 
@@ -138,6 +139,7 @@ class PlanTicket:
     __slots__ = (
         "advanced",
         "entry",
+        "head",
         "inference",
         "key",
         "memo",
@@ -157,10 +159,12 @@ class PlanTicket:
         inference: bool,
         paged: object,
         objects: object,
-        request: bytes,
+        head: bytes,
+        ids: bytes,
     ) -> None:
         self.operands = operands  # the operands' part of the key (structure and metadata)
-        self.key = request + operands
+        self.head = head  # the encoded request without its block ids (their count is in it)
+        self.key = head + ids + operands
         self.versions = versions  # int64 per tensor, -1 for an inference tensor
         self.paged_count = paged_count  # the first ``paged_count`` tensors are the paged ones
         self.paged = paged
@@ -352,7 +356,7 @@ class PlanCache:
                         self.rebinds += 1
                         entry.geometry.versions = versions
                     return _issue(entry, ticket)
-            head = _encode(_without_ids(request))
+            head = ticket.head
             gkey = head + ticket.operands
             lkey = head + ticket.operands[: len(ticket.operands) - _ADDRESS * ticket.chunks]
             geo = self._geometries.get(gkey)
@@ -503,14 +507,16 @@ class PlanCache:
         try:
             # The encoded request, not the Struct: ``True == 1`` and ``1.0 == 1`` compare equal,
             # but a bool or float field must fail validation, never hit a cached int's plan.
-            head = _encode(request)
+            # In two parts: a miss on other ids finds the geometry by the first.
+            head = _encode(_without_ids(request))
+            ids = _encode(request.block_ids)
         except (TypeError, ValueError, OverflowError):  # not wire-safe: validate every time
             return None
         walk = self._walk
         if walk is not None:  # the compiled walk: the same facts, in one call
             found = walk(paged, objects)
             if found is not None:
-                return PlanTicket(*found, paged, objects, head)
+                return PlanTicket(*found, paged, objects, head, ids)
         structure: list[Any] = []
         tensors: list[torch.Tensor] = []
         if not _flatten(paged, 0, structure, tensors):
@@ -530,4 +536,4 @@ class PlanCache:
         operands = _encode((structure, meta)) + addresses.tobytes()
         seen = _versions(tensors)
         versions = array.array("q", seen).tobytes()
-        return PlanTicket(operands, versions, n_paged, -1 in seen, paged, objects, head)
+        return PlanTicket(operands, versions, n_paged, -1 in seen, paged, objects, head, ids)

@@ -180,8 +180,11 @@ def test_every_change_of_an_operand_revalidates(change: str) -> None:
         {"direction": int(Direction.H2D)},
         {"skip_blocks": 1},
         {"chunk_size": 2 * T},
+        {"fmt": int(KVFormat.NL_X_NB_TWO_BS_NH_HS)},
+        {"shape": ShapeDesc(kv_size=2, nl=NL, nb=NB, bs=BS, nh=NH, hs=HS, element_size=2,
+                            dtype="float16")},
     ],
-)
+)  # fmt: skip
 def test_every_change_of_the_request_revalidates(change: dict[str, Any]) -> None:
     cache = PlanCache("cpu", 0)
     paged, objs = _operands()
@@ -191,6 +194,15 @@ def test_every_change_of_the_request_revalidates(change: dict[str, Any]) -> None
     except KvactorsError:
         planned = True  # validated, and refused
     assert planned
+
+
+def test_every_request_field_is_in_the_key() -> None:
+    # The key is the encoded request without its ids (plan_cache._without_ids, which names
+    # each field) and the encoded ids: a field TransferRequest gains must be added there, and
+    # to the changes above.
+    assert set(TransferRequest.__struct_fields__) == {
+        "fmt", "direction", "block_ids", "chunk_size", "skip_blocks", "shape",
+    }  # fmt: skip
 
 
 def test_bool_or_float_fields_never_hit_an_int_request_plan() -> None:
