@@ -326,7 +326,8 @@ def common_request(
         return None
     assert fmt is not None
     assert dirn is not None
-    # The kvactors ops' own descriptor (shape_desc.py): its values are the cache's key.
+    # The kvactors ops' own descriptor (shape_desc.py): its values are the cache's key (the
+    # branch of _shape_key for it, inline: a call frame costs on caches the copy evicted).
     shape = None
     if type(shape_desc) is KvactorsShapeDesc:
         values = values_of(shape_desc)

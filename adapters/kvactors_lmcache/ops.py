@@ -187,7 +187,7 @@ class KvactorsDeviceOps(DeviceOps):
     uses_streams: ClassVar[bool] = True
     #: The descriptor LMCache builds for every transfer while these ops are the process-global
     #: ``lmcache.device_ops`` (``make_page_buffer_shape_desc``): LMCache's fields as plain
-    #: values, which the op reads in one attribute (see ``shape_desc``).
+    #: values, which the op reads in two C calls (see ``shape_desc``).
     PageBufferShapeDesc = KvactorsShapeDesc
 
     def __init__(
