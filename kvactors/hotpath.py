@@ -1,11 +1,11 @@
 """The compiled hot path: build it once per torch, load it if it was built.
 
 Theory of operation. ``kvactors/_compiled/hotpath.cpp`` compiles the steps of a transfer
-that touch the most Python objects (the plan cache's operand fingerprint, the stacked copy in
-both directions and the host rows scatter; see that file) into a torch C++ extension. Each has
-a pure-Python twin that does the same work, and kvactors runs everywhere without the
-extension; with it, a small model's call costs the host less (``kvactors bench`` reports
-which one ran).
+that touch the most Python objects (the plan cache's operand fingerprint and id checks, the
+stacked copy in both directions and the host rows scatter; see that file) into a torch C++
+extension. Each has a pure-Python twin that does the same work, and kvactors runs everywhere
+without the extension; with it, a small model's call costs the host less (``kvactors bench``
+reports which one ran).
 
 :func:`build` compiles the source with torch's own extension builder (a C++ compiler and
 ``ninja`` are needed) into a folder named by a digest of the source, the torch version and
@@ -38,7 +38,7 @@ __all__ = ("Hotpath", "build", "build_dir", "load", "status")
 
 _SOURCE = Path(__file__).with_name("_compiled") / "hotpath.cpp"
 _ENV = "KVACTORS_HOTPATH"
-_ABI = 1
+_ABI = 3
 
 
 class Hotpath(Protocol):
@@ -49,6 +49,10 @@ class Hotpath(Protocol):
     def operand_key(
         self, paged: object, objects: object
     ) -> tuple[bytes, bytes, int, bool] | None: ...
+
+    def touched_blocks(
+        self, ids: tuple[int, ...], nb: int, start: int, stop: int, unique: bool
+    ) -> frozenset[int] | None: ...
 
     def StackedGather(
         self,

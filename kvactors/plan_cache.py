@@ -317,6 +317,7 @@ class PlanCache:
                 setting="compiled",
             )
         self._walk = None if native is None else native.operand_key
+        self._touched = None if native is None else native.touched_blocks
         self.hits = 0
         self.misses = 0
         self.rebinds = 0
@@ -350,7 +351,7 @@ class PlanCache:
                     return _issue(entry, ticket)
                 # The same metadata and request (the key), other versions: data moved, which
                 # no plan depends on. The block ids are validated again; plan and kernel stay.
-                if rebind_block_ids(entry.plan, request) is not None:
+                if rebind_block_ids(entry.plan, request, None, self._touched) is not None:
                     with self._lock:
                         self.misses += 1
                         self.rebinds += 1
@@ -368,7 +369,11 @@ class PlanCache:
                     template = layout.template
                     addresses = _ints(ticket.operands[len(lkey) - len(head) :])
                     object_ptrs = tuple(addresses[0::2])
-        plan = None if template is None else rebind_block_ids(template, request, object_ptrs)
+        plan = (
+            None
+            if template is None
+            else rebind_block_ids(template, request, object_ptrs, self._touched)
+        )
         rebound = plan is not None
         if plan is None:
             plan = plan_transfer(

@@ -329,3 +329,126 @@ def test_stacked_runs_stay_inside_each_storage(native: hotpath.Hotpath) -> None:
     assert not chunk.any()
     kernel([pool], [chunk])
     assert chunk.eq(1).all()
+
+
+def _touched_in_python(
+    ids: tuple[Any, ...], nb: int, start: int, stop: int, unique: bool
+) -> frozenset[int] | None:
+    """rebind_block_ids' Python checks of a one-segment plan, as a function."""
+    if set(map(type, ids)) != {int} or min(ids) < 0 or max(ids) >= nb:
+        return None
+    moved = ids[start:stop]
+    touched = frozenset(moved)
+    return None if unique and len(touched) != len(moved) else touched
+
+
+_ID_CASES: list[tuple[Any, ...]] = [
+    (3, 1, 2),
+    (0, 7),
+    (7, 7, 2),  # a repeat
+    (1, 1, 1, 1),
+    (8, 1),  # past nb
+    (-1, 2),
+    (True, 2),  # a bool is not an exact int
+    (2.0, 1),
+    (1 << 70, 1),  # past int64
+    (-(1 << 70), 1),
+    (3, "1"),
+    (5,),
+]
+
+
+@pytest.mark.parametrize("ids", _ID_CASES, ids=repr)
+@pytest.mark.parametrize("span", [(0, 99), (1, 3), (0, 0), (2, 1), (-2, 99), (1, -1)])
+@pytest.mark.parametrize("unique", [True, False])
+def test_touched_blocks_answers_as_the_python_checks(
+    native: hotpath.Hotpath, ids: tuple[Any, ...], span: tuple[int, int], unique: bool
+) -> None:
+    """Same answer, ``None`` or the same set, on ids of every kind and slices of every kind
+    (past the end, empty, reversed, negative: as Python slices them)."""
+    start, stop = span
+    assert native.touched_blocks(ids, 8, start, stop, unique) == _touched_in_python(
+        ids, 8, start, stop, unique
+    )
+
+
+def test_touched_blocks_refuses_malformed_arguments(native: hotpath.Hotpath) -> None:
+    with pytest.raises(TypeError, match="tuple"):
+        native.touched_blocks([1, 2], 8, 0, 2, False)  # type: ignore[arg-type]
+    with pytest.raises(TypeError, match="5 arguments"):
+        native.touched_blocks((1, 2), 8, 0, 2)  # type: ignore[call-arg]
+    with pytest.raises(TypeError, match="2 arguments"):
+        native.operand_key([torch.zeros(2)])  # type: ignore[call-arg]
+
+
+def test_a_plan_cache_rebinds_as_the_python_checks(native: hotpath.Hotpath) -> None:
+    """Other ids on a known geometry: the compiled checks rebind exactly the plans the Python
+    checks rebind, refuse the same ids (full validation then raises its specific error), and
+    give the same touched blocks."""
+    from kvactors.errors import OperandTypeError, TransferValidationError
+    from kvactors.layouts import Direction, KVFormat, ShapeDesc
+    from kvactors.plans import TransferRequest
+
+    nl, nb, bs, nh, hs = 2, 8, 4, 2, 8
+    paged = list(torch.zeros(nl, 2, nb, bs, nh, hs).unbind(0))
+    objs = [torch.zeros(2, nl, 2 * bs, nh * hs)]
+    shape = ShapeDesc(kv_size=2, nl=nl, nb=nb, bs=bs, nh=nh, hs=hs, element_size=4, dtype="float32")
+    caches = [PlanCache("cpu", 0, compiled=False), PlanCache("cpu", 0, compiled=True)]
+    for direction in (Direction.D2H, Direction.H2D):
+        for ids in [(3, 5), (5, 3), (0, 7), (6, 6), (8, 1), (1, True)]:
+            req = TransferRequest(
+                fmt=int(KVFormat.NL_X_TWO_NB_BS_NH_HS),
+                direction=int(direction),
+                block_ids=ids,
+                chunk_size=2 * bs,
+                shape=shape,
+            )
+            answers: list[tuple[Any, ...]] = []
+            for cache in caches:
+                try:
+                    plan = cache.plan(req, paged, objs)
+                except (TransferValidationError, OperandTypeError) as exc:
+                    answers.append(("refused", type(exc), cache.rebinds))
+                else:
+                    answers.append((plan.touched_blocks, plan.request.block_ids, cache.rebinds))
+            assert answers[0] == answers[1], (direction, ids)
+    assert caches[1].rebinds > 0
+
+
+def test_a_binder_binds_the_kernel_bind_makes(native: hotpath.Hotpath) -> None:
+    """``binder(ranges)(ids)`` copies what ``bind(ids, ranges)`` copies; the ranges are
+    checked when the binder is made, the ids (a tuple) and their range at each bind."""
+    pool = torch.arange(64.0).view(4, 2, 8)  # [B, H, D]
+    outs = ((0, ([2, 2, 8], [16, 8, 1], 0)),)
+    for unbound in (
+        native.StackedRuns([4, 2, 8], [16, 8, 1], 0, 0, outs, True),
+        native.StackedGather([4, 2, 8], [16, 8, 1], 0, 0, outs),
+    ):
+        with pytest.raises(ValueError, match="id range"):
+            unbound.binder(((0, 3),))
+        binder = unbound.binder(((1, 3),))
+        with pytest.raises(TypeError, match="tuple"):
+            binder([9, 3, 1])
+        via_binder, via_bind = torch.zeros(2, 2, 8), torch.zeros(2, 2, 8)
+        binder((9, 3, 1))([pool], [via_binder])
+        unbound.bind((9, 3, 1), ((1, 3),))([pool], [via_bind])
+        assert torch.equal(via_binder, pool[[3, 1]])
+        assert torch.equal(via_bind, via_binder)
+
+
+def test_a_bound_kernel_outlives_what_made_it(native: hotpath.Hotpath) -> None:
+    """A kernel owns what it copies with (the geometry is shared, the ids its own): the
+    unbound kernel and the binder may go first."""
+    import gc
+
+    pool = torch.arange(64.0).view(4, 2, 8)
+    outs = ((0, ([2, 2, 8], [16, 8, 1], 0)),)
+    binder = native.StackedRuns([4, 2, 8], [16, 8, 1], 0, 0, outs, True).binder(((0, 2),))
+    kernel = binder((2, 0))
+    del binder
+    gc.collect()
+    out = torch.zeros(2, 2, 8)
+    kernel([pool], [out])
+    assert torch.equal(out, pool[[2, 0]])
+    with pytest.raises(TypeError, match="2 arguments"):
+        kernel([pool])

@@ -28,6 +28,16 @@
 //   from the chunk into the paged memory, with the GIL dropped for the whole copy (its Python
 //   twin, numpy's fancy assignment, runs its setup under the GIL: 4 callers scattering MLA
 //   chunks at once took 1.3-1.9x the torch call's time with it, 0.8-1.0x with this).
+// * touched_blocks: the id checks of a one-segment plan rebound to other block ids (exact
+//   ints, in range, no repeat where a scatter copies them) and the set of blocks it touches.
+//
+// What runs on every call is a plain CPython function (METH_FASTCALL): operand_key,
+// touched_blocks, and every bound kernel (a builtin function whose `self` is a capsule that
+// owns the C++ kernel; a binder made once per geometry binds new ids the same way).
+// pybind11's dispatch costs about 2 us per call on caches the previous copy evicted, a third
+// of the operand walk; it is kept for what runs once per geometry (the constructors, bind,
+// binder). The per-call functions read TensorImpl fields through their inline accessors:
+// the out-of-line ones cost a miss on code each.
 #include <torch/extension.h>
 
 #include <algorithm>
@@ -47,6 +57,9 @@ constexpr int64_t kList = -102;
 constexpr int64_t kTuple = -103;
 constexpr int kMaxDepth = 3;  // lists/tuples deeper than this are not walked (as in Python)
 
+// Per chunk, the (start, stop) range of the call's block ids it takes.
+using Ranges = std::vector<std::pair<int64_t, int64_t>>;
+
 class Writer {
  public:
   explicit Writer(std::string& out) : out_(out) {}
@@ -58,46 +71,48 @@ class Writer {
 
 // One tensor's facts; false for a tensor whose facts are not plain strided memory. Its data
 // pointer and storage offset go to `where` (the key itself for a paged tensor, the key's tail
-// for a chunk: see operand_key).
-bool put_tensor(const at::Tensor& t, Writer& key, Writer& where, Writer& versions,
-                bool& inference) {
-  if (!t.defined() || t.layout() != at::kStrided || !t.has_storage()) {
+// for a chunk: see operand_key). Every fact is read from the TensorImpl's own fields (the
+// inline accessors): the out-of-line ones (Tensor::_version() goes through the autograd
+// hooks) cost a cache miss on code each, on caches the previous copy evicted.
+bool put_tensor(PyObject* obj, Writer& key, Writer& where, Writer& versions, bool& inference) {
+  const at::Tensor& t = THPVariable_Unpack(obj);
+  if (!t.defined()) {
     return false;
   }
-  const at::TensorImpl* impl = t.unsafeGetTensorImpl();
-  if (impl->is_python_dispatch() || impl->has_symbolic_sizes_strides()) {
+  at::TensorImpl* impl = t.unsafeGetTensorImpl();
+  if (impl->layout() != at::kStrided || !impl->has_storage() || impl->is_python_dispatch() ||
+      impl->has_symbolic_sizes_strides()) {
     return false;
   }
   key.put(kTensor);
-  where.put(reinterpret_cast<int64_t>(t.data_ptr()));
-  where.put(t.storage_offset());
-  const auto sizes = t.sizes();
-  const auto strides = t.strides();
+  where.put(reinterpret_cast<int64_t>(impl->mutable_data()));  // as Tensor::data_ptr()
+  where.put(impl->storage_offset());
+  const auto sizes = impl->sizes();
+  const auto strides = impl->strides();
   key.put(static_cast<int64_t>(sizes.size()));
   for (const auto s : sizes) key.put(s);
   for (const auto s : strides) key.put(s);
-  key.put(static_cast<int64_t>(t.scalar_type()));
-  const auto device = t.device();
+  key.put(static_cast<int64_t>(c10::typeMetaToScalarType(impl->dtype())));
+  const auto device = impl->device();
   key.put(static_cast<int64_t>(device.type()));
   key.put(static_cast<int64_t>(device.index()));
-  if (t.is_inference()) {  // no version counter
+  if (impl->is_inference()) {  // no version counter
     inference = true;
     versions.put(-1);
   } else {
-    versions.put(static_cast<int64_t>(t._version()));
+    versions.put(static_cast<int64_t>(impl->version_counter().current_version()));
   }
   return true;
 }
 
-bool walk(py::handle value, int depth, Writer& key, Writer& where, Writer& versions,
+bool walk(PyObject* obj, int depth, Writer& key, Writer& where, Writer& versions,
           int64_t& count, bool& inference) {
-  PyObject* obj = value.ptr();
   if (THPVariable_Check(obj)) {
     if (!THPVariable_CheckExact(obj)) {  // a subclass may answer differently in Python
       return false;
     }
     ++count;
-    return put_tensor(THPVariable_Unpack(obj), key, where, versions, inference);
+    return put_tensor(obj, key, where, versions, inference);
   }
   const bool is_list = PyList_Check(obj);
   if (depth >= kMaxDepth || !(is_list || PyTuple_Check(obj))) {
@@ -115,10 +130,16 @@ bool walk(py::handle value, int depth, Writer& key, Writer& where, Writer& versi
   return true;
 }
 
-// (key, versions, number of paged tensors, any inference tensor) or None; see the file comment.
-// The chunks' data pointers and storage offsets end the key, 16 bytes per chunk: the key
-// without them is the layout the plan cache shares between chunk buffers.
-py::object operand_key(py::handle paged, py::handle objects) {
+// operand_key(paged, objects): (key, versions, number of paged tensors, any inference tensor)
+// or None; see the file comment. The chunks' data pointers and storage offsets end the key,
+// 16 bytes per chunk: the key without them is the layout the plan cache shares between chunk
+// buffers. A plain CPython function (METH_FASTCALL), not a pybind11 one: pybind11's dispatch
+// alone costs about 2 us on caches the previous copy evicted, a third of the whole walk.
+PyObject* operand_key(PyObject* /*module*/, PyObject* const* args, Py_ssize_t nargs) {
+  if (nargs != 2) {
+    PyErr_SetString(PyExc_TypeError, "operand_key(paged, objects) takes 2 arguments");
+    return nullptr;
+  }
   std::string key;
   std::string tail;
   std::string versions;
@@ -132,16 +153,208 @@ py::object operand_key(py::handle paged, py::handle objects) {
   int64_t n_objects = 0;
   bool inference = false;
   try {
-    if (!walk(paged, 0, k, k, v, n_paged, inference) ||
-        !walk(objects, 1, k, t, v, n_objects, inference)) {
-      return py::none();
+    if (!walk(args[0], 0, k, k, v, n_paged, inference) ||
+        !walk(args[1], 1, k, t, v, n_objects, inference)) {
+      Py_RETURN_NONE;
     }
+    key += tail;
   } catch (const c10::Error&) {  // a tensor whose facts cannot be read: the Python walk
-    return py::none();
+    Py_RETURN_NONE;
+  } catch (const std::bad_alloc&) {
+    return PyErr_NoMemory();
   }
-  key += tail;
-  return py::make_tuple(py::bytes(key), py::bytes(versions), n_paged, inference);
+  PyObject* found = PyTuple_New(4);
+  if (found == nullptr) {
+    return nullptr;
+  }
+  PyTuple_SET_ITEM(found, 0, PyBytes_FromStringAndSize(key.data(), key.size()));
+  PyTuple_SET_ITEM(found, 1, PyBytes_FromStringAndSize(versions.data(), versions.size()));
+  PyTuple_SET_ITEM(found, 2, PyLong_FromLongLong(n_paged));
+  PyTuple_SET_ITEM(found, 3, PyBool_FromLong(inference));
+  for (Py_ssize_t i = 0; i < 4; ++i) {
+    if (PyTuple_GET_ITEM(found, i) == nullptr) {  // out of memory: the error is set
+      Py_DECREF(found);
+      return nullptr;
+    }
+  }
+  return found;
 }
+
+// touched_blocks(ids, nb, start, stop, unique): None unless every id is an exact int in
+// range(nb); else frozenset(ids[start:stop]), or None if `unique` and those repeat. The id
+// checks of kvactors.plans.rebind_block_ids for a one-segment plan, which in Python take a
+// set, a map, min, max, a slice and a frozenset: several us on caches a copy evicted.
+PyObject* touched_blocks(PyObject* /*module*/, PyObject* const* args, Py_ssize_t nargs) {
+  if (nargs != 5) {
+    PyErr_SetString(PyExc_TypeError,
+                    "touched_blocks(ids, nb, start, stop, unique) takes 5 arguments");
+    return nullptr;
+  }
+  PyObject* ids = args[0];
+  if (!PyTuple_Check(ids)) {
+    PyErr_SetString(PyExc_TypeError, "touched_blocks: ids must be a tuple");
+    return nullptr;
+  }
+  const long long nb = PyLong_AsLongLong(args[1]);
+  Py_ssize_t start = PyNumber_AsSsize_t(args[2], PyExc_OverflowError);
+  Py_ssize_t stop = PyNumber_AsSsize_t(args[3], PyExc_OverflowError);
+  const int unique = PyObject_IsTrue(args[4]);
+  if (PyErr_Occurred()) {
+    return nullptr;
+  }
+  const Py_ssize_t n = PyTuple_GET_SIZE(ids);
+  for (Py_ssize_t i = 0; i < n; ++i) {
+    PyObject* id = PyTuple_GET_ITEM(ids, i);
+    if (!PyLong_CheckExact(id)) {
+      Py_RETURN_NONE;
+    }
+    int overflow = 0;
+    const long long v = PyLong_AsLongLongAndOverflow(id, &overflow);
+    if (overflow != 0 || v < 0 || v >= nb) {  // past int64: out of range either way
+      Py_RETURN_NONE;
+    }
+  }
+  const Py_ssize_t moved = PySlice_AdjustIndices(n, &start, &stop, 1);  // as ids[start:stop]
+  PyObject* touched = PyFrozenSet_New(nullptr);
+  if (touched == nullptr) {
+    return nullptr;
+  }
+  for (Py_ssize_t i = start; i < stop; ++i) {
+    if (PySet_Add(touched, PyTuple_GET_ITEM(ids, i)) != 0) {
+      Py_DECREF(touched);
+      return nullptr;
+    }
+  }
+  if (unique && PySet_GET_SIZE(touched) != moved) {
+    Py_DECREF(touched);
+    Py_RETURN_NONE;
+  }
+  return touched;
+}
+
+PyMethodDef kFunctions[] = {
+    {"operand_key", reinterpret_cast<PyCFunction>(reinterpret_cast<void (*)()>(&operand_key)),
+     METH_FASTCALL, "The plan cache's fingerprint of a call's operands (see hotpath.cpp)."},
+    {"touched_blocks",
+     reinterpret_cast<PyCFunction>(reinterpret_cast<void (*)()>(&touched_blocks)), METH_FASTCALL,
+     "The id checks of a one-segment rebind (see hotpath.cpp)."},
+    {nullptr, nullptr, 0, nullptr},
+};
+
+// A bound kernel as a builtin function whose `self` is a capsule owning the C++ kernel: a
+// call is one METH_FASTCALL call, where a pybind11 method's dispatch costs several us on
+// caches the previous copy evicted. Errors translate as pybind11 translates them.
+template <class K>
+struct RawKernel {
+  static constexpr const char* kName = "kvactors.hotpath.kernel";
+
+  static PyObject* call(PyObject* self, PyObject* const* args, Py_ssize_t nargs) {
+    if (nargs != 2) {
+      PyErr_SetString(PyExc_TypeError, "kernel(paged, objects) takes 2 arguments");
+      return nullptr;
+    }
+    const auto* kernel = static_cast<const K*>(PyCapsule_GetPointer(self, kName));
+    if (kernel == nullptr) {
+      return nullptr;
+    }
+    try {
+      (*kernel)(args[0], args[1]);
+    } catch (py::error_already_set& e) {
+      e.restore();
+      return nullptr;
+#ifdef __GLIBCXX__
+    } catch (abi::__forced_unwind&) {
+      throw;
+#endif
+    } catch (...) {
+      py::detail::try_translate_exceptions();
+      return nullptr;
+    }
+    Py_RETURN_NONE;
+  }
+
+  static void destroy(PyObject* capsule) {
+    delete static_cast<K*>(PyCapsule_GetPointer(capsule, kName));
+  }
+
+  static py::object wrap(K&& kernel) {
+    static PyMethodDef def = {"kernel",
+                              reinterpret_cast<PyCFunction>(reinterpret_cast<void (*)()>(&call)),
+                              METH_FASTCALL, "kernel(paged, objects): the bound copy."};
+    auto owned = std::make_unique<K>(std::move(kernel));
+    py::object capsule = py::reinterpret_steal<py::object>(
+        PyCapsule_New(owned.get(), kName, &destroy));
+    if (!capsule) {
+      throw py::error_already_set();
+    }
+    owned.release();  // the capsule owns it now
+    py::object fn = py::reinterpret_steal<py::object>(PyCFunction_New(&def, capsule.ptr()));
+    if (!fn) {
+      throw py::error_already_set();
+    }
+    return fn;
+  }
+};
+
+// An unbound kernel and its chunks' id ranges (checked once) as a builtin function of the block
+// ids: binder(ids) is the bound kernel, one METH_FASTCALL call per plan of new ids.
+template <class K>
+struct Binder {
+  static constexpr const char* kName = "kvactors.hotpath.binder";
+
+  K unbound;
+  Ranges ranges;
+
+  static PyObject* call(PyObject* self, PyObject* const* args, Py_ssize_t nargs) {
+    if (nargs != 1 || !PyTuple_Check(args[0])) {
+      PyErr_SetString(PyExc_TypeError, "binder(ids) takes one tuple of block ids");
+      return nullptr;
+    }
+    const auto* binder = static_cast<const Binder*>(PyCapsule_GetPointer(self, kName));
+    if (binder == nullptr) {
+      return nullptr;
+    }
+    try {
+      return RawKernel<K>::wrap(
+                 binder->unbound.bind(py::reinterpret_borrow<py::tuple>(args[0]),
+                                      binder->ranges))
+          .release()
+          .ptr();
+    } catch (py::error_already_set& e) {
+      e.restore();
+      return nullptr;
+#ifdef __GLIBCXX__
+    } catch (abi::__forced_unwind&) {
+      throw;
+#endif
+    } catch (...) {
+      py::detail::try_translate_exceptions();
+      return nullptr;
+    }
+  }
+
+  static void destroy(PyObject* capsule) {
+    delete static_cast<Binder*>(PyCapsule_GetPointer(capsule, kName));
+  }
+
+  static py::object wrap(const K& unbound, Ranges ranges) {
+    static PyMethodDef def = {"binder",
+                              reinterpret_cast<PyCFunction>(reinterpret_cast<void (*)()>(&call)),
+                              METH_FASTCALL, "binder(ids): the kernel bound to these block ids."};
+    auto owned = std::make_unique<Binder>(Binder{unbound, std::move(ranges)});
+    py::object capsule = py::reinterpret_steal<py::object>(
+        PyCapsule_New(owned.get(), kName, &destroy));
+    if (!capsule) {
+      throw py::error_already_set();
+    }
+    owned.release();  // the capsule owns it now
+    py::object fn = py::reinterpret_steal<py::object>(PyCFunction_New(&def, capsule.ptr()));
+    if (!fn) {
+      throw py::error_already_set();
+    }
+    return fn;
+  }
+};
 
 at::Tensor first_paged(py::handle paged) {
   py::handle v = paged;
@@ -198,11 +411,11 @@ struct Stacked {
 
   // The (start, stop) id range of every chunk: one per output, each as long as its view's
   // block axis.
-  std::vector<std::pair<int64_t, int64_t>> ranges_of(const py::sequence& ranges) const {
+  Ranges ranges_of(const py::sequence& ranges) const {
     if (static_cast<size_t>(py::len(ranges)) != outs.size()) {
       throw py::value_error("one id range per chunk is needed");
     }
-    std::vector<std::pair<int64_t, int64_t>> out;
+    Ranges out;
     out.reserve(outs.size());
     size_t i = 0;
     for (const auto item : ranges) {
@@ -251,10 +464,13 @@ class StackedGather {
       : geo_(std::make_shared<const Stacked>(std::move(size), std::move(stride), offset, dim,
                                              outs)) {}
 
-  // The kernel for these block ids: chunk i takes ids[ranges[i][0]:ranges[i][1]].
-  StackedGather bind(const py::tuple& ids, const py::sequence& ranges) const {
+  Ranges ranges_of(const py::sequence& ranges) const { return geo_->ranges_of(ranges); }
+
+  // The kernel for these block ids: chunk i takes ids[ranges[i][0]:ranges[i][1]] (ranges
+  // checked by ranges_of).
+  StackedGather bind(const py::tuple& ids, const Ranges& ranges) const {
     StackedGather bound(geo_);
-    for (const auto& [start, stop] : geo_->ranges_of(ranges)) {
+    for (const auto& [start, stop] : ranges) {
       at::Tensor index = at::empty({stop - start}, at::kLong);
       read_ids(ids, start, stop, index.data_ptr<int64_t>());
       bound.indices_.push_back(std::move(index));
@@ -322,13 +538,15 @@ class StackedRuns {
 
   bool usable() const { return usable_; }
 
-  StackedRuns bind(const py::tuple& ids, const py::sequence& ranges) const {
+  Ranges ranges_of(const py::sequence& ranges) const { return geo_->ranges_of(ranges); }
+
+  StackedRuns bind(const py::tuple& ids, const Ranges& ranges) const {
     if (!usable_) {
       throw py::value_error("no contiguous run axis: the stacked runs do not apply");
     }
     StackedRuns bound = *this;  // the geometry is shared, not copied
     const int64_t limit = geo_->size[geo_->dim];
-    for (const auto& [start, stop] : geo_->ranges_of(ranges)) {
+    for (const auto& [start, stop] : ranges) {
       std::vector<int64_t> chunk_ids(static_cast<size_t>(stop - start));
       read_ids(ids, start, stop, chunk_ids.data());
       for (const int64_t v : chunk_ids) {
@@ -552,20 +770,39 @@ class RowsScatter {
 }  // namespace
 
 PYBIND11_MODULE(TORCH_EXTENSION_NAME, m) {
-  m.attr("ABI") = 1;
-  m.def("operand_key", &operand_key, py::arg("paged"), py::arg("objects"));
+  m.attr("ABI") = 3;
+  if (PyModule_AddFunctions(m.ptr(), kFunctions) != 0) {
+    throw py::error_already_set();
+  }
   py::class_<StackedGather>(m, "StackedGather")
       .def(py::init<std::vector<int64_t>, std::vector<int64_t>, int64_t, int64_t, py::sequence>())
-      .def("bind", &StackedGather::bind)
+      .def("bind",
+           [](const StackedGather& self, const py::tuple& ids, const py::sequence& ranges) {
+             return RawKernel<StackedGather>::wrap(self.bind(ids, self.ranges_of(ranges)));
+           })
+      .def("binder",
+           [](const StackedGather& self, const py::sequence& ranges) {
+             return Binder<StackedGather>::wrap(self, self.ranges_of(ranges));
+           })
       .def("__call__", &StackedGather::operator());
   py::class_<StackedRuns>(m, "StackedRuns")
       .def(py::init<std::vector<int64_t>, std::vector<int64_t>, int64_t, int64_t, py::sequence,
                     bool>())
       .def_property_readonly("usable", &StackedRuns::usable)
-      .def("bind", &StackedRuns::bind)
+      .def("bind",
+           [](const StackedRuns& self, const py::tuple& ids, const py::sequence& ranges) {
+             return RawKernel<StackedRuns>::wrap(self.bind(ids, self.ranges_of(ranges)));
+           })
+      .def("binder",
+           [](const StackedRuns& self, const py::sequence& ranges) {
+             return Binder<StackedRuns>::wrap(self, self.ranges_of(ranges));
+           })
       .def("__call__", &StackedRuns::operator());
   py::class_<RowsScatter>(m, "RowsScatter")
       .def(py::init<int64_t, int64_t, int64_t, int64_t>())
-      .def("bind", &RowsScatter::bind)
+      .def("bind",
+           [](const RowsScatter& self, const py::sequence& steps) {
+             return RawKernel<RowsScatter>::wrap(self.bind(steps));
+           })
       .def("__call__", &RowsScatter::operator());
 }

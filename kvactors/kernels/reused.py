@@ -194,11 +194,11 @@ def _stacked(
             if scatter:
                 return None
             unbound = native.StackedGather(size, stride, offset, dim, outs)
+        # The ranges checked once; each plan of new ids is then one plain C call.
+        bind_ids = unbound.binder(ranges)
 
         def bind(p: TransferPlan) -> Callable[[Any, Sequence[torch.Tensor]], None]:
-            bound: Callable[[Any, Sequence[torch.Tensor]], None] = unbound.bind(
-                p.request.block_ids, ranges
-            )
+            bound: Callable[[Any, Sequence[torch.Tensor]], None] = bind_ids(p.request.block_ids)
             return bound
 
     else:
