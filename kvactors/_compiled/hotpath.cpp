@@ -241,58 +241,82 @@ PyMethodDef kFunctions[] = {
     {nullptr, nullptr, 0, nullptr},
 };
 
-// A bound kernel as a builtin function whose `self` is a capsule owning the C++ kernel: a
-// call is one METH_FASTCALL call, where a pybind11 method's dispatch costs several us on
-// caches the previous copy evicted. Errors translate as pybind11 translates them.
+// Runs `body` (which returns a new reference, or nullptr with the error set) and turns a C++
+// exception into the Python error pybind11 would set for it.
+template <class F>
+PyObject* translated(F&& body) {
+  try {
+    return body();
+  } catch (py::error_already_set& e) {
+    e.restore();
+    return nullptr;
+#ifdef __GLIBCXX__
+  } catch (abi::__forced_unwind&) {
+    throw;
+#endif
+  } catch (...) {
+    py::detail::try_translate_exceptions();
+    return nullptr;
+  }
+}
+
+// A C++ value owned by a capsule that is the `self` of a builtin function: calling it is one
+// METH_FASTCALL call, where a pybind11 method's dispatch costs several us on caches the
+// previous copy evicted. The capsule's name says what it holds.
+template <class T>
+struct Owned {
+  static const T* of(PyObject* self) {
+    return static_cast<const T*>(PyCapsule_GetPointer(self, T::kName));
+  }
+
+  static void destroy(PyObject* capsule) {
+    delete static_cast<T*>(PyCapsule_GetPointer(capsule, T::kName));
+  }
+
+  // `value` in a new capsule, as the builtin function `def` (static: it outlives every call).
+  static py::object function(T&& value, PyMethodDef* def) {
+    auto owned = std::make_unique<T>(std::move(value));
+    py::object capsule =
+        py::reinterpret_steal<py::object>(PyCapsule_New(owned.get(), T::kName, &destroy));
+    if (!capsule) {
+      throw py::error_already_set();
+    }
+    owned.release();  // the capsule owns it now
+    py::object fn = py::reinterpret_steal<py::object>(PyCFunction_New(def, capsule.ptr()));
+    if (!fn) {
+      throw py::error_already_set();
+    }
+    return fn;
+  }
+};
+
+// A bound kernel as a builtin function: kernel(paged, objects) runs the copy.
 template <class K>
 struct RawKernel {
   static constexpr const char* kName = "kvactors.hotpath.kernel";
+
+  K kernel;
 
   static PyObject* call(PyObject* self, PyObject* const* args, Py_ssize_t nargs) {
     if (nargs != 2) {
       PyErr_SetString(PyExc_TypeError, "kernel(paged, objects) takes 2 arguments");
       return nullptr;
     }
-    const auto* kernel = static_cast<const K*>(PyCapsule_GetPointer(self, kName));
-    if (kernel == nullptr) {
+    const RawKernel* raw = Owned<RawKernel>::of(self);
+    if (raw == nullptr) {
       return nullptr;
     }
-    try {
-      (*kernel)(args[0], args[1]);
-    } catch (py::error_already_set& e) {
-      e.restore();
-      return nullptr;
-#ifdef __GLIBCXX__
-    } catch (abi::__forced_unwind&) {
-      throw;
-#endif
-    } catch (...) {
-      py::detail::try_translate_exceptions();
-      return nullptr;
-    }
-    Py_RETURN_NONE;
-  }
-
-  static void destroy(PyObject* capsule) {
-    delete static_cast<K*>(PyCapsule_GetPointer(capsule, kName));
+    return translated([&]() -> PyObject* {
+      raw->kernel(args[0], args[1]);
+      Py_RETURN_NONE;
+    });
   }
 
   static py::object wrap(K&& kernel) {
     static PyMethodDef def = {"kernel",
                               reinterpret_cast<PyCFunction>(reinterpret_cast<void (*)()>(&call)),
                               METH_FASTCALL, "kernel(paged, objects): the bound copy."};
-    auto owned = std::make_unique<K>(std::move(kernel));
-    py::object capsule = py::reinterpret_steal<py::object>(
-        PyCapsule_New(owned.get(), kName, &destroy));
-    if (!capsule) {
-      throw py::error_already_set();
-    }
-    owned.release();  // the capsule owns it now
-    py::object fn = py::reinterpret_steal<py::object>(PyCFunction_New(&def, capsule.ptr()));
-    if (!fn) {
-      throw py::error_already_set();
-    }
-    return fn;
+    return Owned<RawKernel>::function(RawKernel{std::move(kernel)}, &def);
   }
 };
 
@@ -310,49 +334,21 @@ struct Binder {
       PyErr_SetString(PyExc_TypeError, "binder(ids) takes one tuple of block ids");
       return nullptr;
     }
-    const auto* binder = static_cast<const Binder*>(PyCapsule_GetPointer(self, kName));
+    const Binder* binder = Owned<Binder>::of(self);
     if (binder == nullptr) {
       return nullptr;
     }
-    try {
-      return RawKernel<K>::wrap(
-                 binder->unbound.bind(py::reinterpret_borrow<py::tuple>(args[0]),
-                                      binder->ranges))
-          .release()
-          .ptr();
-    } catch (py::error_already_set& e) {
-      e.restore();
-      return nullptr;
-#ifdef __GLIBCXX__
-    } catch (abi::__forced_unwind&) {
-      throw;
-#endif
-    } catch (...) {
-      py::detail::try_translate_exceptions();
-      return nullptr;
-    }
-  }
-
-  static void destroy(PyObject* capsule) {
-    delete static_cast<Binder*>(PyCapsule_GetPointer(capsule, kName));
+    return translated([&]() -> PyObject* {
+      const auto ids = py::reinterpret_borrow<py::tuple>(args[0]);
+      return RawKernel<K>::wrap(binder->unbound.bind(ids, binder->ranges)).release().ptr();
+    });
   }
 
   static py::object wrap(const K& unbound, Ranges ranges) {
     static PyMethodDef def = {"binder",
                               reinterpret_cast<PyCFunction>(reinterpret_cast<void (*)()>(&call)),
                               METH_FASTCALL, "binder(ids): the kernel bound to these block ids."};
-    auto owned = std::make_unique<Binder>(Binder{unbound, std::move(ranges)});
-    py::object capsule = py::reinterpret_steal<py::object>(
-        PyCapsule_New(owned.get(), kName, &destroy));
-    if (!capsule) {
-      throw py::error_already_set();
-    }
-    owned.release();  // the capsule owns it now
-    py::object fn = py::reinterpret_steal<py::object>(PyCFunction_New(&def, capsule.ptr()));
-    if (!fn) {
-      throw py::error_already_set();
-    }
-    return fn;
+    return Owned<Binder>::function(Binder{unbound, std::move(ranges)}, &def);
   }
 };
 
