@@ -81,7 +81,6 @@ _.closed_under_work  # ManualBackend counter users assert on (close-after-sync r
 _.kvactors_op_transfer  # adapter baseline.py: entry point kvactors_op of kvactors.baselines (bench)
 _.calls_per_s  # PercallRow field: serialised by name into percall.json (msgspec.to_builtins)
 _.records_withdrawn  # Runtime property: readable after close(), when statistics() is not
-_.held_back  # Lane: the only observable of a job held behind inline work (inline-order test)
 
 # ---- public fake API (kvactors.testing) that vendors' tests read ---------------------------
 _.launches  # OpCounts field: serialised by name into the vendor bench rows (msgspec.to_builtins)

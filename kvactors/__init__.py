@@ -25,6 +25,7 @@ from kvactors.errors import MissingDependencyError as MissingDependencyError
 from kvactors.errors import OperandTypeError as OperandTypeError
 from kvactors.errors import ProtocolError as ProtocolError
 from kvactors.errors import SettingTypeError as SettingTypeError
+from kvactors.errors import TransferAbandonedError as TransferAbandonedError
 from kvactors.errors import TransferFailedError as TransferFailedError
 from kvactors.errors import TransferValidationError as TransferValidationError
 from kvactors.errors import UnknownMessageError as UnknownMessageError
@@ -58,6 +59,7 @@ __all__ = (
     "Runtime",
     "SettingTypeError",
     "ShapeDesc",
+    "TransferAbandonedError",
     "TransferFailedError",
     "TransferRequest",
     "TransferValidationError",

@@ -1,33 +1,30 @@
-"""Thread bridges of the runtime facade: reply slots a foreign thread sleeps on, and the
-settling of foreign futures from loop futures.
+"""Thread bridges of the runtime facade: reply slots that any thread may settle.
 
-Theory of operation. A caller on a foreign thread must not touch the loop's futures. It hands
-the actor a :class:`ReplyLock` (future-shaped, so actors settle it like any reply) and sleeps
-on the lock; the actor settles it on the loop, which releases the lock and wakes the caller
-directly, with no further loop iteration. Asyncio callers on another loop get a
-``concurrent.futures.Future`` settled from the loop future (:func:`settle_concurrent`);
-once such a caller cancelled, late answers are dropped.
+A caller on a foreign thread hands the actor a :class:`ReplyLock` (future-shaped, so actors
+settle it like any reply) and sleeps on the lock; whichever thread settles it (the caller
+itself when it ran the turn, a lane or reaper thread, the loop) releases the lock and wakes the
+caller directly. Asyncio callers get a :class:`FutureSlot`, a ``concurrent.futures.Future``
+their loop awaits through ``asyncio.wrap_future``; once such a caller cancelled, late answers
+are dropped.
 """
 
 from __future__ import annotations
 
+import concurrent.futures
+import contextlib
 import threading
-from typing import TYPE_CHECKING, Any
+from typing import Any
 
 from kvactors.errors import ActorClosedError, DeadlineExceededError
 
-if TYPE_CHECKING:
-    import asyncio
-    import concurrent.futures
-
-__all__ = ("ReplyLock", "settle_concurrent", "settle_slot")
+__all__ = ("FutureSlot", "ReplyLock", "settle_slot")
 
 
 class ReplyLock:
     """A one-shot reply slot a foreign thread can sleep on (a pre-acquired lock).
 
-    It has the shape of a future (``done``/``set_result``/``set_exception``), so actors settle
-    it directly on the loop: the caller wakes without a further loop iteration.
+    It has the shape of a future (``done``/``set_result``/``set_exception``); the first settle
+    wins, from any thread.
     """
 
     __slots__ = ("_done", "_exc", "_lock", "_value")
@@ -46,13 +43,15 @@ class ReplyLock:
         if not self._done:
             self._done = True
             self._value = value
-            self._lock.release()
+            with contextlib.suppress(RuntimeError):  # a racing settle released it first
+                self._lock.release()
 
     def set_exception(self, exc: BaseException) -> None:
         if not self._done:
             self._done = True
             self._exc = exc
-            self._lock.release()
+            with contextlib.suppress(RuntimeError):  # a racing settle released it first
+                self._lock.release()
 
     def wait(self, timeout: float, what: str) -> Any:
         if not self._lock.acquire(timeout=timeout):
@@ -62,21 +61,32 @@ class ReplyLock:
         return self._value
 
 
-def settle_slot(fut: asyncio.Future[Any], slot: ReplyLock) -> None:
+class FutureSlot:
+    """A reply slot over a ``concurrent.futures.Future`` (``cf``); the first settle wins, and
+    a settle after the awaiting side cancelled is dropped."""
+
+    __slots__ = ("cf",)
+
+    def __init__(self) -> None:
+        self.cf: concurrent.futures.Future[Any] = concurrent.futures.Future()
+
+    def done(self) -> bool:
+        return self.cf.done()
+
+    def set_result(self, value: Any) -> None:
+        with contextlib.suppress(concurrent.futures.InvalidStateError):
+            self.cf.set_result(value)
+
+    def set_exception(self, exc: BaseException) -> None:
+        with contextlib.suppress(concurrent.futures.InvalidStateError):
+            self.cf.set_exception(exc)
+
+
+def settle_slot(fut: concurrent.futures.Future[Any], slot: ReplyLock) -> None:
+    """Settle ``slot`` as ``fut`` ended (a cancelled ``fut`` as a closed request)."""
     if fut.cancelled():
         slot.set_exception(ActorClosedError("request cancelled", actor="runtime"))
     elif (exc := fut.exception()) is not None:
         slot.set_exception(exc)
     else:
         slot.set_result(fut.result())
-
-
-def settle_concurrent(fut: asyncio.Future[Any], cf: concurrent.futures.Future[Any]) -> None:
-    if cf.done():  # the caller cancelled its awaitable: nobody wants the answer
-        return
-    if fut.cancelled():
-        cf.cancel()
-    elif (exc := fut.exception()) is not None:
-        cf.set_exception(exc)
-    else:
-        cf.set_result(fut.result())

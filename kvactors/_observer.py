@@ -3,14 +3,15 @@
 Theory of operation. A :class:`~kvactors.runtime.Runtime` keeps a :class:`Observers` hub. When
 observers are attached, each facade ask (``transfer``, ``fence``, ``ping``, ``synchronize``,
 the IPC calls, and their ``a*`` twins) becomes a :class:`Call` carrying the runtime's own
-message (its ``transfer_id`` is the one the actors see). ``call_started`` runs on the loop
+message (its ``transfer_id`` is the one the actors see). ``call_started`` runs on the sending
 thread right before the message is offered to the actor's mailbox, so ``Call.seq`` is the
-admission order, the order the actors handle messages in; ``call_finished`` runs when the
-reply is settled (on the caller's thread for blocking calls, on the loop for ``a*`` calls),
-also for calls the mailbox refused. Nothing wraps or replaces the runtime's methods.
+admission order of each thread's calls; ``call_finished`` runs when the reply is settled (on
+the caller's thread for blocking calls, on the settling thread for ``a*`` calls), also for
+calls the mailbox refused. The route is the same with or without observers; nothing wraps or
+replaces the runtime's methods.
 
 With no observer attached the runtime pays one truth test per call. Observers must be quick
-and must not call back into the runtime from ``call_started`` (it runs on the loop); an
+and must not call back into the runtime from ``call_started``; an
 observer that raises is logged and skipped, never allowed to fail the call.
 """
 
@@ -73,7 +74,7 @@ class RuntimeObserver(Protocol):
     """What the runtime calls; both methods must be quick."""
 
     def call_started(self, call: Call) -> None:
-        """``call`` is being offered to the actor's mailbox (on the loop thread)."""
+        """``call`` is being offered to the actor's mailbox (on the sending thread)."""
         ...
 
     def call_finished(
@@ -103,7 +104,7 @@ class Observers:
             self.active = tuple(o for o in self.active if o is not observer)
 
     def started(self, call: Call) -> None:
-        """Stamp ``call`` at admission and tell every observer (on the loop thread)."""
+        """Stamp ``call`` at admission and tell every observer (on the sending thread)."""
         call.seq = next(self._seq)
         call.started = time.perf_counter()
         for o in self.active:

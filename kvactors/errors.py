@@ -37,6 +37,7 @@ __all__ = (
     "OperandTypeError",
     "ProtocolError",
     "SettingTypeError",
+    "TransferAbandonedError",
     "TransferFailedError",
     "TransferValidationError",
     "UnknownMessageError",
@@ -168,6 +169,17 @@ class TransferFailedError(KvactorsError, RuntimeError):
 
     def __init__(self, message: str, *, transfer_id: int, device: str) -> None:
         super().__init__(f"transfer {transfer_id} on {device} failed: {message}")
+        self.transfer_id = transfer_id
+        self.device = device
+
+
+class TransferAbandonedError(KvactorsError, RuntimeError):
+    """A close stopped waiting for a transfer that was already handed to its stream: the copy
+    may still land. Do not reuse or free its memory before the stream was synchronized (or the
+    process ended). Distinct from :class:`ActorClosedError`, which means nothing was enqueued."""
+
+    def __init__(self, message: str, *, transfer_id: int, device: str) -> None:
+        super().__init__(f"transfer {transfer_id} on {device} abandoned: {message}")
         self.transfer_id = transfer_id
         self.device = device
 

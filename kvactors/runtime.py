@@ -1,49 +1,42 @@
 """The runtime: one event-loop thread per process and a thread-safe facade onto the actors.
 
-Theory of operation. A :class:`Runtime` owns a private asyncio loop running in its own daemon
-thread, and on it the :class:`~kvactors.actors.group.DeviceActors` of one device. Callers on
-any other thread (LMCache calls from its worker thread and up to four commit threads at once)
-use the blocking methods: each call hops to the loop once with ``call_soon_threadsafe``, is
-queued in the target actor's mailbox there, and the calling thread sleeps on a lock until the
-reply future settles, so a call costs one hop each way and never a coroutine or executor task.
-Asyncio users call the ``a*`` twins, which await the same replies from their own loop.
-
-No idle hops. A blocking :meth:`Runtime.transfer` on a device whose work is complete when
-launched (CPU) runs on the calling thread when nothing can be ordered before it: no message
-of this runtime is in transit (``_in_transit`` counts every ask and tell from the moment it
-is sent until it reached its actor's mailbox), the GatherActor and the StreamActor have
-nothing queued, and the stream's lane holds nothing (``Lane.claim_inline``). Then the
-GatherActor's own transfer code (``GatherActor.run_inline``) validates or reuses the plan,
-enters the block ledger, runs the kernel and leaves the ledger on the caller's thread: no
-hop, no wake-up, and concurrent callers run in parallel as their torch calls would. Anything
-sent before it by the same thread is still in transit or queued, so the transfer takes the
-mailbox route behind it; anything sent after it waits in the lane for the inline work to end.
-``Runtime(inline=False)`` keeps every call on the mailbox route.
+A :class:`Runtime` owns a private asyncio loop running in its own daemon thread, and on it the
+:class:`~kvactors.actors.group.DeviceActors` of one device. Every call is a message to an actor
+(``Transfer``, ``Fence`` and ``Ping`` to the GatherActor, ``Sync`` and the records to a
+StreamActor, the IPC messages to the IPCOwnerActor), whoever calls and on every device: there
+is one route. A blocking call sends from the calling thread and sleeps on a
+:class:`~kvactors._bridge.ReplyLock` until the reply is settled; when the actor is idle and
+takes turns on any thread, the calling thread runs the turn itself (see
+:mod:`kvactors.actors.actor`), else the loop runs it in mailbox order. Asyncio callers use the
+``a*`` twins: they queue the message from their own thread (never running a turn, so their
+loop never waits for device work) and await the reply.
 
 Every blocking call has a deadline (``default_timeout`` unless given). ``close`` stops the
-actors down their graph with a bounded grace period; whatever is still pending then fails with
-:class:`~kvactors.errors.ActorClosedError`, and a call made after ``close`` fails at once.
-Nothing waits forever: a reply that never comes turns into
-:class:`~kvactors.errors.DeadlineExceededError` in the calling thread.
+actors down their graph with a bounded grace period: a call that was never enqueued fails with
+:class:`~kvactors.errors.ActorClosedError` (not served), a transfer the close gave up on with
+:class:`~kvactors.errors.TransferAbandonedError` (it may still land).
 """
 
 from __future__ import annotations
 
 import asyncio
 import atexit
-import concurrent.futures
 import contextlib
 import itertools
 import threading
 from typing import TYPE_CHECKING, Any, TypeVar
 
-from kvactors._bridge import ReplyLock, settle_concurrent, settle_slot
+from kvactors._bridge import FutureSlot, ReplyLock, settle_slot
 from kvactors._observer import Call, Observers
 from kvactors.actors.gather import TransferOperands
 from kvactors.actors.group import DeviceActors, DeviceStatistics
 from kvactors.devices.base import Backend
-from kvactors.devices.cpu import completes_on_launch
-from kvactors.errors import ActorClosedError, DeviceOpError, MailboxFullError
+from kvactors.errors import (
+    ActorClosedError,
+    DeviceOpError,
+    MailboxFullError,
+    TransferAbandonedError,
+)
 from kvactors.protocols.gather import Fence, Fenced, Ping, Pong, Transfer, TransferDone
 from kvactors.protocols.ipc import CloseContext, ContextClosed, Opened, OpenHandle
 from kvactors.protocols.stream import EventRecord, RecordCompletion, RecordEvent, Sync, Synced
@@ -91,15 +84,8 @@ class Runtime:
         default_timeout: float = 60.0,
         stop_timeout: float = 10.0,
         observer: RuntimeObserver | None = None,
-        inline: bool | None = None,
     ) -> None:
         self.backend = resolve_backend(backend)
-        #: Whether blocking transfers may run on the caller's thread when nothing is queued
-        #: (default: on CPU, whose work is complete when launched).
-        self.inline = completes_on_launch(self.backend) if inline is None else inline
-        # Work complete when launched: an inline call is complete on return either way.
-        self._launch_completes = completes_on_launch(self.backend)
-        self._in_transit = 0
         self.device_index = device_index
         self.default_timeout = default_timeout
         self._capacity = capacity
@@ -110,7 +96,7 @@ class Runtime:
         self._actors: DeviceActors | None = None
         self._closed = False
         self._ids = itertools.count(1)
-        self._outstanding: set[ReplyLock] = set()
+        self._outstanding: dict[ReplyLock, object] = {}
         self._observers = Observers()
         if observer is not None:
             self._observers.add(observer)
@@ -201,9 +187,19 @@ class Runtime:
         thread.join(timeout=t + _GRACE)
         closed = ActorClosedError("runtime closed before replying", actor="runtime")
         with self._lock:
-            leftovers, self._outstanding = self._outstanding, set()
-        for reply in leftovers:
-            reply.set_exception(closed)
+            leftovers, self._outstanding = self._outstanding, {}
+        for reply, msg in leftovers.items():
+            # Only a stop that did not finish leaves replies here: a transfer among them may
+            # have been enqueued, so it is not "not served".
+            reply.set_exception(
+                TransferAbandonedError(
+                    "the runtime closed before replying; the copy may still land",
+                    transfer_id=msg.transfer_id,
+                    device=actors.device,
+                )
+                if isinstance(msg, Transfer)
+                else closed
+            )
         if actors.lanes_abandoned:
             raise DeviceOpError(
                 f"{actors.lanes_abandoned} stream lane(s) did not end within {t}s; their "
@@ -242,27 +238,20 @@ class Runtime:
         timeout: float | None = None,
         stream_handle: int = 0,
     ) -> Any:
-        loop, actors = self._running()
+        # Sent from the calling thread, which runs the turn itself when the actor is idle.
+        _, actors = self._running()
         t = self.default_timeout if timeout is None else timeout
         reply = ReplyLock()
         with self._lock:
-            self._outstanding.add(reply)
-            self._in_transit += 1
+            self._outstanding[reply] = msg
         observers = self._observers
         call = Call(msg, operands, stream_handle) if observers.active else None
-
-        def submit() -> None:
-            # The deadline is kept by the calling thread's wait below; the loop needs no timer.
-            try:
-                if call is not None:
-                    observers.started(call)  # admission: in mailbox order
-                pick(actors).ask_into(reply, msg, operands)
-            except BaseException as exc:
-                reply.set_exception(exc)
-            finally:
-                self._arrived()
-
-        loop.call_soon_threadsafe(submit)
+        try:
+            if call is not None:
+                observers.started(call)  # admission: in mailbox order
+            pick(actors).ask_into(reply, msg, operands)
+        except BaseException as exc:
+            reply.set_exception(exc)
         try:
             result = reply.wait(t, type(msg).__name__)
         except BaseException as exc:
@@ -271,43 +260,31 @@ class Runtime:
             raise
         finally:
             with self._lock:
-                self._outstanding.discard(reply)
+                self._outstanding.pop(reply, None)
         if call is not None:
             observers.finished(call, result, None)
         return result
 
     def _tell(self, pick: Callable[[DeviceActors], Actor[Any]], msg: Any) -> None:
         # Returns once the message is queued (mailbox order = call order per thread); waits
-        # for mailbox space instead of dropping the message when the mailbox is full.
+        # for mailbox space (on the loop) instead of dropping the message when it is full.
         loop, actors = self._running()
+        actor = pick(actors)
+        try:
+            actor.tell_nowait(msg)
+            return
+        except MailboxFullError:
+            pass
+        cf = asyncio.run_coroutine_threadsafe(actor.tell(msg), loop)
         reply = ReplyLock()
         with self._lock:
-            self._outstanding.add(reply)
-            self._in_transit += 1
-
-        def submit() -> None:
-            actor = None
-            try:
-                actor = pick(actors)
-                actor.tell_nowait(msg)
-            except MailboxFullError:
-                assert actor is not None
-                task = loop.create_task(actor.tell(msg))
-                task.add_done_callback(lambda f: self._queued_late(f, reply))
-                return
-            except BaseException as exc:
-                reply.set_exception(exc)
-                self._arrived()
-                return
-            self._arrived()
-            reply.set_result(None)
-
-        loop.call_soon_threadsafe(submit)
+            self._outstanding[reply] = msg
+        cf.add_done_callback(lambda f: settle_slot(f, reply))
         try:
             reply.wait(self.default_timeout + _GRACE, type(msg).__name__)
         finally:
             with self._lock:
-                self._outstanding.discard(reply)
+                self._outstanding.pop(reply, None)
 
     def _aask(
         self,
@@ -316,43 +293,20 @@ class Runtime:
         operands: Any = None,
         timeout: float | None = None,
     ) -> asyncio.Future[Any]:
-        loop, actors = self._running()
+        # Queued from the calling thread (an event loop's: it never runs the turn itself).
+        _, actors = self._running()
         t = self.default_timeout if timeout is None else timeout
-        cf: concurrent.futures.Future[Any] = concurrent.futures.Future()
-        with self._lock:
-            self._in_transit += 1
+        slot = FutureSlot()
         observers = self._observers
         call = Call(msg, operands, getattr(msg, "stream_handle", 0)) if observers.active else None
-
-        def submit() -> None:
-            try:
-                if call is not None:
-                    observers.started(call)  # admission: in mailbox order
-                fut = pick(actors).ask_nowait(msg, operands, timeout=t)
-            except BaseException as exc:
-                if call is not None:
-                    observers.finished(call, None, exc)
-                if not cf.done():
-                    cf.set_exception(exc)
-                return
-            finally:
-                self._arrived()
+        try:
             if call is not None:
-                fut.add_done_callback(lambda f: _finished(observers, call, f))
-            fut.add_done_callback(lambda f: settle_concurrent(f, cf))
-
-        loop.call_soon_threadsafe(submit)
-        return asyncio.wrap_future(cf)
-
-    def _queued_late(self, task: asyncio.Future[Any], reply: ReplyLock) -> None:
-        self._arrived()
-        settle_slot(task, reply)
-
-    def _arrived(self) -> None:
-        # On the loop: a message sent through the facade reached its actor's mailbox (it is
-        # queued there, dispatched, or refused), so mailbox and lane state now show it.
-        with self._lock:
-            self._in_transit -= 1
+                observers.started(call)  # admission: in mailbox order
+                slot.cf.add_done_callback(lambda f: _finished(observers, call, f))
+            pick(actors).ask_into(slot, msg, operands, timeout=t, here=False)
+        except BaseException as exc:
+            slot.set_exception(exc)
+        return asyncio.wrap_future(slot.cf)
 
     # ---- transfers -----------------------------------------------------------------
 
@@ -369,9 +323,9 @@ class Runtime:
         """Gather or scatter per ``request``; returns once the device completed the copy, or
         with ``complete=False`` once the copies are enqueued in order on the stream.
 
-        On CPU, when nothing is queued before it, the copy runs on the calling thread (see
-        the module docstring; CPU work is complete when enqueued); ``timeout`` bounds only the
-        wait of a queued call. With ``complete=False`` the runtime still owns the operands
+        When the actors are idle the calling thread validates and launches the copy itself
+        (see the module docstring; CPU work is complete when launched). With
+        ``complete=False`` the runtime still owns the operands
         and fences still wait until the device completed; synchronize the stream (or take a
         fence) before reading or reusing the host chunks. A device failure after such a
         return is logged and counted in ``statistics().transfers_failed``, and the stream's
@@ -381,25 +335,6 @@ class Runtime:
         ``TypeError``) before any memory is touched, ``TransferFailedError`` if the copy failed.
         """
         tid = next(self._ids)
-        actors = self._actors
-        # Observed calls go through mailboxes; a closed or unstarted runtime too (_ask raises
-        # or starts it), and a device call that may return before the device completed (the
-        # lane's lease owns its operands then). Any message of this runtime in transit, or
-        # queued for the actors of this call, keeps the call behind it.
-        if (
-            self.inline
-            and (complete or self._launch_completes)
-            and actors is not None
-            and not self._in_transit
-            and not self._closed
-            and not self._observers.active
-        ):
-            stream = actors.streams.peek(stream_handle)
-            gather = actors.gather
-            if stream is not None and gather.queued == 0 and stream.queued == 0:
-                done = gather.run_inline(tid, request, paged, objects, stream.lane)
-                if done is not None:
-                    return done
         msg = Transfer(
             transfer_id=tid, request=request, stream_handle=stream_handle, complete=complete
         )
@@ -548,18 +483,13 @@ class Runtime:
         self._observers.add(observer)
         return lambda: self._observers.remove(observer)
 
-    def statistics(self, *, timeout: float | None = None) -> DeviceStatistics:
-        """A frozen snapshot of every actor of this runtime's device."""
-        loop, actors = self._running()
-        cf = asyncio.run_coroutine_threadsafe(_snapshot(actors), loop)
-        return cf.result(self.default_timeout if timeout is None else timeout)
+    def statistics(self) -> DeviceStatistics:
+        """A frozen snapshot of every actor of this runtime's device (read on the calling
+        thread: it never waits for the loop)."""
+        return self._outboxes().statistics()
 
 
-async def _snapshot(actors: DeviceActors) -> DeviceStatistics:
-    return actors.statistics()
-
-
-def _finished(observers: Observers, call: Call, fut: asyncio.Future[Any]) -> None:
+def _finished(observers: Observers, call: Call, fut: Any) -> None:
     if fut.cancelled():
         observers.finished(call, None, asyncio.CancelledError())
     elif (exc := fut.exception()) is not None:

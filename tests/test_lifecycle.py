@@ -11,7 +11,7 @@ import asyncio
 import concurrent.futures
 import logging
 import threading
-from typing import Any
+from typing import TYPE_CHECKING, Any
 
 import pytest
 import torch
@@ -21,10 +21,14 @@ from kvactors.actors.actor import Actor, Envelope
 from kvactors.actors.group import DeviceActors
 from kvactors.devices.cpu import CpuBackend
 from kvactors.devices.manual import ManualBackend
-from kvactors.errors import ActorClosedError, DeviceOpError
+from kvactors.errors import ActorClosedError, DeviceOpError, TransferAbandonedError
 from kvactors.layouts import Direction, KVFormat, ShapeDesc
 from kvactors.plans import TransferRequest
 from kvactors.runtime import Runtime
+
+if TYPE_CHECKING:
+    from kvactors._observer import Call
+    from kvactors.devices.base import IPCHandle, IPCOwner
 
 NL, NB, BS, NH, HS = 2, 8, 4, 2, 8
 
@@ -76,7 +80,7 @@ def test_close_raises_and_counts_lanes_whose_threads_did_not_end(
             rt.close(timeout=0.2)
         assert info.value.op == "close"
         assert any("did not end" in r.getMessage() for r in caplog.records)
-        with pytest.raises(ActorClosedError):
+        with pytest.raises(TransferAbandonedError):  # enqueued: it may still land
             call.result(timeout=10)
     backend.release()  # the abandoned lane finishes its device wait and ends
 
@@ -98,7 +102,7 @@ async def test_statistics_count_abandoned_lanes() -> None:
     assert dev.statistics().lanes_abandoned == 0
     await dev.stop(timeout=0.1)
     assert dev.statistics().lanes_abandoned == 1
-    with pytest.raises(ActorClosedError):
+    with pytest.raises(TransferAbandonedError):
         await pending
     backend.release()
 
@@ -131,35 +135,64 @@ async def test_actor_stop_fails_queued_asks() -> None:
         queued.result()
 
 
+class _StuckOpen(CpuBackend):
+    """Opening an IPC handle blocks the loop (foreign code that never returns in time)."""
+
+    def __init__(self) -> None:
+        super().__init__()
+        self.stuck, self.unstick = threading.Event(), threading.Event()
+
+    def ipc_open(self, handle: IPCHandle) -> IPCOwner:
+        self.stuck.set()
+        self.unstick.wait(30)
+        return super().ipc_open(handle)
+
+
+class _Admitted:
+    """An observer that opens a gate when a call of ``op`` is admitted."""
+
+    def __init__(self, op: str) -> None:
+        self.op, self.gate = op, threading.Event()
+
+    def call_started(self, call: Call) -> None:
+        if call.op == self.op:
+            self.gate.set()
+
+    def call_finished(self, call: Call, seconds: float, result: Any, error: Any) -> None:
+        pass
+
+
 def test_close_fails_replies_the_actors_never_settled(monkeypatch: pytest.MonkeyPatch) -> None:
     # A loop stuck in foreign code: neither the stop nor the queued ask ever runs on it, so
     # only close()'s own bookkeeping can answer the caller.
     monkeypatch.setattr(runtime_mod, "_GRACE", 0.05)
-    rt = Runtime("cpu", stop_timeout=0.05, default_timeout=30).start()
-    loop = rt._loop
-    assert loop is not None
-    stuck, unstick = threading.Event(), threading.Event()
-
-    def block() -> None:
-        stuck.set()
-        unstick.wait(30)
-
-    loop.call_soon_threadsafe(block)
-    assert stuck.wait(10)
-    results: list[object] = []
-    caller = threading.Thread(target=lambda: results.append(_outcome(rt.ping)))
-    caller.start()
-    while not rt._outstanding:  # the ask is registered before its submit is queued
-        caller.join(0.001)
-    rt.close(timeout=0.05)
-    caller.join(10)
-    assert len(results) == 1
-    assert isinstance(results[0], ActorClosedError)
-    assert "runtime closed before replying" in str(results[0])
-    unstick.set()
-    assert rt._actors is not None
-    for stream in rt._actors.streams.all():  # the stop never ran: end the lane by hand
-        stream.lane.stop(10)
+    backend = _StuckOpen()
+    shared = backend.alloc_shared((4,), torch.float32)
+    assert shared.tensor is not None
+    admitted = _Admitted("close_ipc")
+    rt = Runtime(backend, stop_timeout=0.05, default_timeout=30, observer=admitted).start()
+    try:
+        opener = threading.Thread(
+            target=_outcome,
+            args=(lambda: rt.open_ipc(backend.ipc_export(shared.tensor), context_id=1),),
+        )
+        opener.start()
+        assert backend.stuck.wait(10)  # the IPC actor's turn runs on the loop: now stuck
+        results: list[object] = []
+        caller = threading.Thread(
+            target=lambda: results.append(_outcome(lambda: rt.close_ipc_context(1)))
+        )
+        caller.start()
+        assert admitted.gate.wait(10)  # registered before admission; queued behind the open
+        rt.close(timeout=0.05)
+        caller.join(10)
+        assert len(results) == 1
+        assert isinstance(results[0], ActorClosedError)
+        assert "runtime closed before replying" in str(results[0])
+    finally:
+        backend.unstick.set()
+        opener.join(10)
+        shared.close()
 
 
 def _outcome(fn: Any) -> object:

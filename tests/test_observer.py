@@ -40,11 +40,11 @@ class _Log:
     def __init__(self) -> None:
         self.lock = threading.Condition()
         self.events: list[tuple[str, int, str, Any]] = []
-        self.loop_threads: set[str] = set()
+        self.admitting_threads: set[str] = set()
 
     def call_started(self, call: Call) -> None:
         with self.lock:
-            self.loop_threads.add(threading.current_thread().name)
+            self.admitting_threads.add(threading.current_thread().name)
             self.events.append(("started", call.seq, call.op, call.message))
             self.lock.notify_all()
 
@@ -85,7 +85,8 @@ async def test_admission_order_own_ids_and_settled_outcomes() -> None:
         finished = [e for e in log.events if e[0] == "finished"]
         assert [(e[1], e[2]) for e in finished] == [(1, "transfer"), (2, "fence")]
         assert isinstance(finished[0][3], TransferDone)
-        assert log.loop_threads == {"kvactors-loop"}  # admission happens on the loop
+        # Admission happens on the sending thread (a* calls: the caller's), never the loop's.
+        assert log.admitting_threads == {threading.current_thread().name}
     finally:
         backend.release()  # anything the lane queued after the first release
         rt.close()

@@ -385,7 +385,7 @@ def test_runtime_moves_inference_tensors() -> None:
 def test_inference_tensors_through_the_mailbox_route() -> None:
     with torch.inference_mode():
         paged, objs = _operands()
-    with Runtime("cpu", inline=False) as rt:
+    with Runtime("cpu") as rt:
         rt.transfer(_request(), paged, objs)
     expect = torch.stack([p[:, [3, 5]] for p in paged], 1).reshape(objs[0].shape)
     assert torch.equal(objs[0], expect)

@@ -16,6 +16,7 @@ from kvactors.errors import (
     DeadlineExceededError,
     DeviceOpError,
     OperandTypeError,
+    TransferAbandonedError,
     TransferValidationError,
 )
 from kvactors.kernels.reference import run_reference
@@ -195,6 +196,8 @@ def test_ask_past_deadline_keeps_operands_owned() -> None:
 
 
 def test_shutdown_with_work_in_flight_fails_pending_calls_in_bounded_time() -> None:
+    """F2: a close that gives up on an enqueued transfer says it may still land
+    (``TransferAbandonedError``), never "not served" (``ActorClosedError``)."""
     backend = ManualBackend()
     fmt = KVFormat.NL_X_TWO_NB_BS_NH_HS
     paged = _nhd(5)
@@ -216,7 +219,9 @@ def test_shutdown_with_work_in_flight_fails_pending_calls_in_bounded_time() -> N
     t.join(10)
     assert not t.is_alive()
     assert len(failures) == 1
-    assert isinstance(failures[0], ActorClosedError)
+    assert isinstance(failures[0], TransferAbandonedError)
+    assert not isinstance(failures[0], ActorClosedError)
+    assert "may still land" in str(failures[0])
     backend.release()  # the abandoned device work may still finish safely
     assert backend.use_after_free == 0
 

@@ -1,32 +1,25 @@
-"""The actor shell: a bounded FIFO mailbox, tell/ask with deadlines, lifecycle, statistics.
+"""The actor shell: a bounded FIFO mailbox, tell/ask with deadlines, turns, lifecycle, statistics.
 
-Theory of operation. An actor lives on one event loop and handles one envelope at a time, in
-FIFO order; mailbox order is the only ordering an actor promises, and the actors built on
-this class derive their safety rules from it. ``receive`` is synchronous and short: it
-answers at once (returns a value) or takes the reply over (returns :data:`DEFERRED`) and
-settles it later, which is how work handed to a lane thread gets answered when the device
-finished. Because handlers never await, an idle actor handles a message directly in the
-sender's turn of the loop (no task switch, no extra loop iteration); a message that arrives
-while the actor is busy (a handler sent to its own actor, directly or through a settle
-callback) waits in the FIFO and is handled by the actor's task in order, so FIFO holds
-either way.
+An actor handles one envelope at a time, in FIFO order (its *turn*); mailbox order is the only
+ordering an actor promises, and the actors built on this class derive their safety rules from
+it. ``receive`` is synchronous and short: it answers at once (returns a value) or takes the
+reply over (returns :data:`DEFERRED`) and settles it later, from any thread.
+
+Who runs a turn. A sender that finds the actor idle (no turn running, nothing queued) runs the
+turn itself, on its own thread, when it is the actor's loop thread or when the actor takes
+turns on any thread (``turns_anywhere``); otherwise the envelope waits in the FIFO and the
+actor's task on the loop runs it, in order. Either way FIFO holds: a turn is claimed under the
+actor's lock, and a message that arrives during a turn queues behind it. This is the whole
+"fast path": an idle actor is cheap to reach, with the same code, events and statistics as a
+busy one. Reply slots must accept a settle from any thread (:class:`~kvactors._bridge.ReplyLock`,
+the loop-bound slot :meth:`Actor.ask_nowait` makes).
 
 The bound counts what the actor holds: envelopes queued plus replies it took over and has
-not settled yet (work in flight). A send past the bound raises
-:class:`~kvactors.errors.MailboxFullError` (``tell_nowait``/``ask_nowait``) or waits for space
-(``tell``); nothing is dropped. Sends are checked before anything is queued: a message outside
-the actor's protocol, a full mailbox, a closed or a broken actor each raise at once.
-
-Replies travel in the envelope's reply slot, never in the message: an ``asyncio.Future`` for
-asyncio callers, or any object with the same ``done``/``set_result``/``set_exception`` methods
-(the runtime's foreign-thread reply slot). An exception raised by ``receive`` for an ask fails
-that ask only; for a tell (nobody is waiting to hear about it) it breaks the actor: every
-queued ask fails with :class:`ActorBrokenError` carrying the cause, and so does every later
-send. Deadlines are timers on the loop that fail the reply; the message may still be handled,
-and its late answer is dropped.
-
-Stopping refuses new sends, fails every queued ask with :class:`ActorClosedError`, lets the
-subclass settle what it took over (``on_stop``), and ends the task. A graceful stop drains first.
+not settled yet. A send past the bound raises :class:`~kvactors.errors.MailboxFullError`
+(``tell_nowait``/``ask_into``) or waits for space (``tell``); nothing is dropped. An exception
+raised by ``receive`` for an ask fails that ask only; for a tell it breaks the actor. Stopping
+refuses new sends, fails every queued ask with :class:`ActorClosedError`, lets the subclass
+settle what it took over (``on_stop``), and ends the task. A graceful stop drains first.
 """
 
 from __future__ import annotations
@@ -35,7 +28,19 @@ import asyncio
 import collections
 import contextlib
 import enum
-from typing import TYPE_CHECKING, Any, Final, Generic, Literal, NoReturn, Protocol, TypeVar, final
+import threading
+from typing import (
+    TYPE_CHECKING,
+    Any,
+    ClassVar,
+    Final,
+    Generic,
+    Literal,
+    NoReturn,
+    Protocol,
+    TypeVar,
+    final,
+)
 
 import msgspec
 
@@ -57,11 +62,20 @@ __all__ = (
     "ActorState",
     "ActorStatistics",
     "Envelope",
+    "LoopSlot",
     "ReplySlot",
+    "on_loop",
     "unreachable",
 )
 
 M = TypeVar("M")
+
+_running_loop = asyncio._get_running_loop
+
+
+def on_loop(loop: asyncio.AbstractEventLoop | None) -> bool:
+    """Whether the calling thread is running ``loop``."""
+    return loop is not None and _running_loop() is loop
 
 
 class _Deferred:
@@ -82,7 +96,7 @@ def unreachable(msg: NoReturn) -> NoReturn:
 
 
 class ReplySlot(Protocol):
-    """Where an ask's reply goes: an ``asyncio.Future`` or anything shaped like one."""
+    """Where an ask's reply goes: anything future-shaped that accepts a settle from any thread."""
 
     def done(self) -> bool:
         """Whether the reply was already settled."""
@@ -95,6 +109,44 @@ class ReplySlot(Protocol):
     def set_exception(self, exc: BaseException, /) -> None:
         """Settle with an exception."""
         ...
+
+
+@final
+class LoopSlot:
+    """A reply slot over an ``asyncio.Future`` of ``loop``: settled in place on the loop's
+    thread, through ``call_soon_threadsafe`` from any other."""
+
+    __slots__ = ("fut", "loop")
+
+    def __init__(self, loop: asyncio.AbstractEventLoop) -> None:
+        self.loop = loop
+        self.fut: asyncio.Future[Any] = loop.create_future()
+
+    def done(self) -> bool:
+        return self.fut.done()
+
+    def set_result(self, value: Any) -> None:
+        self._settle(_set_result, value)
+
+    def set_exception(self, exc: BaseException) -> None:
+        self._settle(_set_exception, exc)
+
+    def _settle(self, how: Callable[[asyncio.Future[Any], Any], None], arg: Any) -> None:
+        if on_loop(self.loop):
+            how(self.fut, arg)
+        else:
+            with contextlib.suppress(RuntimeError):  # a closed loop: nobody awaits it
+                self.loop.call_soon_threadsafe(how, self.fut, arg)
+
+
+def _set_result(fut: asyncio.Future[Any], value: Any) -> None:
+    if not fut.done():
+        fut.set_result(value)
+
+
+def _set_exception(fut: asyncio.Future[Any], exc: BaseException) -> None:
+    if not fut.done():
+        fut.set_exception(exc)
 
 
 class ActorState(enum.Enum):
@@ -142,24 +194,29 @@ class Envelope(Generic[M]):
         slot = self.reply
         if slot is not None and not slot.done():
             slot.set_result(value)
-        if self._timer is not None:
-            self._timer.cancel()
-            self._timer = None
+        self._disarm()
 
     def fail(self, exc: BaseException) -> None:
         """Settle the reply with ``exc`` (a no-op for tells and for expired asks)."""
         slot = self.reply
         if slot is not None and not slot.done():
             slot.set_exception(exc)
-        if self._timer is not None:
-            self._timer.cancel()
+        self._disarm()
+
+    def _disarm(self) -> None:
+        timer = self._timer
+        if timer is not None:
             self._timer = None
+            timer.cancel()
 
 
 class Actor(Generic[M]):
     """Base of every kvactors actor. Subclasses set ``accepts`` and implement ``receive``."""
 
     accepts: tuple[type, ...] = ()
+    turns_anywhere: ClassVar[bool] = False
+    """Whether a sender on any thread may run an idle actor's turn itself (the subclass's
+    handlers are thread-safe and touch no loop state); else only the loop's thread does."""
 
     def __init__(self, name: str, *, capacity: int = 1024) -> None:
         if capacity <= 0:
@@ -168,6 +225,7 @@ class Actor(Generic[M]):
             )
         self.name = name
         self._capacity = capacity
+        self._mutex = threading.Lock()  # the FIFO, the turn, the deferred set, the state
         self._fifo: collections.deque[Envelope[M]] = collections.deque()
         self._wake: asyncio.Event | None = None
         self._space: asyncio.Event | None = None
@@ -190,27 +248,23 @@ class Actor(Generic[M]):
         return self._state
 
     @property
-    def queued(self) -> int:
-        """Envelopes waiting in the FIFO (a length read, safe from any thread)."""
-        return len(self._fifo) if self._state is ActorState.RUNNING else -1
-
-    @property
     def pending(self) -> int:
         """Envelopes queued plus replies taken over and not settled (counted by the bound)."""
         return len(self._fifo) + len(self._deferred)
 
     def statistics(self) -> ActorStatistics:
         """A frozen snapshot of this actor's counters."""
-        return ActorStatistics(
-            name=self.name,
-            state=self._state.value,
-            mailbox_depth=len(self._fifo),
-            mailbox_peak=self._peak,
-            capacity=self._capacity,
-            processed=self._processed,
-            failed=self._failed,
-            deferred_pending=len(self._deferred),
-        )
+        with self._mutex:
+            return ActorStatistics(
+                name=self.name,
+                state=self._state.value,
+                mailbox_depth=len(self._fifo),
+                mailbox_peak=self._peak,
+                capacity=self._capacity,
+                processed=self._processed,
+                failed=self._failed,
+                deferred_pending=len(self._deferred),
+            )
 
     def __repr__(self) -> str:
         return (
@@ -220,18 +274,25 @@ class Actor(Generic[M]):
 
     # ---- lifecycle -----------------------------------------------------------------
 
-    def start(self) -> None:
-        """Start the actor on the running loop."""
+    def start(self, loop: asyncio.AbstractEventLoop | None = None) -> None:
+        """Start the actor on ``loop`` (default: the running loop; any thread may start it)."""
         if self._state is not ActorState.CREATED:
             raise ActorClosedError(f"cannot start from {self._state.value}", actor=self.name)
-        self._loop = asyncio.get_running_loop()
+        self._loop = loop = asyncio.get_running_loop() if loop is None else loop
         self._wake = asyncio.Event()
         self._space = asyncio.Event()
         self._space.set()
         self._idle = asyncio.Event()
         self._idle.set()
         self._state = ActorState.RUNNING
-        self._task = self._loop.create_task(self._run(), name=f"actor:{self.name}")
+        if on_loop(loop):
+            self._spawn()
+        else:
+            loop.call_soon_threadsafe(self._spawn)
+
+    def _spawn(self) -> None:
+        if self._task is None and self._loop is not None:
+            self._task = self._loop.create_task(self._run(), name=f"actor:{self.name}")
 
     async def drain(self) -> None:
         """Wait until every queued message was handled and every deferred reply settled."""
@@ -240,26 +301,44 @@ class Actor(Generic[M]):
             idle.clear()
             await idle.wait()
 
+    def close_if_idle(self) -> bool:
+        """Refuse every later send if the actor holds nothing now (atomic with sends); the
+        caller then stops it. ``False`` (nothing changed) if it holds anything."""
+        with self._mutex:
+            if self._state is not ActorState.RUNNING or self._busy or self.pending:
+                return False
+            self._state = ActorState.STOPPING
+            return True
+
     async def stop(self, *, graceful: bool = True, timeout: float | None = None) -> None:
         """Stop: optionally drain first (bounded by ``timeout``), then fail whatever is left."""
-        if self._state in (ActorState.STOPPED, ActorState.STOPPING, ActorState.CREATED):
-            if self._state is ActorState.CREATED:
-                self._state = ActorState.STOPPED
+        if self._state is ActorState.CREATED:
+            self._state = ActorState.STOPPED
             return
+        if self._state is ActorState.STOPPED:
+            return
+        if self._state is ActorState.STOPPING and self._task is None:
+            return  # a stop in progress
         if graceful and self._state is ActorState.RUNNING:
             with contextlib.suppress(asyncio.TimeoutError):
                 await asyncio.wait_for(self.drain(), timeout)
-        was_broken = self._state is ActorState.BROKEN
-        self._state = ActorState.STOPPING
+        with self._mutex:
+            was_broken = self._state is ActorState.BROKEN
+            self._state = ActorState.STOPPING
+            queued = list(self._fifo)
+            self._fifo.clear()
         closed = ActorClosedError("actor stopped before replying", actor=self.name)
-        self._fail_queued(closed)
+        for env in queued:
+            env.fail(closed)
+        task, self._task = self._task, None
         try:
             await self.on_stop(closed)
         finally:
-            for env in list(self._deferred):
+            with self._mutex:
+                left = list(self._deferred)
+                self._deferred.clear()
+            for env in left:
                 env.fail(closed)
-            self._deferred.clear()
-            task = self._task
             if task is not None and not task.done():
                 task.cancel()
                 with contextlib.suppress(asyncio.CancelledError):
@@ -273,6 +352,7 @@ class Actor(Generic[M]):
     # ---- sending -------------------------------------------------------------------
 
     def _check_send(self, msg: object) -> None:
+        # Under the mutex.
         if self._state is not ActorState.RUNNING:
             if self._state is ActorState.BROKEN:
                 raise ActorBrokenError("actor is broken", actor=self.name, cause=self._cause)
@@ -282,56 +362,74 @@ class Actor(Generic[M]):
         if len(self._fifo) + len(self._deferred) >= self._capacity:
             raise MailboxFullError(actor=self.name, capacity=self._capacity)
 
-    def _deliver(self, env: Envelope[M]) -> None:
-        depth = len(self._fifo) + len(self._deferred) + 1
-        if depth > self._peak:
-            self._peak = depth
-        if self._busy or self._fifo:
-            self._fifo.append(env)
-            assert self._wake is not None
-            self._wake.set()
+    def _deliver(self, env: Envelope[M], msg: object, *, here: bool = True) -> None:
+        # Claim the turn if the actor is idle and this thread may run it; else queue.
+        with self._mutex:
+            self._check_send(msg)
+            depth = len(self._fifo) + len(self._deferred) + 1
+            if depth > self._peak:
+                self._peak = depth
+            if (
+                here
+                and not self._busy
+                and not self._fifo
+                and (self.turns_anywhere or on_loop(self._loop))
+            ):
+                self._busy = True
+            else:
+                self._fifo.append(env)
+                here = False
+        if here:
+            self._turn(env)
         else:
-            self._dispatch(env)
+            self._wake_task()
 
     def tell_nowait(self, msg: M, operands: Any = None) -> None:
         """Send ``msg`` without waiting for a reply; raise at once if it cannot be queued."""
-        self._check_send(msg)
-        self._deliver(Envelope(msg, operands, None))
+        self._deliver(Envelope(msg, operands, None), msg)
 
     async def tell(self, msg: M, operands: Any = None) -> None:
-        """Send ``msg``, waiting for mailbox space (backpressure) instead of failing."""
+        """Send ``msg`` (on the loop), waiting for mailbox space instead of failing."""
         while True:
             try:
-                self._check_send(msg)
+                self._deliver(Envelope(msg, operands, None), msg)
             except MailboxFullError:
                 assert self._space is not None
                 self._space.clear()
                 await self._space.wait()
                 continue
-            self._deliver(Envelope(msg, operands, None))
             return
 
     def ask_nowait(
         self, msg: M, operands: Any = None, *, timeout: float | None = None
     ) -> asyncio.Future[Any]:
-        """Send ``msg`` and return its reply future, failed past ``timeout`` seconds."""
+        """Send ``msg`` (on the loop) and return its reply future, failed past ``timeout``."""
         loop = self._loop
         if loop is None:
             raise ActorClosedError("actor was never started", actor=self.name)
-        fut: asyncio.Future[Any] = loop.create_future()
-        self.ask_into(fut, msg, operands, timeout=timeout)
-        return fut
+        slot = LoopSlot(loop)
+        self.ask_into(slot, msg, operands, timeout=timeout)
+        return slot.fut
 
     def ask_into(
-        self, slot: ReplySlot, msg: M, operands: Any = None, *, timeout: float | None = None
+        self,
+        slot: ReplySlot,
+        msg: M,
+        operands: Any = None,
+        *,
+        timeout: float | None = None,
+        here: bool = True,
     ) -> None:
-        """Send ``msg`` with ``slot`` as its reply slot (call on the actor's loop)."""
-        self._check_send(msg)
+        """Send ``msg`` with ``slot`` as its reply slot, from any thread. With ``here=False``
+        the sender never runs the turn itself (an event loop's thread that must not block)."""
         env: Envelope[M] = Envelope(msg, operands, slot)
-        if timeout is not None:
-            assert self._loop is not None
-            env._timer = self._loop.call_later(timeout, _expire, slot, self.name, msg, timeout)
-        self._deliver(env)
+        loop = self._loop
+        if timeout is not None and loop is not None:
+            if on_loop(loop):
+                env._timer = loop.call_later(timeout, _expire, slot, self.name, msg, timeout)
+            else:
+                loop.call_soon_threadsafe(_arm, env, loop, self.name, timeout)
+        self._deliver(env, msg, here=here)
 
     async def ask(self, msg: M, operands: Any = None, *, timeout: float | None = None) -> Any:
         """Send ``msg`` and wait for its reply (at most ``timeout`` seconds)."""
@@ -344,54 +442,81 @@ class Actor(Generic[M]):
         raise NotImplementedError
 
     def defer(self, env: Envelope[M]) -> Callable[[BaseException | None, Any], None]:
-        """Take over ``env``'s reply; the returned callable settles it (exc, value)."""
-        self._deferred.add(env)
+        """Take over ``env``'s reply; the returned callable settles it (exc, value), once,
+        from any thread."""
+        with self._mutex:
+            self._deferred.add(env)
 
         def settle(exc: BaseException | None, value: Any = None) -> None:
-            if env not in self._deferred:
-                return
-            self._deferred.discard(env)
+            with self._mutex:
+                if env not in self._deferred:
+                    return
+                self._deferred.discard(env)
+                if exc is not None:
+                    self._failed += 1
+            # Signalled before the reply is: whatever the replied-to caller sends next is
+            # handled after the loop heard that this actor went idle.
+            self._signal()
             if exc is None:
                 env.resolve(value)
             else:
-                self._failed += 1
                 env.fail(exc)
                 if env.reply is None:
                     self.break_with(exc)
-            self._signal()
 
         return settle
 
     def break_with(self, cause: BaseException) -> None:
         """Mark the actor broken: queued and later sends fail with ``ActorBrokenError``."""
-        if self._state is not ActorState.RUNNING:
-            return
-        self._state = ActorState.BROKEN
-        self._cause = cause
+        with self._mutex:
+            if self._state is not ActorState.RUNNING:
+                return
+            self._state = ActorState.BROKEN
+            self._cause = cause
+            left = [*self._fifo, *self._deferred]
+            self._fifo.clear()
+            self._deferred.clear()
         broken = ActorBrokenError("actor broke", actor=self.name, cause=cause)
-        self._fail_queued(broken)
-        for env in list(self._deferred):
+        for env in left:
             env.fail(broken)
-        self._deferred.clear()
         self._signal()
 
-    def _fail_queued(self, exc: BaseException) -> None:
-        while self._fifo:
-            self._fifo.popleft().fail(exc)
-
     def _signal(self) -> None:
+        loop = self._loop
+        if not on_loop(loop):
+            # The loop's events are its own: wake it only when someone waits on one.
+            space, idle = self._space, self._idle
+            if loop is not None and (
+                (space is not None and not space.is_set())
+                or (idle is not None and not idle.is_set())
+            ):
+                with contextlib.suppress(RuntimeError):  # a closed loop: nobody waits
+                    loop.call_soon_threadsafe(self._signal)
+            return
         pending = len(self._fifo) + len(self._deferred)
         if self._space is not None and pending < self._capacity:
             self._space.set()
         if self._idle is not None and (pending == 0 or self._state is not ActorState.RUNNING):
             self._idle.set()
 
-    def _dispatch(self, env: Envelope[M]) -> None:
-        self._busy = True
+    def _wake_task(self) -> None:
+        wake, loop = self._wake, self._loop
+        if wake is None or loop is None:
+            return
+        if on_loop(loop):
+            wake.set()
+        else:
+            with contextlib.suppress(RuntimeError):  # a closed loop: its stop failed the FIFO
+                loop.call_soon_threadsafe(wake.set)
+
+    def _turn(self, env: Envelope[M]) -> None:
+        # The claimed turn (``_busy`` set by the claimer): handle ``env``, give the turn back,
+        # and hand what queued meanwhile to the task.
         try:
             result = self.receive(env)
         except Exception as exc:
-            self._failed += 1
+            with self._mutex:
+                self._failed += 1
             if env.reply is None:
                 self.break_with(exc)
             else:
@@ -400,30 +525,45 @@ class Actor(Generic[M]):
             if result is not DEFERRED:
                 env.resolve(result)
         finally:
-            self._busy = False
-            self._processed += 1
+            with self._mutex:
+                self._busy = False
+                self._processed += 1
+                more = bool(self._fifo)
+            if more:
+                self._wake_task()
         self._signal()
 
     async def _run(self) -> None:
-        # Handles what arrived while the actor was busy, in FIFO order.
+        # Runs on the loop what queued while the actor was busy, in FIFO order.
         wake = self._wake
         assert wake is not None
         while True:
             await wake.wait()
             wake.clear()
-            while self._fifo and not self._busy:
-                env = self._fifo.popleft()
-                if self._state is not ActorState.RUNNING:
+            while True:
+                with self._mutex:
+                    if self._busy or not self._fifo:
+                        break
+                    env = self._fifo.popleft()
+                    running = self._state is ActorState.RUNNING
+                    self._busy = running
+                if running:
+                    self._turn(env)
+                else:
                     env.fail(
                         ActorBrokenError("actor is broken", actor=self.name, cause=self._cause)
                         if self._state is ActorState.BROKEN
                         else ActorClosedError("actor stopped", actor=self.name)
                     )
-                else:
-                    self._dispatch(env)
                 # Drop the envelope now: an idle actor must not keep the last reply (and
                 # any tensors riding beside it) alive while it waits.
                 del env
+
+
+def _arm(env: Envelope[Any], loop: asyncio.AbstractEventLoop, actor: str, timeout: float) -> None:
+    slot = env.reply
+    if slot is not None and not slot.done():
+        env._timer = loop.call_later(timeout, _expire, slot, actor, env.msg, timeout)
 
 
 def _expire(slot: ReplySlot, actor: str, msg: object, timeout: float) -> None:

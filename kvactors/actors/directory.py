@@ -9,7 +9,10 @@ it on an idle list, least recently used first. An idle actor that gets a message
 used again; otherwise it is retired, stopped and forgotten, when more than ``max_idle`` actors
 are idle, or ``idle_seconds`` after it went idle. Retiring an idle actor changes no order: all
 its work ran and all its records are published, and a later message for the same handle
-makes a new actor on the same caller stream. So however many short-lived caller streams come
+makes a new actor on the same caller stream. Any thread may look an actor up (a sender running
+the GatherActor's turn does); retiring claims the actor with ``close_if_idle``, atomically with
+sends, so a sender that raced it finds the actor closed and :meth:`StreamDirectory.get` again
+makes a new one. So however many short-lived caller streams come
 and go, at most ``max_idle`` borrowed-stream actors (and their threads and wrappers) outlive
 their work, plus the ones with work in flight.
 
@@ -21,6 +24,7 @@ from __future__ import annotations
 
 import asyncio
 import collections
+import threading
 from typing import TYPE_CHECKING
 
 from kvactors.actors.stream import StreamActor
@@ -67,16 +71,27 @@ class StreamDirectory:
         self._retiring: set[asyncio.Task[None]] = set()
         self._listeners: list[Callable[[int], None]] = []
         self._closed = False
+        self._lock = threading.Lock()
+        self._loop: asyncio.AbstractEventLoop | None = None
         self.retired = 0
         #: Lanes of retired actors whose threads did not end within the stop timeout.
         self.retired_lanes_abandoned = 0
 
     def get(self, handle: int) -> StreamActor:
-        """The StreamActor for ``handle``, started on first use (call on the event loop)."""
+        """The StreamActor for ``handle``, started on first use (any thread; the first call
+        is made on the event loop)."""
         actor = self._actors.get(handle)
-        if actor is None:
+        if actor is not None:
+            return actor
+        with self._lock:
+            actor = self._actors.get(handle)
+            if actor is not None:
+                return actor
             if self._closed:
                 raise ActorClosedError("streams are closed", actor=self._name(handle))
+            loop = self._loop
+            if loop is None:
+                loop = self._loop = asyncio.get_running_loop()
             stream = self.backend.stream_from_handle(handle, self.index)
             actor = StreamActor(
                 self._name(handle),
@@ -88,15 +103,11 @@ class StreamDirectory:
                 capacity=self._capacity,
                 stop_timeout=self._stop_timeout,
             )
-            actor.start()
+            actor.start(loop)
             if handle != 0:
                 actor.on_idle = lambda: self._went_idle(handle)
             self._actors[handle] = actor
-        else:
-            timer = self._idle.pop(handle, None)
-            if timer is not None:
-                timer.cancel()
-        return actor
+            return actor
 
     def peek(self, handle: int) -> StreamActor | None:
         """The StreamActor of ``handle`` if one runs (any thread; never creates one)."""
@@ -112,7 +123,8 @@ class StreamDirectory:
 
     async def stop(self, *, timeout: float | None) -> None:
         """Stop every StreamActor (graceful, bounded), retiring ones included."""
-        self._closed = True
+        with self._lock:
+            self._closed = True
         for timer in self._idle.values():
             if timer is not None:
                 timer.cancel()
@@ -125,8 +137,10 @@ class StreamDirectory:
     # ---- retirement (on the loop) ------------------------------------------------------
 
     def _went_idle(self, handle: int) -> None:
-        if self._closed or handle in self._idle or handle not in self._actors:
+        actor = self._actors.get(handle)
+        if self._closed or handle in self._idle or actor is None:
             return
+        actor.idle_noted = True
         loop = asyncio.get_running_loop()
         self._idle[handle] = loop.call_later(self.idle_seconds, self._retire, handle)
         while len(self._idle) > self.max_idle:
@@ -140,9 +154,11 @@ class StreamDirectory:
         actor = self._actors.get(handle)
         if actor is None or self._closed:
             return
-        if not actor.idle() or actor.lane.inline:  # used again meanwhile: keep it
-            return
-        del self._actors[handle]
+        actor.idle_noted = False
+        with self._lock:
+            if not actor.close_if_idle():  # used again meanwhile: keep it
+                return
+            del self._actors[handle]
         self.retired += 1
         task = asyncio.get_running_loop().create_task(
             actor.stop(graceful=True, timeout=self._stop_timeout), name=f"retire:{actor.name}"

@@ -14,19 +14,19 @@ Plans are validated once: a :class:`~kvactors.plan_cache.PlanCache` reuses the p
 request whose operands have not changed (same metadata and version counters) and validates
 anything else.
 
-No idle hop. :meth:`GatherActor.run_inline` is the same transfer run on the caller's thread,
-for a blocking caller on a device whose work is complete when launched (CPU), when the
-runtime has no message in transit and the stream's lane is idle (``Lane.claim_inline``): it
-validates (or reuses) the plan, enters the ledger, runs the kernel, leaves the ledger, all on
-the calling thread. The ledger and the counters are therefore shared with the loop under
-``_shared``, a lock held only around their updates; fences released by an inline transfer
-are settled on the loop, in the actor's turn. A transfer entered in the ledger before a
-``Fence`` was handled is waited for by that fence, whichever thread runs it.
+Threads. The actor takes turns on any thread (``turns_anywhere``): a blocking caller that
+finds it idle validates, plans and sends the ``Launch`` on its own thread, and the
+StreamActor, idle too, launches there (see :mod:`kvactors.actors.stream`); a busy actor's
+messages are handled on the loop, in order. Completions arrive from whichever thread saw the
+work complete, so the block ledger, the counters and the fences are kept under one lock.
+
+Stopping gives running transfers the stop timeout; a transfer still running then is failed
+with :class:`~kvactors.errors.TransferAbandonedError` (it may still land), never with the
+"not served" :class:`~kvactors.errors.ActorClosedError`.
 """
 
 from __future__ import annotations
 
-import contextlib
 import itertools
 import logging
 import threading
@@ -38,7 +38,7 @@ from kvactors.actors.actor import DEFERRED, Actor, Envelope, unreachable
 from kvactors.actors.stream import Work
 from kvactors.devices.base import Backend
 from kvactors.devices.cpu import completes_on_launch
-from kvactors.errors import KvactorsError, OperandTypeError, TransferFailedError
+from kvactors.errors import ActorClosedError, OperandTypeError, TransferAbandonedError
 from kvactors.kernels.fast import ScratchCache, run_fast
 from kvactors.kernels.reused import reused_kernel
 from kvactors.ordering import BlockLedger
@@ -58,9 +58,6 @@ if TYPE_CHECKING:
     from collections.abc import Callable, Sequence
 
     from kvactors.actors.directory import StreamDirectory
-    from kvactors.actors.lane import Lane
-    from kvactors.plan_cache import PlanTicket
-    from kvactors.plans import TransferPlan, TransferRequest
 
 __all__ = ("GatherActor", "TransferOperands")
 
@@ -107,6 +104,7 @@ class GatherActor(Actor[GatherRequest]):
     """Plans and orders transfers for one device and answers fences on block ids."""
 
     accepts = (Transfer, Fence, Ping)
+    turns_anywhere = True
 
     def __init__(
         self,
@@ -122,23 +120,20 @@ class GatherActor(Actor[GatherRequest]):
         self.index = index
         self._streams = streams
         self._ledger = BlockLedger()
-        self._shared = threading.Lock()  # ledger and counters: loop and inline callers
+        self._ledger_lock = threading.Lock()  # ledger, counters, fences: any thread
+        # Transfers handed to a stream and not answered: their settles (for a stop).
+        self._running: dict[int, Callable[[BaseException | None, Any], None]] = {}
         self.plans = PlanCache(backend.kind, index)
         self._fences: dict[int, tuple[Callable[..., None], tuple[int, ...], int]] = {}
         self._fence_ids = itertools.count()
         self._scratch: dict[int, ScratchCache] = {}
-        # Staging buffers of inline device calls, one cache per calling thread (a cache serves
-        # one caller at a time; an inline call has synchronized its stream before it returns,
-        # so the next call of that thread may reuse them). Owned here, not by the thread: they
-        # go when the actor stops, not when the thread ends.
-        self._inline_scratch: dict[int, ScratchCache] = {}
         streams.on_retire(self._forget_stream)
         self.bytes_moved = 0
         self.transfers_ok = 0
         self.transfers_failed = 0
-        # Which of the backend's transfer hooks are the defaults, decided once: an inline
-        # transfer on a backend whose launch runs the work at once (CPU) and that adds no
-        # layout rule or native kernel is just the plan lookup and the torch kernel.
+        # Which of the backend's transfer hooks are the defaults, decided once: a backend
+        # whose launch runs the work at once (CPU) and that adds no layout rule or native
+        # kernel runs the specialised kernel of a reused plan.
         cls = type(backend)
         self._plain = (
             cls.prepare_transfer is Backend.prepare_transfer
@@ -149,26 +144,33 @@ class GatherActor(Actor[GatherRequest]):
     @property
     def inflight(self) -> int:
         """Transfers planned and not yet completed."""
-        with self._shared:
+        with self._ledger_lock:
             return self._ledger.inflight
 
     @property
     def scratch_allocations(self) -> int:
         """Staging buffers ever allocated by this device's staged kernels (flat when warm)."""
-        caches = [*self._scratch.values(), *self._inline_scratch.values()]
-        return sum(c.allocations for c in caches)
-
-    def _caller_scratch(self) -> ScratchCache:
-        ident = threading.get_ident()
-        cache = self._inline_scratch.get(ident)
-        if cache is None:  # one thread per ident at a time: no other thread adds this key
-            cache = self._inline_scratch[ident] = ScratchCache()
-        return cache
+        return sum(c.allocations for c in list(self._scratch.values()))
 
     async def on_stop(self, closed: Any) -> None:
-        """Release the inline callers' staging buffers (no inline call starts once the
-        runtime closed; one still running keeps its own cache until it returns)."""
-        self._inline_scratch.clear()
+        """Fail every transfer still running with :class:`TransferAbandonedError`: it was
+        handed to its stream, so it may still land (the drain before gave it the timeout).
+        Release the staging buffers."""
+        with self._ledger_lock:
+            running, self._running = self._running, {}
+        # Staging buffers go with the runtime (a kernel still running keeps its own).
+        self._scratch.clear()
+        device = f"{self.backend.kind}:{self.index}"
+        for tid, settle in running.items():
+            settle(
+                TransferAbandonedError(
+                    "the runtime closed before the device finished it; the copy may still "
+                    "land: synchronize the stream (or end the process) before reusing its memory",
+                    transfer_id=tid,
+                    device=device,
+                ),
+                None,
+            )
 
     def receive(self, env: Envelope[GatherRequest]) -> Any:
         """Dispatch one message."""
@@ -194,7 +196,6 @@ class GatherActor(Actor[GatherRequest]):
         # Device layout rules first (MLU vLLM layouts, MUSA format set): metadata only.
         request, paged, objects = self.backend.prepare_transfer(msg.request, ops.paged, ops.objects)
         plan, ticket = self.plans.lookup(request, paged, objects)
-        stream = self._streams.get(msg.stream_handle)
         scratch = self._scratch.get(msg.stream_handle)
         if scratch is None:
             scratch = self._scratch[msg.stream_handle] = ScratchCache()
@@ -202,8 +203,8 @@ class GatherActor(Actor[GatherRequest]):
         memo = None if ticket is None else ticket.memo
 
         inference = ticket is not None and ticket.inference
-        # A plain backend's plan from the cache runs the kernel the inline path runs,
-        # specialised on the lane, never on the loop.
+        # A plain backend's plan from the cache runs its specialised kernel (built where the
+        # launch runs, never on the loop).
         shared = ticket.shared if self._plain and ticket is not None else None
 
         def torch_kernel() -> None:
@@ -227,9 +228,10 @@ class GatherActor(Actor[GatherRequest]):
         launch = Launch(transfer_id=msg.transfer_id, nbytes=plan.nbytes)
         tid = msg.transfer_id
         blocks = len(plan.touched_blocks)
-        with self._shared:
-            self._ledger.begin(tid, plan.touched_blocks)
         settle = self.defer(env)
+        with self._ledger_lock:
+            self._ledger.begin(tid, plan.touched_blocks)
+            self._running[tid] = settle
         answer = TransferDone(transfer_id=tid, nbytes=plan.nbytes, blocks=blocks)
 
         def on_enqueued() -> None:
@@ -256,13 +258,25 @@ class GatherActor(Actor[GatherRequest]):
         # every backend kernel wraps, and the plan ticket's tensors). No separate keepalive.
         work = Work(kernel, on_enqueued=None if msg.complete else on_enqueued)
         try:
-            stream.ask_into(_Callback(on_done), launch, work)
+            self._send(msg.stream_handle, _Callback(on_done), launch, work)
         except Exception as exc:
             on_done(exc, None)
         return DEFERRED
 
+    def _send(self, handle: int, reply: _Callback, launch: Launch, work: Work) -> None:
+        stream = self._streams.get(handle)
+        try:
+            stream.ask_into(reply, launch, work)
+        except ActorClosedError:
+            if self._streams.peek(handle) is stream:
+                raise
+            # The directory retired that idle actor between the lookup and the send (it
+            # refused the message, nothing ran): the handle's new actor takes it.
+            self._streams.get(handle).ask_into(reply, launch, work)
+
     def _finish(self, tid: int, ok: bool, nbytes: int) -> list[int]:
-        with self._shared:
+        with self._ledger_lock:
+            self._running.pop(tid, None)
             released = self._ledger.finish(tid)
             if ok:
                 self.transfers_ok += 1
@@ -271,142 +285,23 @@ class GatherActor(Actor[GatherRequest]):
                 self.transfers_failed += 1
         return released
 
-    def run_inline(
-        self,
-        transfer_id: int,
-        request: TransferRequest,
-        paged: Any,
-        objects: Sequence[torch.Tensor],
-        lane: Lane,
-    ) -> TransferDone | None:
-        """Run a transfer on the calling thread (module docstring), or return ``None`` without
-        touching anything when ``lane`` is not idle (then send a ``Transfer`` instead).
-
-        Validation errors raise before anything is claimed or copied; a failed copy raises
-        :class:`~kvactors.errors.TransferFailedError`.
-        """
-        backend = self.backend
-        plain = self._plain
-        if not plain:
-            request, paged, objects = backend.prepare_transfer(request, paged, objects)
-        plans = self.plans
-        plan, ticket = plans.lookup(request, paged, objects)
-        # The reply, made while the plan is in cache (after the copy it would not be).
-        done = TransferDone(
-            transfer_id=transfer_id, nbytes=plan.nbytes, blocks=len(plan.touched_blocks)
-        )
-        if not lane.claim_inline():
-            return None
-        shared = self._shared
-        try:
-            with shared:
-                self._ledger.begin(transfer_id, plan.touched_blocks)
-            ok = False
-            try:
-                if ticket is not None:
-                    plans.running(ticket)
-                if plain:  # launch would call the kernel at once; its marker is complete
-                    if ticket is None:
-                        run_fast(plan, paged, objects)
-                    else:
-                        reused_kernel(
-                            plan,
-                            paged,
-                            objects,
-                            ticket.memo,
-                            ticket.shared,
-                            inference=ticket.inference,
-                        )(paged, objects)
-                else:
-                    self._launch_inline(backend, lane, plan, paged, objects, ticket)
-                ok = True
-            except BaseException as exc:
-                plans.failed(ticket)
-                if not plain:
-                    # What the launch enqueued before it failed still runs: the caller may
-                    # reuse its operands once this raises, so wait for the stream first (own
-                    # until done).
-                    with contextlib.suppress(Exception):
-                        backend.record_marker(lane.stream).synchronize()
-                failure = _inline_failed(exc, transfer_id, f"{backend.kind}:{self.index}")
-                if failure is exc:
-                    raise
-                raise failure from exc
-            finally:
-                # _finish, inline: the first Python to run after a copy pays for every
-                # object it touches again, a call frame included.
-                with shared:
-                    released = self._ledger.finish(transfer_id)
-                    if ok:
-                        self.transfers_ok += 1
-                        self.bytes_moved += plan.nbytes
-                    else:
-                        self.transfers_failed += 1
-                if released and self._loop is not None:
-                    # A closed loop means the runtime stopped, and its stop failed the fences.
-                    with contextlib.suppress(RuntimeError):
-                        self._loop.call_soon_threadsafe(self._release, released)
-        finally:
-            lane.end_inline()
-        if ticket is not None and not ticket.advanced:
-            plans.settle(plan, ticket)
-        return done
-
-    def _launch_inline(
-        self,
-        backend: Backend,
-        lane: Lane,
-        plan: TransferPlan,
-        paged: Any,
-        objects: Sequence[torch.Tensor],
-        ticket: PlanTicket | None,
-    ) -> None:
-        # An inline device call: the kernel launched on the lane's stream from the caller's
-        # thread, staging through the caller's own buffers, then waited for.
-        stream = lane.stream
-        scratch = self._caller_scratch()
-        memo = None if ticket is None else ticket.memo
-        backend.launch(
-            stream,
-            backend.transfer_kernel(
-                plan,
-                paged,
-                objects,
-                lambda: run_fast(
-                    plan,
-                    paged,
-                    objects,
-                    copy=backend.copy_,  # the device's copy policy (rule 6)
-                    scratch=scratch,
-                    memo=memo,
-                    checked=memo is not None,
-                ),
-            ),
-        )
-        backend.record_marker(stream).synchronize()
-
     def _forget_stream(self, handle: int) -> None:
         # The stream's actor retired idle: no work of it is left, its staging buffers go.
         self._scratch.pop(handle, None)
 
     def _fence(self, env: Envelope[GatherRequest], msg: Fence) -> Any:
         fid = next(self._fence_ids)
-        with self._shared:
+        with self._ledger_lock:
             waits = self._ledger.fence(fid, msg.block_ids)
-        if waits == 0:
-            return Fenced(block_ids=msg.block_ids, waited_for=0)
-        self._fences[fid] = (self.defer(env), msg.block_ids, waits)
+            if waits == 0:
+                return Fenced(block_ids=msg.block_ids, waited_for=0)
+            self._fences[fid] = (self.defer(env), msg.block_ids, waits)
         return DEFERRED
 
     def _release(self, fence_ids: list[int]) -> None:
-        for fid in fence_ids:
-            settle, block_ids, waits = self._fences.pop(fid)
+        if not fence_ids:
+            return
+        with self._ledger_lock:
+            released = [self._fences.pop(fid) for fid in fence_ids]
+        for settle, block_ids, waits in released:
             settle(None, Fenced(block_ids=block_ids, waited_for=waits))
-
-
-def _inline_failed(err: BaseException, transfer_id: int, device: str) -> BaseException:
-    if isinstance(err, KvactorsError):
-        return err
-    return TransferFailedError(
-        str(err) or type(err).__name__, transfer_id=transfer_id, device=device
-    )

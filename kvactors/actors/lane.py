@@ -9,7 +9,11 @@ A launched job's completion marker and its *lease* (the callable and the tensors
 writes) go to the lane's reaper, a second thread that waits for markers in FIFO order. Only
 when a marker completed does the reaper drop the lease and report back, so operands outlive
 the device work that uses them even when the caller has long forgotten them (rule 3). The
-event loop never blocks: threads report back through ``call_soon_threadsafe``.
+event loop never blocks.
+
+A StreamActor whose turn runs on a sender's thread while the lane has no job queued or running
+launches there instead of submitting (the stream order is the same: nothing is ahead of it);
+its marker still goes to the reaper, behind every earlier one.
 """
 
 from __future__ import annotations
@@ -36,16 +40,13 @@ class Lane:
         self.backend = backend
         self.index = index
         self.stream = stream
-        self._jobs: queue.SimpleQueue[Any] = queue.SimpleQueue()
+        self._queue: queue.SimpleQueue[Any] = queue.SimpleQueue()
         self._watch: queue.SimpleQueue[Any] = queue.SimpleQueue()
         self._lock = threading.Lock()
         self._submitted = 0
         self._completed = 0
         self._watching = 0
-        self._inline = 0
-        self._held_back = 0
-        self._inline_done = threading.Condition(self._lock)
-        self._closed = False
+        self._jobs = 0
         self._thread = threading.Thread(target=self._run, name=f"lane:{name}", daemon=True)
         self._reaper = threading.Thread(target=self._reap, name=f"reap:{name}", daemon=True)
         self._bind_error: BaseException | None = None
@@ -71,35 +72,13 @@ class Lane:
         """Queue ``job`` behind every job submitted before it."""
         with self._lock:
             self._submitted += 1
-        self._jobs.put(job)
+            self._jobs += 1
+        self._queue.put(job)
 
-    def claim_inline(self) -> bool:
-        """Claim the idle lane for one job run on the caller's thread (module docstring);
-        ``False`` when anything is queued or watched, or the lane is stopping."""
+    def jobs_idle(self) -> bool:
+        """Whether no job is queued or running (launched work may still be watched)."""
         with self._lock:
-            if self._closed or self._submitted != self._completed:
-                return False
-            self._inline += 1
-            return True
-
-    def end_inline(self) -> None:
-        """End a claim taken with :meth:`claim_inline`."""
-        with self._lock:
-            self._inline -= 1
-            if self._inline == 0 and self._held_back:  # the lane thread waits (below)
-                self._inline_done.notify_all()
-
-    @property
-    def inline(self) -> int:
-        """Inline claims held now."""
-        with self._lock:
-            return self._inline
-
-    @property
-    def held_back(self) -> int:
-        """Jobs (0 or 1) the lane thread holds back until inline work ends."""
-        with self._lock:
-            return self._held_back
+            return self._jobs == 0
 
     def reaper_idle(self) -> bool:
         """Whether the reaper holds no lease (so a completed launch may answer directly)."""
@@ -123,9 +102,7 @@ class Lane:
 
     def stop(self, timeout: float | None) -> bool:
         """Let queued jobs finish, then end both threads; False if they did not end in time."""
-        with self._lock:
-            self._closed = True
-        self._jobs.put(_STOP)
+        self._queue.put(_STOP)
         self._thread.join(timeout)
         if self._thread.is_alive():
             return False  # abandoned: the lane stops its reaper itself if it ever ends
@@ -142,13 +119,7 @@ class Lane:
         except BaseException as exc:  # reported to every job below
             self._bind_error = exc
         while True:
-            job = self._jobs.get()
-            if self._inline:
-                with self._lock:  # jobs queued behind inline work wait for it to end
-                    self._held_back += 1
-                    while self._inline:
-                        self._inline_done.wait()
-                    self._held_back -= 1
+            job = self._queue.get()
             if job is _STOP:
                 # Everything launched before was handed to the reaper: it drops those leases
                 # first, then ends. Done here, not in stop(), so that a lane stop() gave up
@@ -159,7 +130,9 @@ class Lane:
                 job()
             finally:
                 del job
-                self._finish_one()
+                with self._lock:
+                    self._completed += 1
+                    self._jobs -= 1
 
     def _reap(self) -> None:
         while True:

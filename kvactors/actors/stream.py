@@ -1,9 +1,13 @@
 """StreamActor: one device stream, its lane thread, and sync-then-publish.
 
 Theory of operation. The actor's mailbox order is the stream order: every message becomes one
-job on the stream's lane, submitted in the order the messages arrived. ``Launch`` puts device
-work on the stream and hands its lease to the reaper, which answers only when the work's marker
-completed (rule 3, own until done). ``RecordCompletion`` and ``RecordEvent`` reserve their slot
+job on the stream's lane, submitted in the order the messages arrived, except a ``Launch``
+whose turn runs on a sender's thread (not the loop's) while the lane has no job queued or
+running: nothing is ahead of it, so that thread launches it itself (device work never runs on
+the event loop). ``Launch`` puts device work on the stream and hands its lease to the reaper,
+which answers only when the work's marker completed (rule 3, own until done); a launch whose
+marker is already complete (CPU) answers at once, on the thread that launched it.
+``RecordCompletion`` and ``RecordEvent`` reserve their slot
 in the outbox at once (submission order) but publish from the lane only after synchronizing the
 stream, so no record becomes drainable before every earlier piece of work on the stream ran
 (rule 1, sync-then-publish). ``Sync`` is the same barrier with a reply.
@@ -27,7 +31,7 @@ import logging
 import time
 from typing import TYPE_CHECKING, Any, final
 
-from kvactors.actors.actor import DEFERRED, Actor, ActorState, Envelope, unreachable
+from kvactors.actors.actor import DEFERRED, Actor, ActorState, Envelope, on_loop, unreachable
 from kvactors.actors.lane import Lane
 from kvactors.errors import (
     DeviceOpError,
@@ -80,6 +84,7 @@ class StreamActor(Actor[StreamRequest]):
     """Owns one stream (or a borrowed caller stream) and orders all work and records on it."""
 
     accepts = (Launch, RecordCompletion, RecordEvent, Sync)
+    turns_anywhere = True
 
     def __init__(
         self,
@@ -108,6 +113,8 @@ class StreamActor(Actor[StreamRequest]):
         self._records: set[tuple[Outbox[Any], int]] = set()
         #: Called on the loop when the actor holds nothing (see the module docstring).
         self.on_idle: Callable[[], None] | None = None
+        #: Set by the directory while it lists this actor as idle (no need to tell it again).
+        self.idle_noted = False
 
     def _synchronize(self) -> None:
         # Runs on the lane thread (the only writer of these counters).
@@ -118,10 +125,10 @@ class StreamActor(Actor[StreamRequest]):
             self.sync_seconds += time.perf_counter() - t0
             self.syncs += 1
 
-    def start(self) -> None:
+    def start(self, loop: asyncio.AbstractEventLoop | None = None) -> None:
         """Start the lane threads, then the actor task."""
         self.lane.start()
-        super().start()
+        super().start(loop)
 
     async def on_stop(self, closed: Any) -> None:
         """Let the lane finish queued work (bounded), then end its threads; withdraw every
@@ -146,23 +153,18 @@ class StreamActor(Actor[StreamRequest]):
     def _signal(self) -> None:
         super()._signal()
         hook = self.on_idle
-        if hook is not None and self.idle():
+        if hook is None or not self.idle():
+            return
+        loop = self._loop
+        if on_loop(loop):
             hook()
+        elif loop is not None and not self.idle_noted:
+            with contextlib.suppress(RuntimeError):  # a closed loop: nothing to retire
+                loop.call_soon_threadsafe(self._signal)
 
     def idle(self) -> bool:
         """Whether the actor holds nothing: no envelope queued, no reply outstanding."""
         return self.state is ActorState.RUNNING and self.pending == 0 and not self._busy
-
-    def _post(self) -> Callable[..., None]:
-        loop = self._loop
-        assert loop is not None
-
-        def post(fn: Callable[..., None], *args: Any) -> None:
-            # A closed loop means the runtime is shutting down; its stop settles everything.
-            with contextlib.suppress(RuntimeError):
-                loop.call_soon_threadsafe(fn, *args)
-
-        return post
 
     def receive(self, env: Envelope[StreamRequest]) -> Any:
         """Turn the message into one lane job, in mailbox order."""
@@ -187,24 +189,24 @@ class StreamActor(Actor[StreamRequest]):
                 f"Launch needs a Work operand bundle, got {type(work).__name__}", field="operands"
             )
         env.operands = None
-        post = self._post()
         backend, stream, lane = self.backend, self.stream, self.lane
         settle = self.defer(env)
         tid, nbytes, device = msg.transfer_id, msg.nbytes, self._device
 
         def done(err: BaseException | None) -> None:
             if err is None:
-                post(settle, None, Launched(transfer_id=tid, nbytes=nbytes))
+                settle(None, Launched(transfer_id=tid, nbytes=nbytes))
             else:
-                post(settle, _failed(err, tid, device), None)
+                settle(_failed(err, tid, device), None)
 
         enqueued = work.on_enqueued
         work.on_enqueued = None
+        here = not on_loop(self._loop) and lane.jobs_idle()
 
         def launch() -> None:
             lease = work
             try:
-                if lane.bind_error is not None:
+                if not here and lane.bind_error is not None:
                     raise lane.bind_error
                 backend.launch(stream, lease.fn)
                 marker = backend.record_marker(stream)
@@ -220,11 +222,11 @@ class StreamActor(Actor[StreamRequest]):
                 lane.watch(marker, lease, lambda _err: done(failure))
                 return
             if enqueued is not None:
-                post(enqueued)
+                enqueued()
             if marker.query() and lane.reaper_idle():
                 # Already complete (CPU work is, when launched) and nothing earlier is still
-                # watched: answer from here, skipping a hop through the reaper. The
-                # synchronize returns at once, and it is where a stream error surfaces.
+                # watched: answer from here. The synchronize returns at once, and it is where
+                # a stream error surfaces.
                 err: BaseException | None = None
                 try:
                     marker.synchronize()
@@ -235,10 +237,12 @@ class StreamActor(Actor[StreamRequest]):
                 return
             lane.watch(marker, lease, done)
 
-        lane.submit(launch)
+        if here:
+            launch()  # the sender's thread: nothing queued on the lane is ahead of it
+        else:
+            lane.submit(launch)
 
     def _record(self, env: Envelope[StreamRequest], outbox: Outbox[Any], record: Any) -> None:
-        post = self._post()
         seq = outbox.reserve()
         mine = (outbox, seq)
         self._records.add(mine)
@@ -250,16 +254,15 @@ class StreamActor(Actor[StreamRequest]):
             except BaseException as exc:
                 outbox.withdraw(seq)
                 self._records.discard(mine)
-                post(settle, _sync_failed(exc, self._device), None)
+                settle(_sync_failed(exc, self._device), None)
                 return
             outbox.publish(seq, record)
             self._records.discard(mine)
-            post(settle, None, None)
+            settle(None, None)
 
         self.lane.submit(publish)
 
     def _sync(self, env: Envelope[StreamRequest]) -> None:
-        post = self._post()
         lane = self.lane
         settle = self.defer(env)
 
@@ -267,11 +270,11 @@ class StreamActor(Actor[StreamRequest]):
             try:
                 self._synchronize()
             except BaseException as exc:
-                post(settle, _sync_failed(exc, self._device), None)
+                settle(_sync_failed(exc, self._device), None)
                 return
             # Answer from the reaper, so every lease of earlier work is dropped first:
             # whoever acts on the barrier (an IPC close) finds no host reference left.
-            lane.after_reaped(lambda: post(settle, None, Synced(completed=lane.completed)))
+            lane.after_reaped(lambda: settle(None, Synced(completed=lane.completed)))
 
         lane.submit(sync)
 

@@ -14,7 +14,6 @@ import gc
 import multiprocessing
 import os
 import threading
-import time
 import weakref
 from typing import Any
 
@@ -30,6 +29,7 @@ from kvactors.errors import (
     DeviceOpError,
     KvactorsError,
     MailboxFullError,
+    TransferAbandonedError,
     TransferFailedError,
 )
 from kvactors.layouts import Direction
@@ -216,17 +216,15 @@ def test_shutdown_with_transfers_in_flight_is_bounded_and_fails_every_caller() -
     for t in threads:
         t.start()
     assert backend.wait_for(lambda b: b.queued() == 3)
-    t0 = time.monotonic()
     with pytest.raises(DeviceOpError, match="did not end"):  # the lane still waits on the device
         rt.close(timeout=0.2)
     for t in threads:
         t.join(10)
-    elapsed = time.monotonic() - t0
-    assert not any(t.is_alive() for t in threads)
-    assert elapsed < 8.0, f"close took {elapsed:.1f}s"
+    assert not any(t.is_alive() for t in threads)  # bounded: every caller was answered
     assert results == []
     assert len(failures) == 3
-    assert all(isinstance(f, ActorClosedError) for f in failures), failures
+    # All three were enqueued on the device: "may still land", never "not served".
+    assert all(isinstance(f, TransferAbandonedError) for f in failures), failures
     backend.release()  # the abandoned device work may still run: its operands are alive
     assert backend.use_after_free == 0
     with pytest.raises(ActorClosedError):
@@ -249,8 +247,9 @@ async def test_stop_with_transfers_in_flight_leaves_no_ask_pending() -> None:
     await dev.stop(timeout=0.2)
     pending = [a for a in [*asks, fence] if not a.done()]
     assert pending == [], "an ask was left pending after shutdown"
-    for a in [*asks, fence]:
-        assert isinstance(a.exception(), ActorClosedError)
+    for a in asks:  # enqueued on the device: they may still land
+        assert isinstance(a.exception(), TransferAbandonedError)
+    assert isinstance(fence.exception(), ActorClosedError)  # never answered: not served
     backend.release()
     assert backend.use_after_free == 0
 

@@ -1,33 +1,21 @@
-"""Messages in transit: an ``a*`` call made before a blocking ``transfer`` by the same thread
-is ordered before it, even when the blocking call could run inline on the caller's thread.
+"""Program order across entry points: an ``a*`` call admitted before a blocking ``transfer``
+is ordered before it, on every device.
 
-``Runtime.transfer`` runs inline only while no message of the runtime is in transit, that is,
-sent with ``call_soon_threadsafe`` and not yet in its actor's mailbox. These tests make "in
-transit" certain instead of likely: the earlier message is held on the event loop inside its
-own delivery (the backend's ``prepare_transfer`` blocks on a gate, on the loop thread, while
-the GatherActor handles the message, before it reached the lane), and the gate opens only
-once the later call either returned (it ran inline: the rule is broken) or handed its
-message to the loop (it queued behind the held one: the rule holds). The second condition is
-observed on the runtime's own event loop, built by an asyncio event-loop policy installed
-only while the runtime starts; its ``call_soon_threadsafe`` opens the gate for the one thread
-that armed it. No sleeps, no timeouts that decide the outcome: each case fails on the data
-(the program-order result against the overtaken one) when the ``not self._in_transit``
-condition of ``Runtime.transfer`` is removed; the first two also when ``_arrived`` is counted
-before the message reached the mailbox (in the third the fence behind the held store is
-still in transit then).
-
-On CPU the runtime runs idle blocking transfers inline by default. On the fake MLU and MUSA
-(device work runs later, on the stream's thread) it does only when asked (``inline=True``);
-the same order must hold there, on the stream.
+The earlier message is held inside its own turn (the backend's ``prepare_transfer`` blocks on
+a gate while the GatherActor handles it, on the loop, before it reached the stream), and the
+gate opens only once the later call either returned (it overtook: the rule is broken) or
+queued its message behind the held one (public statistics show the GatherActor's mailbox
+depth; the rule holds). No sleeps, no timeouts that decide the outcome: each case fails on the
+data (the program-order result against the overtaken one) when ``Actor._deliver`` lets a
+sender claim the turn of an actor with a queued message.
 """
 
 from __future__ import annotations
 
-import asyncio
 import contextlib
 import dataclasses
 import threading
-from typing import TYPE_CHECKING, Any, TypeVarTuple, Unpack
+from typing import TYPE_CHECKING, Any, TypeVarTuple
 
 import pytest
 import torch
@@ -42,7 +30,6 @@ from kvactors.testing import fake_vendor
 from tests.scenarios import _kv
 
 if TYPE_CHECKING:
-    import contextvars
     from collections.abc import Callable, Iterator, Sequence
 
     from kvactors.plans import TransferRequest
@@ -101,40 +88,9 @@ class _HeldMusa(_Held, MusaBackend):
     pass
 
 
-class _WatchedLoop(asyncio.SelectorEventLoop):
-    """The runtime's loop; ``call_soon_threadsafe`` from the armed thread runs a hook after the
-    callback is queued (that thread's message is then submitted to the loop)."""
-
-    def __init__(self) -> None:
-        super().__init__()
-        self._armed: tuple[int, Callable[[], None]] | None = None
-
-    @contextlib.contextmanager
-    def on_submit(self, hook: Callable[[], None]) -> Iterator[None]:
-        self._armed = (threading.get_ident(), hook)
-        try:
-            yield
-        finally:
-            self._armed = None
-
-    def call_soon_threadsafe(
-        self,
-        callback: Callable[[Unpack[_Ts]], object],
-        *args: Unpack[_Ts],
-        context: contextvars.Context | None = None,
-    ) -> asyncio.Handle:
-        handle = super().call_soon_threadsafe(callback, *args, context=context)
-        armed = self._armed
-        if armed is not None and armed[0] == threading.get_ident():
-            self._armed = None
-            armed[1]()
-        return handle
-
-
 @dataclasses.dataclass
 class _Rig:
     rt: Runtime
-    loop: _WatchedLoop
     gate: _Gate
     fake: FakeVendor | None
 
@@ -150,12 +106,30 @@ class _Rig:
         return torch.stack([read(t)[:, list(IDS)] for t in layers])
 
     def after_held(self, call: Callable[[], object]) -> None:
-        """Run ``call`` (a blocking transfer) while the earlier transfer is held in transit;
+        """Run ``call`` (a blocking transfer) while the earlier transfer is held in its turn;
         open the gate once ``call`` queued its message (rule kept) or returned (broken)."""
-        assert self.gate.entered.wait(_WAIT), "the earlier transfer never reached the loop"
-        with self.loop.on_submit(self.gate.open):
-            call()
-        self.gate.open()  # ran inline: nothing was queued, so the hook never fired
+        assert self.gate.entered.wait(_WAIT), "the earlier transfer never reached its turn"
+        failure: list[BaseException] = []
+
+        def run() -> None:
+            try:
+                call()
+            except BaseException as exc:
+                failure.append(exc)
+
+        caller = threading.Thread(target=run)
+        caller.start()
+        while caller.is_alive() and not self._queued():
+            caller.join(0.001)  # a state wait: whichever comes first decides nothing by time
+        self.gate.open()
+        caller.join(_WAIT)
+        assert not caller.is_alive()
+        if failure:
+            raise failure[0]
+
+    def _queued(self) -> bool:
+        stats = self.rt.statistics()
+        return any(a.name.startswith("gather:") and a.mailbox_depth for a in stats.actors)
 
 
 def _backend(kind: str) -> _Held:
@@ -168,30 +142,14 @@ def _backend(kind: str) -> _Held:
 
 @contextlib.contextmanager
 def _rig(kind: str) -> Iterator[_Rig]:
-    loops: list[_WatchedLoop] = []
-
-    class Policy(asyncio.DefaultEventLoopPolicy):
-        def new_event_loop(self) -> asyncio.AbstractEventLoop:
-            loop = _WatchedLoop()
-            loops.append(loop)
-            return loop
-
     with contextlib.ExitStack() as stack:
         fake = None if kind == "cpu" else stack.enter_context(fake_vendor(kind, seed=7))
         backend = _backend(kind)
-        previous = asyncio.get_event_loop_policy()
-        asyncio.set_event_loop_policy(Policy())
-        try:
-            # CPU: the default (inline); the fake accelerators: inline on request.
-            rt = Runtime(backend, inline=None if kind == "cpu" else True).start()
-        finally:
-            asyncio.set_event_loop_policy(previous)
+        rt = Runtime(backend).start()
         stack.callback(rt.close)
         stack.callback(backend.gate.open)  # never leave the loop blocked, even on failure
-        assert rt.inline
-        assert len(loops) == 1
         backend.gate.hold_next()
-        yield _Rig(rt, loops[0], backend.gate, fake)
+        yield _Rig(rt, backend.gate, fake)
 
 
 def _chunk(fill: float) -> list[torch.Tensor]:

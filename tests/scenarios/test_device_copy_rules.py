@@ -1,7 +1,7 @@
-"""``Runtime(inline=True)`` on an accelerator keeps the device's copy rules.
+"""A transfer launched on the caller's thread on an accelerator keeps the device's copy rules.
 
-On CPU the runtime runs idle blocking transfers on the caller's thread by default; on MLU and
-MUSA only when asked (``inline=True``). Either way the transfer must copy as the lane would:
+A caller that finds the actors idle launches its copies on its own thread, else the stream's
+lane does (one route, see ``docs/architecture.md``). Either way the transfer copies alike:
 rule 6 (blocking strided D2H) comes from the backend's copy policy (``Backend.copy_``), and
 the fake vendors' ``strided_d2h_bug`` knob reproduces torch_mlu's bug deterministically (an
 asynchronous device-to-host copy into a non-contiguous host slice leaves zeros there, even
@@ -35,27 +35,26 @@ def _backend(kind: str) -> Backend:
     return MusaBackend()
 
 
-@pytest.mark.parametrize("inline", [False, True], ids=["mailbox", "inline"])
 @pytest.mark.parametrize("kind", ["mlu", "musa"])
-def test_rule6_partial_chunk_gather_is_exact_on_both_routes(kind: str, inline: bool) -> None:
+def test_rule6_partial_chunk_gather_is_exact(kind: str) -> None:
     with fake_vendor(kind, strided_d2h_bug=True, seed=1) as fake:
         host = paged(3)
         src = [fake.adopt(t) for t in host]
-        with Runtime(_backend(kind), inline=inline) as rt:
-            assert rt.inline is inline
+        with Runtime(_backend(kind)) as rt:
             out = [o.pin_memory() for o in objects(2)]
             rt.transfer(request(Direction.D2H, IDS), src, out)
             stats = rt.statistics()
         launches = sum(a.processed for a in stats.actors if a.name.startswith("stream:"))
-        assert launches == (0 if inline else 1)  # the route asked for is the route taken
+        assert launches == 1  # one route: the transfer was a Launch on the stream actor
         want = expected_gather(host, IDS)
         exact = all(same(a, b) for a, b in zip(out, want, strict=True))
         assert exact, "a strided device-to-host copy was not blocking: the chunk holds zeros"
 
 
 @pytest.mark.parametrize("kind", ["mlu", "musa"])
-def test_inline_staging_buffers_belong_to_the_runtime_and_go_when_it_closes(kind: str) -> None:
-    """Inline device calls stage through device buffers. They are the runtime's (counted in
+def test_staging_buffers_belong_to_the_runtime_and_go_when_it_closes(kind: str) -> None:
+    """Device calls (launched on the caller's thread or the lane) stage through device
+    buffers. They are the runtime's (counted in
     ``scratch_allocations``) and released when it closes, not kept by the calling thread
     until it ends (a long-lived engine thread would hold device memory of a closed runtime)."""
     import gc
@@ -68,11 +67,11 @@ def test_inline_staging_buffers_belong_to_the_runtime_and_go_when_it_closes(kind
     before = {id(c) for c in caches()}
     with fake_vendor(kind, seed=1) as fake:
         src = [fake.adopt(t) for t in paged(3)]
-        with Runtime(_backend(kind), inline=True) as rt:
+        with Runtime(_backend(kind)) as rt:
             rt.transfer(request(Direction.D2H, IDS), src, objects(2))
             stats = rt.statistics()
             mine = [c for c in caches() if id(c) not in before]
-            assert mine, "the inline call staged through a cache the runtime does not own"
+            assert mine, "the call staged through a cache the runtime does not own"
             assert stats.scratch_allocations == sum(c.allocations for c in mine)
             del mine
         gc.collect()
