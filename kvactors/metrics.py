@@ -117,6 +117,13 @@ def samples(stats: DeviceStatistics) -> list[Sample]:
             float(stats.ipc_owners_closed),
         ),
         Sample(
+            "kvactors_ipc_owners_kept",
+            "gauge",
+            "IPC owners kept open because a stream sync before their close failed or timed out",
+            dev,
+            float(stats.ipc_owners_kept),
+        ),
+        Sample(
             "kvactors_lanes_abandoned_total",
             "counter",
             "Stream lanes whose threads did not end within the stop timeout",

@@ -15,6 +15,7 @@ from kvactors.errors import (
     ActorClosedError,
     DeadlineExceededError,
     DeviceOpError,
+    IPCError,
     OperandTypeError,
     TransferAbandonedError,
     TransferValidationError,
@@ -273,3 +274,42 @@ def test_statistics_count_stream_syncs_and_wait_time() -> None:
         names = [a.name for a in stats.actors]
         assert names[:2] == ["gather:cpu:0", "ipc:cpu:0"]
         assert any(n.startswith("stream:cpu:0:") for n in names)
+
+
+def test_f1_ipc_owner_kept_open_when_the_sync_before_its_close_times_out() -> None:
+    """F1 (close after sync): a close whose stream barrier times out releases nothing; the
+    error says the owners were kept and the statistics count them; a later close that syncs
+    releases them."""
+    backend = ManualBackend()  # the device runs nothing until released
+    fmt = KVFormat.NL_X_TWO_NB_BS_NH_HS
+    paged = _nhd(5)
+    shared = backend.alloc_shared((16,), torch.float32)
+    assert shared.tensor is not None
+    rt = Runtime(backend, stop_timeout=0.2).start()
+    try:
+        rt.open_ipc(backend.ipc_export(shared.tensor), context_id=1)
+        t = threading.Thread(
+            target=rt.transfer,
+            args=(
+                _request(fmt, Direction.D2H, [1], "bfloat16"),
+                paged,
+                _objects(fmt, 1, torch.bfloat16),
+            ),
+        )
+        t.start()
+        assert backend.wait_for(lambda b: b.queued() == 1)  # the stream is busy with a copy
+        with pytest.raises(IPCError, match="1 IPC owner\\(s\\) kept open") as info:
+            rt.close_ipc_context(1)
+        assert isinstance(info.value.__cause__, DeadlineExceededError)
+        stats = rt.statistics()
+        assert (stats.ipc_owners_kept, stats.ipc_owners_open, stats.ipc_owners_closed) == (1, 1, 0)
+        assert backend.owners_closed == 0
+        backend.release()
+        t.join(10)
+        assert rt.close_ipc_context(1).owners_closed == 1  # synced now: released
+        stats = rt.statistics()
+        assert (stats.ipc_owners_kept, stats.ipc_owners_open, stats.ipc_owners_closed) == (0, 0, 1)
+    finally:
+        backend.release()
+        rt.close()
+        shared.close()

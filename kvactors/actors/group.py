@@ -43,6 +43,11 @@ class DeviceStatistics(msgspec.Struct, frozen=True, kw_only=True):
     """Stream lanes whose threads did not end within the stop timeout (may still run)."""
     ipc_owners_opened: int = 0
     ipc_owners_closed: int = 0
+    """IPC owners closed (after every stream that could use them synchronized)."""
+    ipc_owners_kept: int = 0
+    """IPC owners kept open, now, because a stream sync before their close failed or timed
+    out (a leak is recoverable, a freed mapping under a running copy is not); a later close
+    of the context that syncs releases them."""
     records_published: int = 0
     """Completion and event records made drainable (after their stream ran)."""
     records_withdrawn: int = 0
@@ -151,6 +156,7 @@ class DeviceActors:
             lanes_abandoned=self.lanes_abandoned,
             ipc_owners_opened=self.ipc.owners_opened,
             ipc_owners_closed=self.ipc.owners_closed,
+            ipc_owners_kept=self.ipc.owners_kept,
             records_published=self.completions.published + self.events.published,
             records_withdrawn=self.completions.withdrawn + self.events.withdrawn,
             streams_retired=self.streams.retired,

@@ -7,7 +7,10 @@ writing through it after the host moved on. So closing a context is a fixed sequ
 close after sync): synchronize every stream that may have used the context's views (a
 ``Sync`` barrier on each StreamActor, answered only after all earlier work on that stream ran)
 -> drop every view the actor holds -> close each owner, each in its own ``finally`` so one
-failure cannot leak the rest -> forget the context.
+failure cannot leak the rest -> forget the context. If any barrier failed or timed out, a copy
+may still use the views: nothing is released, the context stays open (``owners_kept`` counts
+its owners) and the close fails with an :class:`~kvactors.errors.IPCError` that says so; a
+later close of the context syncs again and releases them. The same holds when the actor stops.
 
 Which streams? The actor cannot see which stream a view went to (views leave with the caller
 and come back inside transfers on any stream), so it synchronizes *every* stream this device's
@@ -24,6 +27,7 @@ from __future__ import annotations
 
 import asyncio
 import itertools
+import logging
 from typing import TYPE_CHECKING, Any
 
 from kvactors.actors.actor import DEFERRED, Actor, Envelope, unreachable
@@ -41,6 +45,8 @@ if TYPE_CHECKING:
     from kvactors.devices.base import Backend, IPCOwner
 
 __all__ = ("IPCOwnerActor",)
+
+_log = logging.getLogger(__name__)
 
 
 class IPCOwnerActor(Actor[IPCRequest]):
@@ -70,6 +76,12 @@ class IPCOwnerActor(Actor[IPCRequest]):
         self._sync_timeout = sync_timeout
         self.owners_opened = 0
         self.owners_closed = 0
+        self._kept: dict[int, int] = {}  # context -> owners kept open after a failed sync
+
+    @property
+    def owners_kept(self) -> int:
+        """Owners kept open now because a sync before their close failed or timed out."""
+        return sum(self._kept.values())
 
     @property
     def open_owners(self) -> int:
@@ -122,21 +134,26 @@ class IPCOwnerActor(Actor[IPCRequest]):
 
         def after_sync(f: asyncio.Future[list[Any]]) -> None:
             sync_errors = [r for r in f.result() if isinstance(r, BaseException)]
-            closed, close_errors = self._release(ctx)
-            errors = sync_errors + close_errors
             later = self._closing.pop(ctx, [])
-            for done in (settle, *later):
-                if errors:
-                    # The first failure, as the vocabulary maps it: a kvactors error (a
-                    # stream's failed barrier, a live view) as it is; a foreign one (a vendor
-                    # close) becomes an IPCError naming the context and every failure.
-                    done(
-                        translate(
-                            errors[0],
-                            lambda _m: IPCError(f"context {ctx} closed with errors: {errors!r}"),
-                        ),
-                        None,
+            closed = 0
+            if sync_errors:
+                failure: BaseException | None = self._keep(ctx, sync_errors)
+            else:
+                closed, errors = self._release(ctx)
+                # The first failure, as the vocabulary maps it: a kvactors error (a live view)
+                # as it is; a foreign one (a vendor close) becomes an IPCError naming the
+                # context and every failure.
+                failure = (
+                    translate(
+                        errors[0],
+                        lambda _m: IPCError(f"context {ctx} closed with errors: {errors!r}"),
                     )
+                    if errors
+                    else None
+                )
+            for done in (settle, *later):
+                if failure is not None:
+                    done(failure, None)
                 else:
                     done(None, ContextClosed(context_id=ctx, owners_closed=closed))
 
@@ -157,8 +174,22 @@ class IPCOwnerActor(Actor[IPCRequest]):
                 out.append(failed)
         return out
 
+    def _keep(self, ctx: int, sync_errors: list[BaseException]) -> IPCError:
+        # Close after sync (rule 2): a stream that did not sync may still copy through the
+        # views, so the owners stay open and are counted; the context stays closable.
+        kept = len(self._owners.get(ctx, {}))
+        self._kept[ctx] = kept
+        err = IPCError(
+            f"context {ctx}: {kept} IPC owner(s) kept open, not released: a stream sync "
+            f"before the close failed or timed out, so a copy may still use them "
+            f"({sync_errors[0]!r}); close the context again once the streams are idle"
+        )
+        err.__cause__ = sync_errors[0]
+        return err
+
     def _release(self, ctx: int) -> tuple[int, list[BaseException]]:
         # Drop the views first: an owner must never be closed under a live view we hold.
+        self._kept.pop(ctx, None)
         self._views.pop(ctx, None)
         owners = self._owners.pop(ctx, {})
         errors: list[BaseException] = []
@@ -167,21 +198,24 @@ class IPCOwnerActor(Actor[IPCRequest]):
             try:
                 owner.close()
                 closed += 1
+                self.owners_closed += 1
             except Exception as exc:
                 errors.append(exc)
-            finally:
-                self.owners_closed += 1
         self._closed.add(ctx)
         return closed, errors
 
     async def on_stop(self, closed: Any) -> None:
-        """Close every context still open, after a sync of every stream (bounded)."""
+        """Close every context still open after a sync of every stream (bounded); if a sync
+        failed or timed out, keep them open (counted in ``owners_kept``) and log it."""
         if not self._owners:
             return
         syncs = self._barriers(self._streams.all())
-        # Failed syncs are reported by the streams; the owners are closed regardless, since
-        # leaking mappings at shutdown is worse than closing after a failed barrier.
-        await asyncio.gather(*syncs, return_exceptions=True)
+        results = await asyncio.gather(*syncs, return_exceptions=True)
+        sync_errors = [r for r in results if isinstance(r, BaseException)]
         for ctx in list(self._owners):
-            if ctx not in self._closing:
+            if ctx in self._closing:
+                continue
+            if sync_errors:
+                _log.error("%s", self._keep(ctx, sync_errors), extra={"actor": self.name})
+            else:
                 self._release(ctx)
