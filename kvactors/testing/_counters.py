@@ -17,7 +17,9 @@ one field of the vendor's :class:`OpTally` as it happens, on whatever thread doe
 
 :class:`OpCounts` is an immutable snapshot; subtracting two gives what happened between
 them. ``FakeVendor.counting()`` wraps that in a context manager. Counts are vendor-wide, so
-measure one call at a time (other threads' device work in the window is counted too).
+measure one call at a time (other threads' device work in the window is counted too). The
+counter also reports which host threads did the counted operations (``OpCounter.threads``):
+how many threads one call ran its device work on.
 """
 
 from __future__ import annotations
@@ -68,17 +70,36 @@ class OpTally:
     def __init__(self) -> None:
         self._lock = threading.Lock()
         self._values = dict.fromkeys((f.name for f in dataclasses.fields(OpCounts)), 0)
+        self._watchers: list[dict[str, None]] = []
 
     def add(self, field: str, n: int = 1) -> None:
-        """Add ``n`` to ``field``."""
+        """Add ``n`` to ``field`` (done on the calling thread)."""
         with self._lock:
             self._values[field] += n
+            self._saw()
 
     def allocation(self, nbytes: int) -> None:
         """Count one device allocation of ``nbytes``."""
         with self._lock:
             self._values["allocations"] += 1
             self._values["alloc_bytes"] += nbytes
+            self._saw()
+
+    def _saw(self) -> None:
+        if self._watchers:
+            name = threading.current_thread().name
+            for seen in self._watchers:
+                seen[name] = None
+
+    def watch(self, seen: dict[str, None]) -> None:
+        """Record in ``seen`` the name of every thread that counts something from now on."""
+        with self._lock:
+            self._watchers.append(seen)
+
+    def unwatch(self, seen: dict[str, None]) -> None:
+        """Stop recording into ``seen``."""
+        with self._lock:
+            self._watchers = [w for w in self._watchers if w is not seen]
 
     def snapshot(self) -> OpCounts:
         """The counters now."""
@@ -96,6 +117,7 @@ class OpCounter:
         self._tally = tally
         self._start = tally.snapshot()
         self._end: OpCounts | None = None
+        self._threads: dict[str, None] = {}
 
     @property
     def counts(self) -> OpCounts:
@@ -103,10 +125,18 @@ class OpCounter:
         end = self._end if self._end is not None else self._tally.snapshot()
         return end - self._start
 
+    @property
+    def threads(self) -> tuple[str, ...]:
+        """Names of the host threads that did counted operations in the block, first first."""
+        return tuple(self._threads)
+
     def __enter__(self) -> OpCounter:
+        self._threads = {}
+        self._tally.watch(self._threads)
         self._start = self._tally.snapshot()
         self._end = None
         return self
 
     def __exit__(self, *exc: object) -> None:
         self._end = self._tally.snapshot()
+        self._tally.unwatch(self._threads)
