@@ -129,10 +129,16 @@ class StreamDirectory:
             if timer is not None:
                 timer.cancel()
         self._idle.clear()
+        failures: list[BaseException] = []
         for actor in list(self._actors.values()):
-            await actor.stop(graceful=True, timeout=timeout)
+            try:  # one actor's failed stop must not leave the others running
+                await actor.stop(graceful=True, timeout=timeout)
+            except Exception as exc:
+                failures.append(exc)
         if self._retiring:
             await asyncio.wait(set(self._retiring), timeout=timeout)
+        if failures:
+            raise failures[0]
 
     # ---- retirement (on the loop) ------------------------------------------------------
 

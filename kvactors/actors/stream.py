@@ -28,6 +28,7 @@ from __future__ import annotations
 import asyncio
 import contextlib
 import logging
+import threading
 import time
 from typing import TYPE_CHECKING, Any, final
 
@@ -133,9 +134,8 @@ class StreamActor(Actor[StreamRequest]):
     async def on_stop(self, closed: Any) -> None:
         """Let the lane finish queued work (bounded), then end its threads; withdraw every
         record whose publish did not run."""
-        loop = asyncio.get_running_loop()
         try:
-            if not await loop.run_in_executor(None, self.lane.stop, self._stop_timeout):
+            if not await _off_loop(self.lane.stop, self._stop_timeout, f"stop:{self.name}"):
                 # The threads stay alive as daemons and may still touch device memory: say so,
                 # count it (DeviceStatistics.lanes_abandoned) and let Runtime.close() raise it.
                 self.lanes_abandoned += 1
@@ -277,6 +277,37 @@ class StreamActor(Actor[StreamRequest]):
             lane.after_reaped(lambda: settle(None, Synced(completed=lane.completed)))
 
         lane.submit(sync)
+
+
+async def _off_loop(fn: Callable[[float], bool], arg: float, name: str) -> bool:
+    # A thread of its own, not the loop's default executor: at interpreter exit (atexit
+    # closes the runtimes) that executor refuses new work. Where no thread can start any
+    # more, the loop's thread waits itself: nothing else runs on it then.
+    loop = asyncio.get_running_loop()
+    fut: asyncio.Future[bool] = loop.create_future()
+
+    def run() -> None:
+        try:
+            value = fn(arg)
+        except BaseException as exc:
+            loop.call_soon_threadsafe(_settle, fut, None, exc)
+        else:
+            loop.call_soon_threadsafe(_settle, fut, value, None)
+
+    try:
+        threading.Thread(target=run, name=name, daemon=True).start()
+    except RuntimeError:
+        return fn(arg)
+    return await fut
+
+
+def _settle(fut: asyncio.Future[bool], value: bool | None, exc: BaseException | None) -> None:
+    if fut.done():
+        return
+    if exc is not None:
+        fut.set_exception(exc)
+    else:
+        fut.set_result(bool(value))
 
 
 def _failed(err: BaseException, transfer_id: int, device: str) -> BaseException:
