@@ -9,7 +9,8 @@ is one route. A blocking call sends from the calling thread and sleeps on a
 takes turns on any thread, the calling thread runs the turn itself (see
 :mod:`kvactors.actors.actor`), else the loop runs it in mailbox order. Asyncio callers use the
 ``a*`` twins: they queue the message from their own thread (never running a turn, so their
-loop never waits for device work) and await the reply.
+loop never waits for device work) and await the reply, under asyncio or any other backend
+anyio runs (trio): see :mod:`kvactors._awaitable`.
 
 Every blocking call has a deadline (``default_timeout`` unless given). ``close`` stops the
 actors down their graph with a bounded grace period: a call that was never enqueued fails with
@@ -26,6 +27,7 @@ import itertools
 import threading
 from typing import TYPE_CHECKING, Any, TypeVar
 
+from kvactors._awaitable import reply_awaitable
 from kvactors._bridge import FutureSlot, ReplyLock, settle_slot
 from kvactors._observer import Call, Observers
 from kvactors.actors.gather import TransferOperands
@@ -42,7 +44,7 @@ from kvactors.protocols.ipc import CloseContext, ContextClosed, Opened, OpenHand
 from kvactors.protocols.stream import EventRecord, RecordCompletion, RecordEvent, Sync, Synced
 
 if TYPE_CHECKING:
-    from collections.abc import Callable, Iterable, Sequence
+    from collections.abc import Awaitable, Callable, Iterable, Sequence
 
     import torch
 
@@ -292,7 +294,7 @@ class Runtime:
         msg: Any,
         operands: Any = None,
         timeout: float | None = None,
-    ) -> asyncio.Future[Any]:
+    ) -> Awaitable[Any]:
         # Queued from the calling thread (an event loop's: it never runs the turn itself).
         _, actors = self._running()
         t = self.default_timeout if timeout is None else timeout
@@ -306,7 +308,7 @@ class Runtime:
             pick(actors).ask_into(slot, msg, operands, timeout=t, here=False)
         except BaseException as exc:
             slot.set_exception(exc)
-        return asyncio.wrap_future(slot.cf)
+        return reply_awaitable(slot.cf)
 
     # ---- transfers -----------------------------------------------------------------
 
@@ -352,7 +354,7 @@ class Runtime:
         stream_handle: int = 0,
         complete: bool = True,
         timeout: float | None = None,
-    ) -> asyncio.Future[TransferDone]:
+    ) -> Awaitable[TransferDone]:
         """Asyncio twin of :meth:`transfer`: submitted now, awaited later.
 
         Like every ``a*`` method it queues the message before returning, so calls made in
@@ -374,7 +376,7 @@ class Runtime:
 
     def afence(
         self, block_ids: Iterable[int], *, timeout: float | None = None
-    ) -> asyncio.Future[Fenced]:
+    ) -> Awaitable[Fenced]:
         """Asyncio twin of :meth:`fence` (submitted now)."""
         return self._aask(_gather, Fence(block_ids=tuple(block_ids)), None, timeout)
 
@@ -383,7 +385,7 @@ class Runtime:
         result: Pong = self._ask(_gather, Ping(seq=seq), None, timeout)
         return result
 
-    def aping(self, seq: int = 0, *, timeout: float | None = None) -> asyncio.Future[Pong]:
+    def aping(self, seq: int = 0, *, timeout: float | None = None) -> Awaitable[Pong]:
         """Asyncio twin of :meth:`ping` (submitted now)."""
         return self._aask(_gather, Ping(seq=seq), None, timeout)
 

@@ -284,15 +284,17 @@ async def _replay(
             assert isinstance(msg, Transfer)
             assert e.operands is not None
             paged, objects = operands.get(e.operands)
-            return rt.atransfer(msg.request, paged, objects, stream_handle=e.stream_handle)
+            return asyncio.ensure_future(
+                rt.atransfer(msg.request, paged, objects, stream_handle=e.stream_handle)
+            )
         if e.op == "fence":
             msg_f = GATHER_REQUESTS.decode(e.message)
             assert isinstance(msg_f, Fence)
-            return rt.afence(msg_f.block_ids)
+            return asyncio.ensure_future(rt.afence(msg_f.block_ids))
         if e.op == "ping":
             msg_p = GATHER_REQUESTS.decode(e.message)
             assert isinstance(msg_p, Ping)
-            return rt.aping(msg_p.seq)
+            return asyncio.ensure_future(rt.aping(msg_p.seq))
         return asyncio.get_running_loop().run_in_executor(None, rt.synchronize, e.stream_handle)
 
     async def one(e: TraceEntry, submitted: asyncio.Future[Any] | Exception) -> None:

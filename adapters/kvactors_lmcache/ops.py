@@ -545,7 +545,9 @@ class KvactorsCpuOps(KvactorsDeviceOps):
 
 
 class KvactorsMusaOps(KvactorsDeviceOps):
-    """MUSA: transfers ordered on the caller's current stream and complete on return."""
+    """MUSA: transfers ordered on the caller's current stream; a call returns once its copies
+    are enqueued there (complete on return with ``complete_on_return``), as LMCache's own MUSA
+    ops do."""
 
     device_type: ClassVar[str] = "musa"
     kvactors_backend: ClassVar[str] = "musa"

@@ -167,7 +167,9 @@ class _Engine:
             self.busy_since = time.perf_counter()
         self.inflight += 1
         try:
-            fut = self.rt.atransfer(self._request(direction, blocks), self.paged, objects)
+            fut = asyncio.ensure_future(
+                self.rt.atransfer(self._request(direction, blocks), self.paged, objects)
+            )
         except BaseException:
             self._settled()
             raise
