@@ -88,6 +88,3 @@ _.launches  # OpCounts field: serialised by name into the vendor bench rows (msg
 _.allocations  # OpCounts field: serialised by name into the vendor bench rows
 _.alloc_bytes  # OpCounts field: serialised by name into the vendor bench rows
 _.host_device_copies  # OpCounts property: H2D + D2H, for vendors' per-call budget checks
-# ---- the compiled hot path's Protocol (kvactors.hotpath): its parameters, passed positionally
-_.to_chunk  # Hotpath.StackedRuns: copy into the chunk (a gather) or out of it (a scatter)
-_.unique  # Hotpath.touched_blocks: refuse ids that repeat among the copied positions

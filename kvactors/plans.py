@@ -30,7 +30,7 @@ fingerprint (data pointers) first, so a plan cannot be replayed on other tensors
 from __future__ import annotations
 
 import math
-from collections.abc import Callable, Sequence
+from collections.abc import Sequence
 from typing import TYPE_CHECKING
 
 import msgspec
@@ -403,17 +403,10 @@ def plan_transfer(
     )
 
 
-TouchedOf = Callable[[tuple[int, ...], int, int, int, bool], "frozenset[int] | None"]
-"""``touched_of(ids, nb, start, stop, unique)``: ``None`` unless every id is an exact int in
-``range(nb)``; else ``frozenset(ids[start:stop])``, or ``None`` if ``unique`` and those
-repeat. The checks :func:`rebind_block_ids` makes for a one-segment plan."""
-
-
 def rebind_block_ids(
     plan: TransferPlan,
     request: TransferRequest,
     object_ptrs: tuple[int, ...] | None = None,
-    touched_of: TouchedOf | None = None,
 ) -> TransferPlan | None:
     """``plan`` for ``request``, which differs from ``plan.request`` at most in the block ids
     (the same count of them): the ids are validated as :func:`plan_transfer` validates them,
@@ -424,9 +417,6 @@ def rebind_block_ids(
     ``object_ptrs``: the chunks are other buffers than the plan's, of the same shape, stride,
     dtype and device (``plan_transfer`` reads no chunk's address); their data pointers.
 
-    ``touched_of``: a compiled twin of the id checks of a one-segment plan (the compiled hot
-    path's ``touched_blocks``, see :data:`TouchedOf`); the same answer, cheaper.
-
     The caller proves the rest of the request and the operands unchanged (the plan cache
     compares the encoded request without ids and every operand fact but the chunks'
     addresses, which ``object_ptrs`` gives)."""
@@ -434,15 +424,7 @@ def rebind_block_ids(
     if type(ids) is not tuple or len(ids) != len(plan.request.block_ids):
         return None
     segs = plan.segments
-    if ids and touched_of is not None and len(segs) == 1:
-        seg = segs[0]
-        found = touched_of(
-            ids, plan.request.shape.nb, seg.start, seg.stop, plan.direction is Direction.H2D
-        )
-        if found is None:
-            return None
-        touched = found
-    elif ids:
+    if ids:
         if set(map(type, ids)) != {int} or min(ids) < 0 or max(ids) >= plan.request.shape.nb:
             return None
         if len(segs) == 1:

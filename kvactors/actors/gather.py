@@ -11,8 +11,7 @@ and is answered when the last of them left the ledger (rule 4, fence before reus
 transfer answers its ask with the failure: it is never reported as done.
 
 Plans are validated once: a :class:`~kvactors.plan_cache.PlanCache` reuses the plan of a
-request whose operands have not changed (same metadata and version counters) and validates
-anything else.
+request whose operands' metadata has not changed and validates anything else.
 
 No idle hop. :meth:`GatherActor.run_inline` is the same transfer run on the caller's thread,
 for a blocking caller on a device whose work is complete when launched (CPU), when the
@@ -39,8 +38,7 @@ from kvactors.actors.stream import Work
 from kvactors.devices.base import Backend
 from kvactors.devices.cpu import completes_on_launch
 from kvactors.errors import KvactorsError, OperandTypeError, TransferFailedError
-from kvactors.kernels.fast import ScratchCache, run_fast
-from kvactors.kernels.reused import reused_kernel
+from kvactors.kernels.fast import ScratchCache, reused_kernel, run_fast
 from kvactors.ordering import BlockLedger
 from kvactors.plan_cache import PlanCache
 from kvactors.protocols.gather import (
@@ -59,7 +57,7 @@ if TYPE_CHECKING:
 
     from kvactors.actors.directory import StreamDirectory
     from kvactors.actors.lane import Lane
-    from kvactors.plan_cache import PlanTicket
+    from kvactors.plan_cache import KernelMemo
     from kvactors.plans import TransferPlan, TransferRequest
 
 __all__ = ("GatherActor", "TransferOperands")
@@ -193,36 +191,28 @@ class GatherActor(Actor[GatherRequest]):
             )
         # Device layout rules first (MLU vLLM layouts, MUSA format set): metadata only.
         request, paged, objects = self.backend.prepare_transfer(msg.request, ops.paged, ops.objects)
-        plan, ticket = self.plans.lookup(request, paged, objects)
+        found = self.plans.lookup(request, paged, objects)
+        plan = found.plan
         stream = self._streams.get(msg.stream_handle)
         scratch = self._scratch.get(msg.stream_handle)
         if scratch is None:
             scratch = self._scratch[msg.stream_handle] = ScratchCache()
-        copy, plans = self.backend.copy_, self.plans
-        memo = None if ticket is None else ticket.memo
-
-        inference = ticket is not None and ticket.inference
+        copy = self.backend.copy_
+        inference = found.inference
         # A plain backend's plan from the cache runs the kernel the inline path runs,
         # specialised on the lane, never on the loop.
-        shared = ticket.shared if self._plain and ticket is not None else None
+        memo = found.memo if self._plain else None
 
         def torch_kernel() -> None:
-            if shared is not None:
-                assert memo is not None
-                reused_kernel(plan, paged, objects, memo, shared, inference=inference)(
-                    paged, objects
-                )
+            if memo is not None:
+                reused_kernel(plan, paged, objects, memo, inference=inference)(paged, objects)
                 return
             # Inference tensors (made under torch.inference_mode) are written only in it.
             with torch.inference_mode(inference):
-                run_fast(plan, paged, objects, copy=copy, scratch=scratch, memo=memo)
+                run_fast(plan, paged, objects, copy=copy, scratch=scratch)
 
         # The backend may put an opted-in native transfer first (it may decline).
-        chosen = self.backend.transfer_kernel(plan, paged, objects, torch_kernel)
-
-        def kernel() -> None:
-            chosen()
-            plans.settle(plan, ticket)
+        kernel = self.backend.transfer_kernel(plan, paged, objects, torch_kernel)
 
         launch = Launch(transfer_id=msg.transfer_id, nbytes=plan.nbytes)
         tid = msg.transfer_id
@@ -289,8 +279,8 @@ class GatherActor(Actor[GatherRequest]):
         plain = self._plain
         if not plain:
             request, paged, objects = backend.prepare_transfer(request, paged, objects)
-        plans = self.plans
-        plan, ticket = plans.lookup(request, paged, objects)
+        found = self.plans.lookup(request, paged, objects)
+        plan = found.plan
         # The reply, made while the plan is in cache (after the copy it would not be).
         done = TransferDone(
             transfer_id=transfer_id, nbytes=plan.nbytes, blocks=len(plan.touched_blocks)
@@ -303,25 +293,18 @@ class GatherActor(Actor[GatherRequest]):
                 self._ledger.begin(transfer_id, plan.touched_blocks)
             ok = False
             try:
-                if ticket is not None:
-                    plans.running(ticket)
+                memo = found.memo
                 if plain:  # launch would call the kernel at once; its marker is complete
-                    if ticket is None:
+                    if memo is None:
                         run_fast(plan, paged, objects)
                     else:
-                        reused_kernel(
-                            plan,
-                            paged,
-                            objects,
-                            ticket.memo,
-                            ticket.shared,
-                            inference=ticket.inference,
-                        )(paged, objects)
+                        reused_kernel(plan, paged, objects, memo, inference=found.inference)(
+                            paged, objects
+                        )
                 else:
-                    self._launch_inline(backend, lane, plan, paged, objects, ticket)
+                    self._launch_inline(backend, lane, plan, paged, objects, memo)
                 ok = True
             except BaseException as exc:
-                plans.failed(ticket)
                 if not plain:
                     # What the launch enqueued before it failed still runs: the caller may
                     # reuse its operands once this raises, so wait for the stream first (own
@@ -348,8 +331,6 @@ class GatherActor(Actor[GatherRequest]):
                         self._loop.call_soon_threadsafe(self._release, released)
         finally:
             lane.end_inline()
-        if ticket is not None and not ticket.advanced:
-            plans.settle(plan, ticket)
         return done
 
     def _launch_inline(
@@ -359,13 +340,12 @@ class GatherActor(Actor[GatherRequest]):
         plan: TransferPlan,
         paged: Any,
         objects: Sequence[torch.Tensor],
-        ticket: PlanTicket | None,
+        memo: KernelMemo | None,
     ) -> None:
         # An inline device call: the kernel launched on the lane's stream from the caller's
         # thread, staging through the caller's own buffers, then waited for.
         stream = lane.stream
         scratch = self._caller_scratch()
-        memo = None if ticket is None else ticket.memo
         backend.launch(
             stream,
             backend.transfer_kernel(
@@ -378,7 +358,6 @@ class GatherActor(Actor[GatherRequest]):
                     objects,
                     copy=backend.copy_,  # the device's copy policy (rule 6)
                     scratch=scratch,
-                    memo=memo,
                     checked=memo is not None,
                 ),
             ),

@@ -33,10 +33,9 @@ import msgspec
 import torch
 
 from kvactors.errors import InvalidSettingError
-from kvactors.kernels.fast import ScratchCache, run_fast
-from kvactors.kernels.reused import reused_kernel
+from kvactors.kernels.fast import ScratchCache, reused_kernel, run_fast
 from kvactors.layouts import FORMAT_SPECS, KVFormat, ShapeDesc
-from kvactors.plan_cache import PlanCache
+from kvactors.plan_cache import KernelMemo, PlanCache
 from kvactors.plans import TransferRequest, paged_units, plan_transfer
 
 if TYPE_CHECKING:
@@ -153,8 +152,7 @@ class _Setup:
 
     def kvactors(self, direction: int) -> Callable[[], None]:
         """A request the runtime never saw, as its CPU path runs one: a plan cache that holds
-        nothing validates it in full, the kernel is specialised for the new plan, and the
-        versions it wrote are settled."""
+        nothing validates it in full and the kernel is specialised for the new plan."""
         req = TransferRequest(
             fmt=int(self.fmt),
             direction=direction,
@@ -166,14 +164,13 @@ class _Setup:
 
         def run() -> None:
             cache = PlanCache("cpu", 0)
-            plan, ticket = cache.lookup(req, paged, objects)
-            if ticket is None:  # not wire-safe: the runtime runs the general kernels
-                run_fast(plan, paged, objects, scratch=self.scratch)
+            found = cache.lookup(req, paged, objects)
+            if found.memo is None:  # not wire-safe: the runtime runs the general kernels
+                run_fast(found.plan, paged, objects, scratch=self.scratch)
                 return
-            reused_kernel(
-                plan, paged, objects, ticket.memo, ticket.shared, inference=ticket.inference
-            )(paged, objects)
-            cache.settle(plan, ticket)
+            reused_kernel(found.plan, paged, objects, found.memo, inference=found.inference)(
+                paged, objects
+            )
 
         return run
 
@@ -189,7 +186,7 @@ class _Setup:
             shape=self.shape,
         )
         plan = plan_transfer(req, self.paged, self.objects, device_type="cpu")
-        kernel = reused_kernel(plan, self.paged, self.objects, {}, {})
+        kernel = reused_kernel(plan, self.paged, self.objects, KernelMemo())
         paged, objects = self.paged, self.objects
 
         def run() -> None:
