@@ -197,21 +197,25 @@ def paged_units(spec: FormatSpec, paged: object) -> list[torch.Tensor]:
 
 
 def _stacked(spec: FormatSpec, shape: ShapeDesc, units: list[torch.Tensor]) -> StackedView | None:
-    """Whether one ``[L, P, B, S, H, D]`` strided view covers every unit (metadata only)."""
+    """Whether one ``[L, P, B, S, H, D]`` strided view over the first unit's storage covers
+    every unit (metadata only): every unit is a view of that same storage (identity, not an
+    equal base pointer: views made from a raw pointer each have their own storage, sized to
+    reach their own elements only), at offsets of one uniform layer and plane stride, and the
+    view lies inside the storage."""
     nl, planes = shape.nl, spec.planes
+    size = (nl, planes, shape.nb, shape.bs, shape.nh, shape.hs)
     if spec.kind is PagedKind.CROSS_LAYER:
         t = units[0]
         st = dict(zip(spec.axes, t.stride(), strict=True))
         stride = tuple(st[a] for a in "LPBSHD")
-        size = (nl, planes, shape.nb, shape.bs, shape.nh, shape.hs)
         return StackedView(size=size, stride=stride, storage_offset=int(t.storage_offset()))
     first = units[0]
-    base_storage = first.untyped_storage().data_ptr()
+    storage = first.untyped_storage()
     stride0 = first.stride()
     inner = unit_strides(spec, first)
     offsets: list[int] = []
     for t in units:
-        if t.stride() != stride0 or t.untyped_storage().data_ptr() != base_storage:
+        if t.stride() != stride0 or t.untyped_storage()._cdata != storage._cdata:
             return None
         offsets.append(int(t.storage_offset()))
     o0 = offsets[0]
@@ -225,9 +229,11 @@ def _stacked(spec: FormatSpec, shape: ShapeDesc, units: list[torch.Tensor]) -> S
         expect = [o0 + layer * sl for layer in range(nl)]
     if offsets != expect or sl < 0 or sp < 0:
         return None
-    size = (nl, planes, shape.nb, shape.bs, shape.nh, shape.hs)
     stride = (sl, sp, inner["B"], inner["S"], inner["H"], inner["D"])
     if not non_overlapping(size, stride):
+        return None
+    end = o0 + sum((n - 1) * st for n, st in zip(size, stride, strict=True)) + 1
+    if end * first.element_size() > storage.nbytes():
         return None
     return StackedView(size=size, stride=stride, storage_offset=o0)
 
