@@ -155,6 +155,12 @@ def _chunk_meta(t: torch.Tensor) -> tuple[Any, ...]:
     return t.shape, t.stride(), _CODES[t.dtype], _CODES[t.device], t.is_inference()
 
 
+def _inside(t: torch.Tensor) -> bool:
+    """Whether a chunk lies inside its storage (validation refuses one that does not; a
+    storage may shrink under a chunk after its plan was made)."""
+    return (t.storage_offset() + t.numel()) * t.element_size() <= t.untyped_storage().nbytes()
+
+
 class PlanCache:
     """Validated plans by request and operand metadata; see the module docstring.
 
@@ -264,8 +270,10 @@ class PlanCache:
         if not _flatten(objects, 1, structure, tensors):
             return None
         chunks = tensors[n_paged:]
+        if not all(map(_inside, chunks)):
+            return None
         meta = [_meta(t) for t in tensors[:n_paged]] + [_chunk_meta(t) for t in chunks]
-        inference = any(m[-1] for m in meta)
+        inference = any(m[6] for m in meta[:n_paged]) or any(m[4] for m in meta[n_paged:])
         storage = _storage(tensors[0]) if n_paged else None
         key = head + _encode((structure, meta, storage))
         return key, ids, tuple(t.data_ptr() for t in chunks), inference
