@@ -35,7 +35,7 @@ import concurrent.futures
 import contextlib
 import itertools
 import threading
-from typing import TYPE_CHECKING, Any, TypeVar
+from typing import TYPE_CHECKING, Any
 
 from kvactors._bridge import ReplyLock, settle_concurrent, settle_slot
 from kvactors._observer import Call, Observers
@@ -60,7 +60,6 @@ if TYPE_CHECKING:
 
 __all__ = ("Runtime", "get_runtime", "resolve_backend")
 
-T = TypeVar("T")
 
 _GRACE = 2.0
 

@@ -20,11 +20,11 @@ import kvactors.runtime as runtime_mod
 from kvactors.actors.actor import Actor, Envelope
 from kvactors.actors.group import DeviceActors
 from kvactors.devices.cpu import CpuBackend
-from kvactors.devices.manual import ManualBackend
 from kvactors.errors import ActorClosedError, DeviceOpError
 from kvactors.layouts import Direction, KVFormat, ShapeDesc
 from kvactors.plans import TransferRequest
 from kvactors.runtime import Runtime
+from tests._manual_backend import ManualBackend
 
 NL, NB, BS, NH, HS = 2, 8, 4, 2, 8
 

@@ -10,7 +10,6 @@ import torch
 
 from kvactors.actors.gather import TransferOperands
 from kvactors.actors.group import DeviceActors
-from kvactors.devices.manual import ManualBackend
 from kvactors.errors import (
     ActorClosedError,
     DeadlineExceededError,
@@ -23,6 +22,7 @@ from kvactors.layouts import Direction, KVFormat, ShapeDesc
 from kvactors.plans import TransferRequest, plan_transfer
 from kvactors.protocols.gather import Fence, Fenced, Transfer
 from kvactors.runtime import Runtime
+from tests._manual_backend import ManualBackend
 
 NL, NB, BS, NH, HS = 3, 16, 4, 2, 8
 BPO = 2  # blocks per object

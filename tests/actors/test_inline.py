@@ -15,12 +15,12 @@ import torch
 from kvactors.actors.group import DeviceActors
 from kvactors.actors.lane import Lane
 from kvactors.devices.cpu import CpuBackend
-from kvactors.devices.manual import ManualBackend
 from kvactors.errors import TransferFailedError
 from kvactors.layouts import Direction, KVFormat, ShapeDesc
 from kvactors.plans import TransferRequest
 from kvactors.protocols.gather import Fence, Fenced
 from kvactors.runtime import Runtime
+from tests._manual_backend import ManualBackend
 
 if TYPE_CHECKING:
     from collections.abc import Callable

@@ -21,7 +21,6 @@ from kvactors.actors.directory import StreamDirectory
 from kvactors.actors.ipc_owner import IPCOwnerActor
 from kvactors.actors.outbox import Outbox
 from kvactors.actors.stream import Work
-from kvactors.devices.manual import ManualBackend
 from kvactors.errors import IPCError, TransferFailedError
 from kvactors.protocols.ipc import CloseContext, OpenHandle
 from kvactors.protocols.stream import (
@@ -33,6 +32,7 @@ from kvactors.protocols.stream import (
     Sync,
     Synced,
 )
+from tests._manual_backend import ManualBackend
 
 if TYPE_CHECKING:
     from collections.abc import Callable

@@ -13,11 +13,11 @@ import threading
 import pytest
 import torch
 
-from kvactors.devices.manual import ManualBackend
 from kvactors.errors import DeviceOpError
 from kvactors.layouts import Direction, KVFormat, ShapeDesc
 from kvactors.plans import TransferRequest
 from kvactors.runtime import Runtime
+from tests._manual_backend import ManualBackend
 
 
 def _lane_threads(

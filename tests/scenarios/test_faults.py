@@ -24,7 +24,6 @@ import torch
 from kvactors.actors.gather import TransferOperands
 from kvactors.actors.group import DeviceActors
 from kvactors.devices.cpu import CpuBackend
-from kvactors.devices.manual import ManualBackend
 from kvactors.errors import (
     ActorClosedError,
     DeviceOpError,
@@ -36,6 +35,7 @@ from kvactors.layouts import Direction
 from kvactors.protocols.gather import Fence, Fenced, Ping, Pong, Transfer
 from kvactors.runtime import Runtime
 from kvactors.testing import fake_vendor
+from tests._manual_backend import ManualBackend
 from tests.scenarios import _doubles
 from tests.scenarios._doubles import FaultyBackend, open_fds, shm_exists, shm_mappings
 from tests.scenarios._kv import expected_gather, objects, paged, request, same

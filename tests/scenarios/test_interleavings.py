@@ -34,11 +34,11 @@ from hypothesis import strategies as st
 
 from kvactors.actors.gather import TransferOperands
 from kvactors.actors.group import DeviceActors
-from kvactors.devices.manual import ManualBackend
 from kvactors.errors import ActorClosedError, KvactorsError
 from kvactors.layouts import Direction
 from kvactors.protocols.gather import Fence, Transfer
 from kvactors.protocols.ipc import CloseContext, OpenHandle
+from tests._manual_backend import ManualBackend
 from tests.scenarios._doubles import DeviceFault
 from tests.scenarios._kv import (
     BS,
