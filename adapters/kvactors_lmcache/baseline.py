@@ -173,5 +173,4 @@ def kvactors_op_transfer(
         objects,
         id_sets=id_sets,
         object_sets=object_sets,
-        desc_type=KvactorsCpuOps.PageBufferShapeDesc,
     )
