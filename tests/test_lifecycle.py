@@ -121,7 +121,7 @@ class _AsksItself(Actor[int]):
 async def test_actor_stop_fails_queued_asks() -> None:
     actor = _AsksItself()
     actor.start()
-    assert await actor.ask(1) == 1  # handled at once; its ask of 2 waits in the FIFO
+    assert await actor.ask_nowait(1) == 1  # handled at once; its ask of 2 waits in the FIFO
     queued = actor.second
     assert queued is not None
     assert not queued.done()

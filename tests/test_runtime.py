@@ -232,7 +232,9 @@ async def test_rule4_fence_waits_for_earlier_transfers_on_its_blocks() -> None:
             TransferOperands(paged, objs),
         )
         fence = dev.gather.ask_nowait(Fence(block_ids=(7, 11)))
-        other = await dev.gather.ask(Fence(block_ids=(11,)))  # blocks nobody touches: at once
+        other = await dev.gather.ask_nowait(
+            Fence(block_ids=(11,))
+        )  # blocks nobody touches: at once
         assert other == Fenced(block_ids=(11,), waited_for=0)
         ok = await asyncio.to_thread(backend.wait_for, lambda b: b.queued() == 1)
         assert ok

@@ -333,10 +333,6 @@ class Actor(Generic[M]):
             env._timer = self._loop.call_later(timeout, _expire, slot, self.name, msg, timeout)
         self._deliver(env)
 
-    async def ask(self, msg: M, operands: Any = None, *, timeout: float | None = None) -> Any:
-        """Send ``msg`` and wait for its reply (at most ``timeout`` seconds)."""
-        return await self.ask_nowait(msg, operands, timeout=timeout)
-
     # ---- receiving -----------------------------------------------------------------
 
     def receive(self, env: Envelope[M]) -> Any:

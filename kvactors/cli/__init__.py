@@ -76,7 +76,7 @@ def build_parser() -> argparse.ArgumentParser:
         help="negative control: reuse blocks without a fence (should FAIL)",
     )
 
-    bench = add_parser("bench", help="transfer and messaging benchmarks, JSON and PNG")
+    bench = add_parser("bench", help="transfer and per-call benchmarks, JSON and PNG")
     from kvactors.cli.bench.suite import add_arguments as bench_args
 
     bench_args(bench)
