@@ -33,9 +33,12 @@ if TYPE_CHECKING:
 
     from kvactors.plans import TransferPlan
 
-__all__ = ("KernelMemo", "Lookup", "PlanCache")
+__all__ = ("Binder", "Kernel", "KernelMemo", "Lookup", "PlanCache")
 
 Kernel: TypeAlias = "Callable[[Any, Sequence[torch.Tensor]], None]"
+"""``kernel(paged, objects)``: one plan's copies on the operands it was planned for."""
+Binder: TypeAlias = "Callable[[TransferPlan], Kernel]"
+"""``binder(plan)``: the kernel of a plan of one cache entry."""
 
 
 class KernelMemo:
@@ -51,7 +54,7 @@ class KernelMemo:
     __slots__ = ("binder", "last")
 
     def __init__(self) -> None:
-        self.binder: Callable[[TransferPlan], Kernel] | None = None
+        self.binder: Binder | None = None
         self.last: tuple[tuple[int, ...], Kernel] | None = None
 
 

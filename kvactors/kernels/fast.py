@@ -52,7 +52,7 @@ from kvactors.plans import paged_units
 if TYPE_CHECKING:
     from collections.abc import Callable, Sequence
 
-    from kvactors.plan_cache import KernelMemo
+    from kvactors.plan_cache import Binder, Kernel, KernelMemo
     from kvactors.plans import RowGeometry, Segment, TransferPlan
 
 __all__ = ("ScratchCache", "index_tensor", "reused_kernel", "run_fast")
@@ -166,7 +166,7 @@ def reused_kernel(
     memo: KernelMemo,
     *,
     inference: bool = False,
-) -> Callable[[Any, Sequence[torch.Tensor]], None]:
+) -> Kernel:
     """The kernel ``kernel(paged, objects)`` of a host plan the plan cache matched to these
     operands; ``memo`` is the cache entry's (the path and its views' geometry are decided on
     its first plan and kept as a binder; a plan of the same ids as the last one reuses its
@@ -189,15 +189,13 @@ def reused_kernel(
     return kernel
 
 
-def _binder(
-    plan: TransferPlan, paged: Any, objects: Sequence[torch.Tensor]
-) -> Callable[[TransferPlan], Callable[[Any, Sequence[torch.Tensor]], None]]:
+def _binder(plan: TransferPlan, paged: Any, objects: Sequence[torch.Tensor]) -> Binder:
     if plan.on_host and plan.segments:
         bind = _host_binder(plan, _first(paged), objects)
         if bind is not None:
             return bind
 
-    def general(p: TransferPlan) -> Callable[[Any, Sequence[torch.Tensor]], None]:
+    def general(p: TransferPlan) -> Kernel:
         indices: dict[tuple[str, int, int, str], torch.Tensor] = {}
 
         def kernel(paged: Any, objects: Sequence[torch.Tensor]) -> None:
@@ -211,9 +209,9 @@ def _binder(
 
 
 def _in_inference_mode(
-    bind: Callable[[TransferPlan], Callable[[Any, Sequence[torch.Tensor]], None]],
-) -> Callable[[TransferPlan], Callable[[Any, Sequence[torch.Tensor]], None]]:
-    def bind_inference(p: TransferPlan) -> Callable[[Any, Sequence[torch.Tensor]], None]:
+    bind: Binder,
+) -> Binder:
+    def bind_inference(p: TransferPlan) -> Kernel:
         kernel = bind(p)
 
         def run(paged: Any, objects: Sequence[torch.Tensor]) -> None:
@@ -244,7 +242,7 @@ def _first(paged: Any) -> torch.Tensor:
 
 def _host_binder(
     plan: TransferPlan, unit0: torch.Tensor, objects: Sequence[torch.Tensor]
-) -> Callable[[TransferPlan], Callable[[Any, Sequence[torch.Tensor]], None]] | None:
+) -> Binder | None:
     """The binder of a host plan's one-call path, or ``None`` when none applies (a partial
     segment, no stacked view, a scatter without rows or numpy). A small gather takes the
     stacked path first (one torch call less than the rows path's view plus index_select); a
@@ -265,13 +263,13 @@ def _host_binder(
 
 def _rows_binder(
     plan: TransferPlan, unit0: torch.Tensor, objects: Sequence[torch.Tensor]
-) -> Callable[[TransferPlan], Callable[[Any, Sequence[torch.Tensor]], None]]:
+) -> Binder:
     g, direction = plan.rows, plan.direction
     assert g is not None
     # Same dtype on both sides (validated); one whose index_select is missing goes raw.
     as_raw = any(objects[seg.obj].dtype is not unit0.dtype for seg in plan.segments)
 
-    def bind(p: TransferPlan) -> Callable[[Any, Sequence[torch.Tensor]], None]:
+    def bind(p: TransferPlan) -> Kernel:
         return _rows_kernel(g, direction, _rows_steps(p), as_raw)
 
     return bind
@@ -282,7 +280,7 @@ def _rows_kernel(
     direction: Direction,
     steps: tuple[tuple[int, torch.Tensor, Any], ...],
     as_raw: bool,
-) -> Callable[[Any, Sequence[torch.Tensor]], None]:
+) -> Kernel:
     size, stride, offset = (g.nrows, g.piece), (g.row_stride, 1), g.storage_offset
     if direction is Direction.D2H:
         outs = tuple((obj, idx, (idx.numel(), -1)) for obj, idx, _ in steps)
@@ -309,7 +307,7 @@ def _rows_kernel(
 
 def _stacked_binder(
     plan: TransferPlan, unit0: torch.Tensor, objects: Sequence[torch.Tensor]
-) -> Callable[[TransferPlan], Callable[[Any, Sequence[torch.Tensor]], None]] | None:
+) -> Binder | None:
     """A gather plan with one stacked view, in ONE ``index_select`` per object: the stacked
     ``[L, P, B, S, H, D]`` view permuted into its physical order (torch's ``index_select``
     is only fast on such a source), the chunk's view permuted the same way, the block axis
@@ -322,7 +320,7 @@ def _stacked_binder(
     src_geo, dim, outs = geo
     ranges = tuple((seg.start, seg.stop) for seg in plan.segments)
 
-    def bind(p: TransferPlan) -> Callable[[Any, Sequence[torch.Tensor]], None]:
+    def bind(p: TransferPlan) -> Kernel:
         ids = p.request.block_ids
         steps = tuple(
             (obj, index_tensor(ids[start:stop]), out)
@@ -335,7 +333,7 @@ def _stacked_binder(
 
 def _stacked_kernel(
     src_geo: tuple[Any, ...], dim: int, steps: tuple[tuple[int, torch.Tensor, Any], ...]
-) -> Callable[[Any, Sequence[torch.Tensor]], None]:
+) -> Kernel:
     def gather(paged: Any, objs: Sequence[torch.Tensor]) -> None:
         src = _first(paged).as_strided(*src_geo)
         for obj, ids, (size, stride, offset) in steps:
