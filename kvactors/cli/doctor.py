@@ -396,7 +396,7 @@ def _findings(r: DoctorReport, env: dict[str, str]) -> list[Finding]:
                 level="info",
                 topic="threads",
                 message=f"torch uses {r.torch_threads} intra-op threads; on small shared hosts "
-                "parallel copies stall when any other thread runs (docs/benchmarks.md)",
+                "parallel copies stall when any other thread runs",
                 fix="benchmarks pin 1 thread and report 2 threads separately",
             )
         )
