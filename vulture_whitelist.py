@@ -73,9 +73,6 @@ _.flags  # musaHostRegister(ptr, size, flags) signature
 
 # ---- public test-support API of kvactors.testing (its users are tests by design) --------
 _.inject_error  # FakeVendor.inject_error: sticky device errors for users' fault tests
-_.use_after_free  # ManualBackend counter users assert on (own-until-done rule)
-_.sync_waiters  # ManualBackend counter users assert on (syncs blocked on the device)
-_.closed_under_work  # ManualBackend counter users assert on (close-after-sync rule)
 
 # ---- reached through entry points, serialisation or after close -----------------------------
 _.kvactors_op_transfer  # adapter baseline.py: entry point kvactors_op of kvactors.baselines (bench)
@@ -87,6 +84,3 @@ _.launches  # OpCounts field: serialised by name into the vendor bench rows (msg
 _.allocations  # OpCounts field: serialised by name into the vendor bench rows
 _.alloc_bytes  # OpCounts field: serialised by name into the vendor bench rows
 _.host_device_copies  # OpCounts property: H2D + D2H, for vendors' per-call budget checks
-# ---- the compiled hot path's Protocol (kvactors.hotpath): its parameters, passed positionally
-_.to_chunk  # Hotpath.StackedRuns: copy into the chunk (a gather) or out of it (a scatter)
-_.unique  # Hotpath.touched_blocks: refuse ids that repeat among the copied positions

@@ -234,3 +234,10 @@ def check_objects(
             )
         if not o.is_contiguous():
             raise TransferValidationError(f"object {i} is not contiguous", field="objects")
+        reach = (o.storage_offset() + o.numel()) * o.element_size()
+        if reach > o.untyped_storage().nbytes():
+            raise TransferValidationError(
+                f"object {i} reaches past its storage ({reach} > "
+                f"{o.untyped_storage().nbytes()} bytes)",
+                field="objects",
+            )

@@ -30,7 +30,7 @@ fingerprint (data pointers) first, so a plan cannot be replayed on other tensors
 from __future__ import annotations
 
 import math
-from collections.abc import Callable, Sequence
+from collections.abc import Sequence
 from typing import TYPE_CHECKING
 
 import msgspec
@@ -197,21 +197,25 @@ def paged_units(spec: FormatSpec, paged: object) -> list[torch.Tensor]:
 
 
 def _stacked(spec: FormatSpec, shape: ShapeDesc, units: list[torch.Tensor]) -> StackedView | None:
-    """Whether one ``[L, P, B, S, H, D]`` strided view covers every unit (metadata only)."""
+    """Whether one ``[L, P, B, S, H, D]`` strided view over the first unit's storage covers
+    every unit (metadata only): every unit is a view of that same storage (identity, not an
+    equal base pointer: views made from a raw pointer each have their own storage, sized to
+    reach their own elements only), at offsets of one uniform layer and plane stride, and the
+    view lies inside the storage."""
     nl, planes = shape.nl, spec.planes
+    size = (nl, planes, shape.nb, shape.bs, shape.nh, shape.hs)
     if spec.kind is PagedKind.CROSS_LAYER:
         t = units[0]
         st = dict(zip(spec.axes, t.stride(), strict=True))
         stride = tuple(st[a] for a in "LPBSHD")
-        size = (nl, planes, shape.nb, shape.bs, shape.nh, shape.hs)
         return StackedView(size=size, stride=stride, storage_offset=int(t.storage_offset()))
     first = units[0]
-    base_storage = first.untyped_storage().data_ptr()
+    storage = first.untyped_storage()
     stride0 = first.stride()
     inner = unit_strides(spec, first)
     offsets: list[int] = []
     for t in units:
-        if t.stride() != stride0 or t.untyped_storage().data_ptr() != base_storage:
+        if t.stride() != stride0 or t.untyped_storage()._cdata != storage._cdata:
             return None
         offsets.append(int(t.storage_offset()))
     o0 = offsets[0]
@@ -225,9 +229,11 @@ def _stacked(spec: FormatSpec, shape: ShapeDesc, units: list[torch.Tensor]) -> S
         expect = [o0 + layer * sl for layer in range(nl)]
     if offsets != expect or sl < 0 or sp < 0:
         return None
-    size = (nl, planes, shape.nb, shape.bs, shape.nh, shape.hs)
     stride = (sl, sp, inner["B"], inner["S"], inner["H"], inner["D"])
     if not non_overlapping(size, stride):
+        return None
+    end = o0 + sum((n - 1) * st for n, st in zip(size, stride, strict=True)) + 1
+    if end * first.element_size() > storage.nbytes():
         return None
     return StackedView(size=size, stride=stride, storage_offset=o0)
 
@@ -403,17 +409,10 @@ def plan_transfer(
     )
 
 
-TouchedOf = Callable[[tuple[int, ...], int, int, int, bool], "frozenset[int] | None"]
-"""``touched_of(ids, nb, start, stop, unique)``: ``None`` unless every id is an exact int in
-``range(nb)``; else ``frozenset(ids[start:stop])``, or ``None`` if ``unique`` and those
-repeat. The checks :func:`rebind_block_ids` makes for a one-segment plan."""
-
-
 def rebind_block_ids(
     plan: TransferPlan,
     request: TransferRequest,
     object_ptrs: tuple[int, ...] | None = None,
-    touched_of: TouchedOf | None = None,
 ) -> TransferPlan | None:
     """``plan`` for ``request``, which differs from ``plan.request`` at most in the block ids
     (the same count of them): the ids are validated as :func:`plan_transfer` validates them,
@@ -424,9 +423,6 @@ def rebind_block_ids(
     ``object_ptrs``: the chunks are other buffers than the plan's, of the same shape, stride,
     dtype and device (``plan_transfer`` reads no chunk's address); their data pointers.
 
-    ``touched_of``: a compiled twin of the id checks of a one-segment plan (the compiled hot
-    path's ``touched_blocks``, see :data:`TouchedOf`); the same answer, cheaper.
-
     The caller proves the rest of the request and the operands unchanged (the plan cache
     compares the encoded request without ids and every operand fact but the chunks'
     addresses, which ``object_ptrs`` gives)."""
@@ -434,15 +430,7 @@ def rebind_block_ids(
     if type(ids) is not tuple or len(ids) != len(plan.request.block_ids):
         return None
     segs = plan.segments
-    if ids and touched_of is not None and len(segs) == 1:
-        seg = segs[0]
-        found = touched_of(
-            ids, plan.request.shape.nb, seg.start, seg.stop, plan.direction is Direction.H2D
-        )
-        if found is None:
-            return None
-        touched = found
-    elif ids:
+    if ids:
         if set(map(type, ids)) != {int} or min(ids) < 0 or max(ids) >= plan.request.shape.nb:
             return None
         if len(segs) == 1:

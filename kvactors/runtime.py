@@ -25,7 +25,7 @@ import atexit
 import contextlib
 import itertools
 import threading
-from typing import TYPE_CHECKING, Any, TypeVar
+from typing import TYPE_CHECKING, Any
 
 from kvactors._awaitable import reply_awaitable
 from kvactors._bridge import FutureSlot, ReplyLock, settle_slot
@@ -55,7 +55,6 @@ if TYPE_CHECKING:
 
 __all__ = ("Runtime", "get_runtime", "resolve_backend")
 
-T = TypeVar("T")
 
 _GRACE = 2.0
 

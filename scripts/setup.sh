@@ -19,18 +19,14 @@ make_venv() {  # make_venv DIR EXTRAS
     # Pin torch first: any unpinned resolution would download a multi-GB CUDA build.
     "$dir/bin/python" -m pip install -q "torch==2.13.0"
     "$dir/bin/python" -m pip install -q -c <(echo "torch==2.13.0") -e ".[$extras]"
-    # The compiled hot path (optional: without a C++ compiler the Python twins run).
-    "$dir/bin/kvactors" hotpath --build >/dev/null 2>"$dir/hotpath-build.log" ||
-        echo "hot path not built (see $dir/hotpath-build.log); the Python twins run" >&2
-    "$dir/bin/kvactors" hotpath
 }
 
 if [ "${1:-}" = "--test" ]; then
-    make_venv .venv test,bench,metrics,hotpath
+    make_venv .venv test,bench,metrics
     PYTHON=.venv/bin/python LMCACHE_VERSION=0.5.6 bash scripts/install-lmcache.sh >/dev/null
-    make_venv .venv-lmcache057 test,hotpath
+    make_venv .venv-lmcache057 test
     PYTHON=.venv-lmcache057/bin/python LMCACHE_VERSION=0.5.7rc2 \
         bash scripts/install-lmcache.sh >/dev/null
 else
-    make_venv .venv bench,hotpath
+    make_venv .venv bench
 fi

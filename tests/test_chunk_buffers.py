@@ -15,8 +15,6 @@ from kvactors.plans import plan_transfer
 from kvactors.runtime import Runtime
 from tests._transfer_cases import Case, raw, same_bytes
 
-pytestmark = pytest.mark.usefixtures("hotpath_engine")  # the Python and the compiled path
-
 IDS = ([5, 0, 7, 2, 3, 6], [1, 4, 6, 7, 0, 5], [6, 1, 0, 3, 2, 4], [2, 3, 4, 5, 6, 7])
 
 

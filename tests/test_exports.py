@@ -28,7 +28,6 @@ MODULES = [
     "kvactors.devices.cpu",
     "kvactors.devices.cpu.backend",
     "kvactors.testing",
-    "kvactors.devices.manual",
 ]
 
 

@@ -11,11 +11,12 @@ import torch
 from torch.profiler import ProfilerActivity, profile
 
 from kvactors.errors import TransferValidationError
-from kvactors.kernels import _moves
+from kvactors.kernels import _moves, fast
 from kvactors.kernels._views import void_view
 from kvactors.kernels.fast import ScratchCache, run_fast
 from kvactors.kernels.reference import run_reference
 from kvactors.layouts import KVFormat
+from kvactors.plan_cache import KernelMemo
 from kvactors.plans import TransferPlan, plan_transfer
 from tests._transfer_cases import ALLOCS, Case, block_view, raw, same_bytes, snapshot
 
@@ -308,7 +309,6 @@ def test_hot_path_allocates_nothing_chunk_sized(
     assert py_bytes < chunk // 16, (py_bytes, chunk)
 
 
-@pytest.mark.usefixtures("hotpath_engine")  # the Python and the compiled kernel
 @pytest.mark.parametrize("path", ["run_fast", "reused stacked first", "reused rows first"])
 @pytest.mark.parametrize("alloc", ALLOCS)
 @pytest.mark.parametrize("fmt", [NHD, HND, MLA, KVFormat.TWO_X_NL_X_NB_BS_NH_HS])
@@ -316,78 +316,32 @@ def test_hot_path_allocates_nothing_chunk_sized(
 def test_reused_plan_allocates_nothing_chunk_sized(
     fmt: KVFormat, alloc: str, direction: int, path: str, monkeypatch: pytest.MonkeyPatch
 ) -> None:
-    """A reused plan (the runtime's plan cache: memo kept, operands checked; the kernel the
-    runtime specialises once per plan, in either order of preference) copies nothing
+    """A plan run once through ``run_fast`` or as the kernel the runtime specialises once per
+    cached plan (``reused_kernel``, in either order of preference) copies nothing
     chunk-sized either: no torch call may make a strided pool contiguous first (index_select
     on dim 1 does, for MLA pools with padded blocks or gapped layers)."""
-    from kvactors.kernels import reused as _reused
-
     mla = fmt is MLA
     c = mk(fmt, alloc=alloc, nl=4, nb=32, bs=16, nh=1 if mla else 4, hs=256 if mla else 64, bpo=8)
     p, (paged, objs, _) = planned(c, direction, list(range(31, 7, -1)))
-    memo: dict[Any, Any] = {}
     if path == "run_fast":
 
         def call() -> None:
-            run_fast(p, paged, objs, memo=memo, checked=True)
+            run_fast(p, paged, objs, checked=True)
 
     else:
-        monkeypatch.setattr(_reused, "_ROWS_FIRST_BYTES", 0 if "rows" in path else 1 << 62)
-        kernel = _reused.reused_kernel(p, paged, objs, memo, {})
+        monkeypatch.setattr(fast, "_ROWS_FIRST_BYTES", 0 if "rows" in path else 1 << 62)
+        kernel = fast.reused_kernel(p, paged, objs, KernelMemo())
 
         def call() -> None:
             kernel(paged, objs)
 
-    call()  # first use: the memo is built here
+    call()  # first use: views and index tensors are built here
     biggest, py_bytes = _allocated_bytes(call)
     chunk = objs[0].nbytes
     assert biggest < chunk // 16, (biggest, chunk)
     assert py_bytes < chunk // 16, (py_bytes, chunk)
 
 
-@pytest.mark.parametrize("fmt", [NHD, MLA, KVFormat.TWO_X_NL_X_NB_BS_NH_HS])
-@pytest.mark.parametrize("direction", [0, 1])
-def test_reused_plan_with_memo_matches_the_reference(fmt: KVFormat, direction: int) -> None:
-    """A reused plan (memo kept between calls: the one-call rows path) moves exactly the bytes
-    the reference moves, on every call, partial segments included."""
-    for ids in ([5, 1, 7, 0, 2, 4], [5, 1, 7, 0]):  # full objects; then a partial second one
-        memo: dict[Any, Any] = {}
-        for _ in range(2):
-            both(mk(fmt), direction, ids, memo=memo)
-        if len(ids) == 6 and fmt is not HND:
-            assert memo.get("rows_host"), "the one-call rows path did not run"
-
-
-@pytest.mark.parametrize("fmt", list(KVFormat))
-@pytest.mark.parametrize("alloc", ALLOCS)
-@pytest.mark.parametrize("direction", [0, 1])
-def test_cache_checked_reuse_matches_the_reference(
-    fmt: KVFormat, alloc: str, direction: int
-) -> None:
-    """The runtime's reuse of a cached plan (``memo`` of the plan entry, ``checked=True``: the
-    one-call stacked gather and rows paths, whose views' geometry is kept from the first call)
-    moves exactly the reference's bytes on every call of the same operands."""
-    c = mk(fmt, alloc=alloc)
-    ids = [5, 0, 7, 2, 3, 6]
-    pa, (paged_a, objs_a, back_a) = planned(c, direction, ids)
-    pb, (paged_b, objs_b, back_b) = planned(c, direction, ids)
-    memo: dict[Any, Any] = {}
-    for call in range(3):
-        if call:  # new bytes on the source side each call: a stale copy would show
-            src_a, src_b = (back_a, back_b) if direction == 1 else (objs_a, objs_b)
-            for ta, tb in zip(src_a, src_b, strict=True):
-                fresh = torch.randn(ta.shape).to(ta.dtype)
-                ta.copy_(fresh)
-                tb.copy_(fresh)
-        run_reference(pa, paged_a, objs_a)
-        run_fast(pb, paged_b, objs_b, memo=memo, checked=True)
-        assert same_bytes(back_a, back_b)
-        assert same_bytes(objs_a, objs_b)
-    if direction == 1 and pb.stacked is not None:
-        assert memo.get("stacked_gather"), "the one-call stacked gather did not run"
-
-
-@pytest.mark.usefixtures("hotpath_engine")  # the Python and the compiled kernel
 @pytest.mark.parametrize("rows_first", [False, True])
 @pytest.mark.parametrize("fmt", list(KVFormat))
 @pytest.mark.parametrize("alloc", ALLOCS)
@@ -398,16 +352,15 @@ def test_reused_kernel_matches_the_reference(
     """The kernel the runtime specialises once per cached plan (``reused_kernel``: the
     stacked gather, the rows path, or the general kernel, in either order of preference)
     moves exactly the reference's bytes on every call, and a plan of other block ids on the
-    same operands (sharing the ids-free facts) moves its own blocks."""
-    from kvactors.kernels import reused as _reused
-
-    monkeypatch.setattr(_reused, "_ROWS_FIRST_BYTES", 0 if rows_first else 1 << 62)
+    same operands (one memo: the binder decided by the first) moves its own blocks."""
+    monkeypatch.setattr(fast, "_ROWS_FIRST_BYTES", 0 if rows_first else 1 << 62)
     c = mk(fmt, alloc=alloc)
-    shared: dict[Any, Any] = {}
+    memo = KernelMemo()
     for ids in ([5, 0, 7, 2, 3, 6], [1, 4, 6, 7, 0, 5], [5, 0, 7, 2]):
         pa, (paged_a, objs_a, back_a) = planned(c, direction, ids)
         pb, (paged_b, objs_b, back_b) = planned(c, direction, ids)
-        memo: dict[Any, Any] = {}
+        if len(ids) != 6:
+            memo = KernelMemo()  # another request: another cache entry
         for call in range(2):
             if call:  # new bytes on the source side: a stale copy would show
                 src_a, src_b = (back_a, back_b) if direction == 1 else (objs_a, objs_b)
@@ -416,12 +369,10 @@ def test_reused_kernel_matches_the_reference(
                     ta.copy_(fresh)
                     tb.copy_(fresh)
             run_reference(pa, paged_a, objs_a)
-            kernel = _reused.reused_kernel(
-                pb, paged_b, objs_b, memo, shared if len(ids) == 6 else {}
-            )
-            kernel(paged_b, objs_b)
+            fast.reused_kernel(pb, paged_b, objs_b, memo)(paged_b, objs_b)
             assert same_bytes(back_a, back_b)
             assert same_bytes(objs_a, objs_b)
+        assert memo.binder is not None
 
 
 def test_index_tensor_keeps_its_buffer() -> None:
@@ -429,10 +380,8 @@ def test_index_tensor_keeps_its_buffer() -> None:
     caller dropping everything else."""
     import gc
 
-    from kvactors.kernels.reused import index_tensor
-
-    t = index_tensor((5, 7, 2**40))
+    t = fast.index_tensor((5, 7, 2**40))
     gc.collect()
     assert t.dtype is torch.int64
     assert t.tolist() == [5, 7, 2**40]
-    assert index_tensor(()).numel() == 0
+    assert fast.index_tensor(()).numel() == 0

@@ -20,11 +20,11 @@ import kvactors.runtime as runtime_mod
 from kvactors.actors.actor import Actor, Envelope
 from kvactors.actors.group import DeviceActors
 from kvactors.devices.cpu import CpuBackend
-from kvactors.devices.manual import ManualBackend
 from kvactors.errors import ActorClosedError, DeviceOpError, TransferAbandonedError
 from kvactors.layouts import Direction, KVFormat, ShapeDesc
 from kvactors.plans import TransferRequest
 from kvactors.runtime import Runtime
+from tests._manual_backend import ManualBackend
 
 if TYPE_CHECKING:
     from kvactors._observer import Call
@@ -125,7 +125,7 @@ class _AsksItself(Actor[int]):
 async def test_actor_stop_fails_queued_asks() -> None:
     actor = _AsksItself()
     actor.start()
-    assert await actor.ask(1) == 1  # handled at once; its ask of 2 waits in the FIFO
+    assert await actor.ask_nowait(1) == 1  # handled at once; its ask of 2 waits in the FIFO
     queued = actor.second
     assert queued is not None
     assert not queued.done()

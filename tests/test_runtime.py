@@ -10,7 +10,6 @@ import torch
 
 from kvactors.actors.gather import TransferOperands
 from kvactors.actors.group import DeviceActors
-from kvactors.devices.manual import ManualBackend
 from kvactors.errors import (
     ActorClosedError,
     DeadlineExceededError,
@@ -25,6 +24,7 @@ from kvactors.layouts import Direction, KVFormat, ShapeDesc
 from kvactors.plans import TransferRequest, plan_transfer
 from kvactors.protocols.gather import Fence, Fenced, Transfer
 from kvactors.runtime import Runtime
+from tests._manual_backend import ManualBackend
 
 NL, NB, BS, NH, HS = 3, 16, 4, 2, 8
 BPO = 2  # blocks per object
@@ -238,7 +238,9 @@ async def test_rule4_fence_waits_for_earlier_transfers_on_its_blocks() -> None:
             TransferOperands(paged, objs),
         )
         fence = dev.gather.ask_nowait(Fence(block_ids=(7, 11)))
-        other = await dev.gather.ask(Fence(block_ids=(11,)))  # blocks nobody touches: at once
+        other = await dev.gather.ask_nowait(
+            Fence(block_ids=(11,))
+        )  # blocks nobody touches: at once
         assert other == Fenced(block_ids=(11,), waited_for=0)
         ok = await asyncio.to_thread(backend.wait_for, lambda b: b.queued() == 1)
         assert ok

@@ -18,8 +18,15 @@ if TYPE_CHECKING:
     import torch
 
     from kvactors.plans import TransferRequest
+    from kvactors.runtime import Runtime
 
-__all__ = ("kvactors_op_transfer", "lmcache_mlu_ops", "lmcache_musa_ops", "lmcache_torch_transfer")
+__all__ = (
+    "kvactors_op_transfer",
+    "kvactors_vendor_op",
+    "lmcache_mlu_ops",
+    "lmcache_musa_ops",
+    "lmcache_torch_transfer",
+)
 
 _OPS: list[Any] = []
 
@@ -32,19 +39,17 @@ def _call(
     device: torch.device | None = None,
     id_sets: Sequence[Sequence[int]] | None = None,
     object_sets: Sequence[Sequence[torch.Tensor]] | None = None,
-    desc_type: type | None = None,
 ) -> Callable[[], None]:
-    # The arguments LMCache's engine-driven context passes, built once; the callable makes
-    # the call only (the figure is the op's cost, not the argument conversion). The shape
-    # descriptor is of the class LMCache builds while these ops are the process-global ones
-    # (``desc_type``; LMCache's native class by default). With
-    # ``id_sets`` each call takes the next set's block ids in a new list, as LMCache's
-    # traffic brings other blocks on most calls; with ``object_sets`` also the next set of
-    # chunk buffers (a store gathers into buffers its host pool hands out).
+    # The arguments LMCache's engine-driven context passes (its native descriptor and
+    # enums), built once; the callable makes the call only (the figure is the op's cost, not
+    # the argument conversion). With ``id_sets`` each call takes the next set's block ids in
+    # a new list, as LMCache's traffic brings other blocks on most calls; with
+    # ``object_sets`` also the next set of chunk buffers (a store gathers into buffers its
+    # host pool hands out).
     import torch
     from lmcache import lmcache_native as native
 
-    sd = (native.PageBufferShapeDesc if desc_type is None else desc_type)()
+    sd = native.PageBufferShapeDesc()
     for f in ("kv_size", "nl", "nb", "bs", "nh", "hs", "element_size", "block_stride_elems"):
         setattr(sd, f, getattr(request.shape, f))
     sd.dtype = objects[0].dtype
@@ -105,6 +110,7 @@ def _vendor_ops_transfer(
     paged: Any,
     objects: Sequence[torch.Tensor],
     device: torch.device,
+    id_sets: Sequence[Sequence[int]] | None,
 ) -> Callable[[], None]:
     import importlib
 
@@ -124,28 +130,56 @@ def _vendor_ops_transfer(
         paged,
         objects,
         device,
-        desc_type=type(ops).PageBufferShapeDesc,
+        id_sets=id_sets,
     )
 
 
 def lmcache_mlu_ops(
-    request: TransferRequest, paged: Any, objects: Sequence[torch.Tensor], device: torch.device
+    request: TransferRequest,
+    paged: Any,
+    objects: Sequence[torch.Tensor],
+    device: torch.device,
+    id_sets: Sequence[Sequence[int]] | None = None,
 ) -> Callable[[], None]:
-    """LMCache's own ``MluDeviceOps`` (lmcache >= 0.5.7) on the operands; ImportError if absent."""
+    """LMCache's own ``MluDeviceOps`` (lmcache >= 0.5.7) on the operands (each call with the
+    next of ``id_sets``' block ids when given); MissingDependencyError if absent."""
     return _vendor_ops_transfer(
         "lmcache.v1.platform.devices.mlu.device_ops", "MluDeviceOps", request, paged, objects,
-        device,
+        device, id_sets,
     )  # fmt: skip
 
 
 def lmcache_musa_ops(
-    request: TransferRequest, paged: Any, objects: Sequence[torch.Tensor], device: torch.device
+    request: TransferRequest,
+    paged: Any,
+    objects: Sequence[torch.Tensor],
+    device: torch.device,
+    id_sets: Sequence[Sequence[int]] | None = None,
 ) -> Callable[[], None]:
-    """LMCache's built-in ``MusaDeviceOps`` on the operands (the caller's current stream)."""
+    """LMCache's built-in ``MusaDeviceOps`` on the operands (the caller's current stream; each
+    call with the next of ``id_sets``' block ids when given)."""
     return _vendor_ops_transfer(
         "lmcache.v1.platform.devices.musa.device_ops", "MusaDeviceOps", request, paged, objects,
-        device,
+        device, id_sets,
     )  # fmt: skip
+
+
+def kvactors_vendor_op(
+    runtime: Runtime,
+    request: TransferRequest,
+    paged: Any,
+    objects: Sequence[torch.Tensor],
+    device: torch.device,
+    id_sets: Sequence[Sequence[int]] | None = None,
+) -> Callable[[], None]:
+    """The ``kvactors_mlu`` / ``kvactors_musa`` plugin's op (``KvactorsMluOps`` /
+    ``KvactorsMusaOps``, as LMCache calls it: returns once the copies are enqueued on the
+    caller's current stream) on ``runtime``, each call with the next of ``id_sets``' block
+    ids when given."""
+    from kvactors_lmcache.ops import ops_class_for
+
+    ops = ops_class_for(device.type)(runtime_factory=lambda backend, index: runtime)
+    return _call(ops.multi_layer_block_kv_transfer, request, paged, objects, device, id_sets)
 
 
 def kvactors_op_transfer(
@@ -173,5 +207,4 @@ def kvactors_op_transfer(
         objects,
         id_sets=id_sets,
         object_sets=object_sets,
-        desc_type=KvactorsCpuOps.PageBufferShapeDesc,
     )

@@ -1,8 +1,7 @@
 """Map LMCache's transfer arguments onto kvactors' own request and operand types.
 
 Theory of operation. LMCache hands the op native enums (``EngineKVFormat``,
-``TransferDirection``), a ``PageBufferShapeDesc`` with a dynamic ``dtype`` attribute (LMCache's
-pybind class, or the kvactors ops' own, read as one tuple: ``shape_desc``),
+``TransferDirection``), a ``PageBufferShapeDesc`` with a dynamic ``dtype`` attribute,
 engine block ids as a list (tensor mode) or a device tensor (pointer mode), and the paged
 operand in the per-format structure LMCache normalised it to. kvactors speaks plain ints and
 frozen structs: :class:`kvactors.plans.TransferRequest` with a
@@ -21,8 +20,6 @@ are refused by name before anything is touched.
 
 from __future__ import annotations
 
-import enum
-import operator
 from collections.abc import Sequence
 from typing import TYPE_CHECKING, Any
 
@@ -31,7 +28,6 @@ import torch
 from kvactors.errors import OperandTypeError, TransferValidationError
 from kvactors.layouts import Direction, KVFormat, ShapeDesc
 from kvactors.plans import TransferRequest
-from kvactors_lmcache.shape_desc import UNSET, KvactorsShapeDesc, values_of
 
 if TYPE_CHECKING:
     from kvactors.devices.base import Backend
@@ -40,7 +36,6 @@ __all__ = (
     "POINTER_MODE_MESSAGE",
     "block_ids_tuple",
     "check_tensor_operands",
-    "common_request",
     "direction_of",
     "dtype_name",
     "format_of",
@@ -200,147 +195,6 @@ def block_ids_tuple(block_ids: Any) -> tuple[int, ...]:
             raise OperandTypeError(f"block_ids must hold ints, got {b!r}", field="block_ids")
         out.append(b)
     return tuple(out)
-
-
-_SHAPE_FIELDS = ("kv_size", "nl", "nb", "bs", "nh", "hs", "element_size", "block_stride_elems")
-_read_shape = operator.attrgetter(*_SHAPE_FIELDS)  # one C call for all eight fields
-_DTYPE_TYPES = (torch.dtype, str, type(None))
-_KEY_DTYPES = {torch.dtype, str, type(None), type(UNSET)}  # exact types: plain equality
-_SHAPES: dict[tuple[Any, ...], ShapeDesc] = {}
-_SHAPES_MAX = 256
-_FORMATS = frozenset(int(f) for f in KVFormat) - frozenset(_REFUSED_FORMATS)
-_PLAIN_FORMATS = _FORMATS - frozenset(_SINGLETON_AXIS_FORMATS)
-_DIRECTIONS = frozenset(int(d) for d in Direction)
-_INT = {int}
-_TENSOR = {torch.Tensor}
-_LIST = {list}
-
-
-def _shape_key(shape_desc: Any) -> tuple[Any, ...] | None:
-    """Every field of a ``PageBufferShapeDesc``, read again on every call (the descriptor is
-    mutable: its identity proves nothing), or ``None`` unless each is of the exact type whose
-    equal values convert equally (``int`` fields; ``True == 1`` and ``1.0 == 1`` must not
-    share a key; a ``torch.dtype``, string or ``None`` dtype)."""
-    # The kvactors descriptor's key: (its eight ints, which its setters made exact, dtype),
-    # a pair that never equals the flat key of another descriptor.
-    if type(shape_desc) is KvactorsShapeDesc:
-        values = values_of(shape_desc)
-        return values if type(values[1]) in _KEY_DTYPES else None
-    try:
-        fields = _read_shape(shape_desc)
-    except AttributeError:
-        return None
-    dtype = getattr(shape_desc, "dtype", None)
-    if set(map(type, fields)) != _INT or not isinstance(dtype, _DTYPE_TYPES):
-        return None
-    return (*fields, dtype)
-
-
-def _cached_shape_desc(shape_desc: Any) -> ShapeDesc:
-    key = _shape_key(shape_desc)
-    if key is None:
-        return shape_desc_of(shape_desc)
-    shape = _SHAPES.get(key)
-    if shape is None:
-        shape = shape_desc_of(shape_desc)  # raises: nothing remembered
-        if len(_SHAPES) >= _SHAPES_MAX:
-            _SHAPES.clear()
-        _SHAPES[key] = shape
-    return shape
-
-
-_ENUMS: dict[int, tuple[object, int]] = {}
-_ENUMS_MAX = 64
-_IMMUTABLE: dict[type, bool] = {int: False}
-
-
-def _immutable_enum(kind: type) -> bool:
-    """Whether instances of ``kind`` keep their number for life: a Python ``Enum`` or a
-    pybind11 enum (LMCache's native ``EngineKVFormat``/``TransferDirection``: read-only
-    ``value``, no setter); decided once per type."""
-    known = _IMMUTABLE.get(kind)
-    if known is None:
-        known = _IMMUTABLE[kind] = issubclass(kind, enum.Enum) or (
-            type(kind).__name__ == "pybind11_type" and hasattr(kind, "__members__")
-        )
-    return known
-
-
-def _enum_int(value: Any) -> int | None:
-    """``int(value)`` for an int or an immutable enum member, remembered per member object
-    (``int()`` of a pybind11 enum is a slow call); ``None`` for anything else."""
-    if type(value) is int:
-        return value
-    hit = _ENUMS.get(id(value))
-    if hit is not None and hit[0] is value:
-        return hit[1]
-    if not _immutable_enum(type(value)):
-        return None
-    try:
-        number = int(value)
-    except (TypeError, ValueError):
-        return None
-    if len(_ENUMS) >= _ENUMS_MAX:
-        _ENUMS.clear()
-    _ENUMS[id(value)] = (value, number)  # the entry keeps the member alive: its id stays its
-    return number
-
-
-def common_request(
-    paged: Any,
-    objects: Any,
-    block_ids: Any,
-    direction: Any,
-    shape_desc: Any,
-    lmcache_chunk_size: Any,
-    engine_kv_format: Any,
-    skip_prefix_n_blocks: Any,
-) -> TransferRequest | None:
-    """The request of the common ``multi_layer_block_kv_transfer`` call, or ``None``: a list
-    of paged tensors (or of K/V lists) and a list of chunk tensors, a format that needs no
-    view, exact ``int`` numbers and block ids, a known direction, and a shape descriptor of
-    exact types. The result is what :func:`check_tensor_operands`, :func:`normalize_format`
-    and :func:`to_transfer_request` return for the same call; anything else goes through
-    them (and their specific errors)."""
-    if (
-        type(objects) is not list
-        or type(paged) is not list
-        or set(map(type, objects)) != _TENSOR
-        or type(lmcache_chunk_size) is not int
-        or type(skip_prefix_n_blocks) is not int
-        or (type(block_ids) is not list and type(block_ids) is not tuple)
-    ):
-        return None
-    kinds = set(map(type, paged))
-    if kinds != _TENSOR and kinds != _LIST:
-        return None
-    # The enum cache's hits inline (the members LMCache passes are met on every call).
-    hit = _ENUMS.get(id(engine_kv_format))
-    fmt = hit[1] if hit is not None and hit[0] is engine_kv_format else _enum_int(engine_kv_format)
-    hit = _ENUMS.get(id(direction))
-    dirn = hit[1] if hit is not None and hit[0] is direction else _enum_int(direction)
-    if fmt not in _PLAIN_FORMATS or dirn not in _DIRECTIONS:
-        return None
-    ids = tuple(block_ids)
-    if ids and set(map(type, ids)) != _INT:
-        return None
-    assert fmt is not None
-    assert dirn is not None
-    # The kvactors ops' own descriptor (shape_desc.py): its values are the cache's key (the
-    # branch of _shape_key for it, inline: a call frame costs on caches the copy evicted).
-    shape = None
-    if type(shape_desc) is KvactorsShapeDesc:
-        values = values_of(shape_desc)
-        if type(values[1]) in _KEY_DTYPES:
-            shape = _SHAPES.get(values)
-    return TransferRequest(
-        fmt=fmt,
-        direction=dirn,
-        block_ids=ids,
-        chunk_size=lmcache_chunk_size,
-        skip_blocks=skip_prefix_n_blocks,
-        shape=shape if shape is not None else _cached_shape_desc(shape_desc),
-    )
 
 
 def to_transfer_request(

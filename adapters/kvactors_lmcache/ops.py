@@ -47,7 +47,6 @@ from kvactors.errors import (
     UnsupportedOperationError,
 )
 from kvactors_lmcache import convert
-from kvactors_lmcache.shape_desc import KvactorsShapeDesc
 
 if TYPE_CHECKING:
     from kvactors.runtime import Runtime
@@ -71,7 +70,9 @@ RuntimeFactory = Callable[[str, int], "Runtime"]
 # and fails on any public member that is neither overridden nor listed here, and on any listed
 # name the installed class lacks (unless LMCache removed it: REMOVED_IN_LMCACHE_057).
 DELIBERATELY_INHERITED: dict[str, str] = {
-    # Shared types: LMCache's own plan classes.
+    # Shared types: LMCache's own descriptor (read field by field by convert.shape_desc_of)
+    # and plan classes.
+    "PageBufferShapeDesc": "LMCache's descriptor class, read by convert.shape_desc_of",
     "StagingCopy": "LMCache plan type, only used by native object-group transfers",
     "LaunchVar": "LMCache plan type, only used by native object-group transfers",
     "BatchStep": "LMCache plan type, only used by native object-group transfers",
@@ -185,10 +186,6 @@ class KvactorsDeviceOps(DeviceOps):
     kvactors_backend: ClassVar[str] = ""
     #: Whether transfers carry the caller's current stream (accelerators) or handle 0.
     uses_streams: ClassVar[bool] = True
-    #: The descriptor LMCache builds for every transfer while these ops are the process-global
-    #: ``lmcache.device_ops`` (``make_page_buffer_shape_desc``): LMCache's fields as plain
-    #: values, which the op reads in two C calls (see ``shape_desc``).
-    PageBufferShapeDesc = KvactorsShapeDesc
 
     def __init__(
         self,
@@ -207,7 +204,6 @@ class KvactorsDeviceOps(DeviceOps):
         self._lock = threading.Lock()
         self._runtimes: dict[int, Runtime] = {}
         self._home: Runtime | None = None
-        self._routes: dict[int, tuple[torch.device, Runtime, int]] = {}
         self._count_keys = (f"{self.kvactors_backend}:H2D", f"{self.kvactors_backend}:D2H")
 
     # -- runtime plumbing ---------------------------------------------------------------
@@ -248,20 +244,9 @@ class KvactorsDeviceOps(DeviceOps):
         return self._current_index() if index is None else index
 
     def _route(self, device: object) -> tuple[Runtime, int]:
-        # The runtime and device index of a call's device, remembered for an immutable
-        # torch.device whose index is not taken from context, by identity (hashing a
-        # torch.device is slow); the entry holds the device, so its id stays its own.
-        if type(device) is torch.device:
-            hit = self._routes.get(id(device))
-            if hit is not None and hit[0] is device:
-                return hit[1], hit[2]
+        """The runtime and device index of a call's device."""
         index = self._device_index(device)
-        rt = self._runtimes.get(index) or self._runtime(index)
-        if type(device) is torch.device and (device.index is not None or not self.uses_streams):
-            if len(self._routes) >= 64:
-                self._routes.clear()
-            self._routes[id(device)] = (device, rt, index)
-        return rt, index
+        return self._runtimes.get(index) or self._runtime(index), index
 
     def _home_runtime(self) -> Runtime:
         home = self._home
@@ -299,37 +284,21 @@ class KvactorsDeviceOps(DeviceOps):
             TypeError: raw-pointer operands, or malformed operand structure.
             ValueError: the request fails validation (nothing is copied).
         """
-        request = convert.common_request(
-            paged_buffer_ptrs_tensor,
-            lmcache_objects_ptrs,
-            block_ids,
-            direction,
-            shape_desc,
-            lmcache_chunk_size,
-            engine_kv_format,
-            skip_prefix_n_blocks,
+        convert.check_tensor_operands(paged_buffer_ptrs_tensor, lmcache_objects_ptrs)
+        engine_kv_format, paged_buffer_ptrs_tensor = convert.normalize_format(
+            engine_kv_format, paged_buffer_ptrs_tensor
         )
+        request = convert.to_transfer_request(
+            engine_kv_format,
+            direction,
+            block_ids,
+            lmcache_chunk_size,
+            skip_prefix_n_blocks,
+            shape_desc,
+        )
+        # check_tensor_operands refused anything but tensors: the chunks are tensors.
         objects: Any = lmcache_objects_ptrs
-        if request is None:  # anything but the common call: every check, its own error
-            convert.check_tensor_operands(paged_buffer_ptrs_tensor, lmcache_objects_ptrs)
-            engine_kv_format, paged_buffer_ptrs_tensor = convert.normalize_format(
-                engine_kv_format, paged_buffer_ptrs_tensor
-            )
-            request = convert.to_transfer_request(
-                engine_kv_format,
-                direction,
-                block_ids,
-                lmcache_chunk_size,
-                skip_prefix_n_blocks,
-                shape_desc,
-            )
-            # check_tensor_operands refused anything but tensors; this keeps them, typed.
-            objects = [o for o in lmcache_objects_ptrs if isinstance(o, torch.Tensor)]
-        hit = self._routes.get(id(device))
-        if hit is not None and hit[0] is device:
-            rt, index = hit[1], hit[2]
-        else:
-            rt, index = self._route(device)
+        rt, index = self._route(device)
         # Counted before the call (while this thread's counts are in cache; after the copy
         # they would not be), taken back if it raises.
         counts = getattr(_tls, "counts", None)

@@ -431,10 +431,6 @@ class Actor(Generic[M]):
                 loop.call_soon_threadsafe(_arm, env, loop, self.name, timeout)
         self._deliver(env, msg, here=here)
 
-    async def ask(self, msg: M, operands: Any = None, *, timeout: float | None = None) -> Any:
-        """Send ``msg`` and wait for its reply (at most ``timeout`` seconds)."""
-        return await self.ask_nowait(msg, operands, timeout=timeout)
-
     # ---- receiving -----------------------------------------------------------------
 
     def receive(self, env: Envelope[M]) -> Any:

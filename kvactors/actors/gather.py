@@ -11,8 +11,7 @@ and is answered when the last of them left the ledger (rule 4, fence before reus
 transfer answers its ask with the failure: it is never reported as done.
 
 Plans are validated once: a :class:`~kvactors.plan_cache.PlanCache` reuses the plan of a
-request whose operands have not changed (same metadata and version counters) and validates
-anything else.
+request whose operands' metadata has not changed and validates anything else.
 
 Threads. The actor takes turns on any thread (``turns_anywhere``): a blocking caller that
 finds it idle validates, plans and sends the ``Launch`` on its own thread, and the
@@ -39,8 +38,7 @@ from kvactors.actors.stream import Work
 from kvactors.devices.base import Backend
 from kvactors.devices.cpu import completes_on_launch
 from kvactors.errors import ActorClosedError, OperandTypeError, TransferAbandonedError
-from kvactors.kernels.fast import ScratchCache, run_fast
-from kvactors.kernels.reused import reused_kernel
+from kvactors.kernels.fast import ScratchCache, reused_kernel, run_fast
 from kvactors.ordering import BlockLedger
 from kvactors.plan_cache import PlanCache
 from kvactors.protocols.gather import (
@@ -195,35 +193,27 @@ class GatherActor(Actor[GatherRequest]):
             )
         # Device layout rules first (MLU vLLM layouts, MUSA format set): metadata only.
         request, paged, objects = self.backend.prepare_transfer(msg.request, ops.paged, ops.objects)
-        plan, ticket = self.plans.lookup(request, paged, objects)
+        found = self.plans.lookup(request, paged, objects)
+        plan = found.plan
         scratch = self._scratch.get(msg.stream_handle)
         if scratch is None:
             scratch = self._scratch[msg.stream_handle] = ScratchCache()
-        copy, plans = self.backend.copy_, self.plans
-        memo = None if ticket is None else ticket.memo
-
-        inference = ticket is not None and ticket.inference
+        copy = self.backend.copy_
+        inference = found.inference
         # A plain backend's plan from the cache runs its specialised kernel (built where the
         # launch runs, never on the loop).
-        shared = ticket.shared if self._plain and ticket is not None else None
+        memo = found.memo if self._plain else None
 
         def torch_kernel() -> None:
-            if shared is not None:
-                assert memo is not None
-                reused_kernel(plan, paged, objects, memo, shared, inference=inference)(
-                    paged, objects
-                )
+            if memo is not None:
+                reused_kernel(plan, paged, objects, memo, inference=inference)(paged, objects)
                 return
             # Inference tensors (made under torch.inference_mode) are written only in it.
             with torch.inference_mode(inference):
-                run_fast(plan, paged, objects, copy=copy, scratch=scratch, memo=memo)
+                run_fast(plan, paged, objects, copy=copy, scratch=scratch)
 
         # The backend may put an opted-in native transfer first (it may decline).
-        chosen = self.backend.transfer_kernel(plan, paged, objects, torch_kernel)
-
-        def kernel() -> None:
-            chosen()
-            plans.settle(plan, ticket)
+        kernel = self.backend.transfer_kernel(plan, paged, objects, torch_kernel)
 
         launch = Launch(transfer_id=msg.transfer_id, nbytes=plan.nbytes)
         tid = msg.transfer_id

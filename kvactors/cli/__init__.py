@@ -76,7 +76,7 @@ def build_parser() -> argparse.ArgumentParser:
         help="negative control: reuse blocks without a fence (should FAIL)",
     )
 
-    bench = add_parser("bench", help="transfer and messaging benchmarks, JSON and PNG")
+    bench = add_parser("bench", help="transfer and per-call benchmarks, JSON and PNG")
     from kvactors.cli.bench.suite import add_arguments as bench_args
 
     bench_args(bench)
@@ -90,12 +90,6 @@ def build_parser() -> argparse.ArgumentParser:
     from kvactors.cli.selftest import add_arguments as selftest_args
 
     selftest_args(st)
-
-    hot = add_parser("hotpath", help="the compiled hot path: whether it runs; --build builds it")
-    hot.add_argument(
-        "--build", action="store_true", help="compile it for the installed torch (needs ninja)"
-    )
-    hot.add_argument("--verbose", action="store_true", help="show the compiler's output")
 
     rep = add_parser("replay", help="replay a recorded trace on a fresh runtime")
     rep.add_argument("trace", help="a file written by `kvactors demo --trace`")
@@ -131,21 +125,9 @@ def main(argv: Sequence[str] | None = None) -> int:
         from kvactors.cli.selftest import run as run_selftest
 
         return run_selftest(args)
-    if args.command == "hotpath":
-        return _hotpath(args)
     from kvactors.cli.replay import run as run_replay
 
     return run_replay(args)
-
-
-def _hotpath(args: argparse.Namespace) -> int:
-    from kvactors import hotpath
-
-    if args.build:
-        print(f"built {hotpath.build(verbose=args.verbose)}")
-    line = hotpath.status()
-    print(line)
-    return 0 if line.startswith("compiled") or not args.build else 1
 
 
 def _doctor(args: argparse.Namespace) -> int:

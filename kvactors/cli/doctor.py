@@ -136,8 +136,6 @@ class DoctorReport(msgspec.Struct, frozen=True, kw_only=True):
     findings: list[Finding]
     fake: str | None = None
     """The fake vendor module the report was taken under (``kvactors doctor --fake``)."""
-    hotpath: str = ""
-    """Whether the compiled hot path runs, and why (``kvactors hotpath``)."""
 
     @property
     def ok(self) -> bool:
@@ -287,19 +285,8 @@ def collect(env: dict[str, str] | None = None, *, fake: str | None = None) -> Do
         | {k: v for k, v in e.items() if k.startswith("KVACTORS_")},
         findings=[],
         fake=fake,
-        hotpath=_hotpath_status(),
     )
     return msgspec.structs.replace(report, findings=_findings(report, e))
-
-
-def _hotpath_status() -> str:
-    from kvactors import hotpath
-    from kvactors.errors import KvactorsError
-
-    try:
-        return hotpath.status()
-    except KvactorsError as exc:  # a bad KVACTORS_HOTPATH: reported, not raised
-        return f"python: {exc}"
 
 
 def _pick_lines(r: DoctorReport) -> list[str]:
@@ -409,7 +396,7 @@ def _findings(r: DoctorReport, env: dict[str, str]) -> list[Finding]:
                 level="info",
                 topic="threads",
                 message=f"torch uses {r.torch_threads} intra-op threads; on small shared hosts "
-                "parallel copies stall when any other thread runs (docs/benchmarks.md)",
+                "parallel copies stall when any other thread runs",
                 fix="benchmarks pin 1 thread and report 2 threads separately",
             )
         )
@@ -474,7 +461,6 @@ def format_doctor(r: DoctorReport) -> str:
         + (f"  [fake {r.fake} vendor module]" if r.fake else ""),
         "packages: " + ", ".join(f"{k} {v or 'not installed'}" for k, v in r.packages.items()),
         f"torch intra-op threads: {r.torch_threads}",
-        f"hot path: {r.hotpath}",
         "backends:",
     ]
     for p in r.backends:

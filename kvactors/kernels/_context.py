@@ -9,8 +9,8 @@ tiny index tensors; only the views a path uses are built (the per-tensor integer
 when a per-layer path needs them).
 
 The index tensors (block ids, row numbers) depend on the plan alone, so a caller that reuses
-a plan can pass a *memo* dict kept with it: the tensors are built on the first call and read
-from the memo afterwards (they are never written by a kernel, so sharing them between calls
+a plan can pass an *indices* dict kept with it: the tensors are built on the first call and
+read from it afterwards (they are never written by a kernel, so sharing them between calls
 and threads is safe). On an accelerator the staged path attaches the stream's
 :class:`ScratchCache` instead (``indices``): there the index tensors are keyed by their
 content, so a repeated request finds them on the device whether or not its plan was reused,
@@ -154,12 +154,12 @@ class KernelContext:
         self,
         plan: TransferPlan,
         units: list[torch.Tensor],
-        memo: dict[Any, Any] | None = None,
+        memo: dict[tuple[str, int, int, str], torch.Tensor] | None = None,
     ) -> None:
         self.plan = plan
         self._given = units
         self._units: list[torch.Tensor] | None = None
-        self._memo: dict[Any, Any] = {} if memo is None else memo
+        self._memo: dict[tuple[str, int, int, str], torch.Tensor] = {} if memo is None else memo
         #: The stream's cache of device index tensors (set by the staged path), or None.
         self.indices: ScratchCache | None = None
         first = raw(units[0])

@@ -4,10 +4,11 @@ Theory of operation. :func:`run_fast` executes a validated :class:`~kvactors.pla
 one segment (object) at a time. It has two shapes:
 
 * Host path (paged tensors on the CPU): blocks move straight between the paged memory and the
-  host chunk. A plan with nothing but full segments takes a one-call path per object (the
-  rows view, else the stacked gather), with its index tensors and view geometry kept in the
-  plan's memo (a throwaway one for a fresh request); anything else the per-segment paths of
-  :mod:`kvactors.kernels._moves`.
+  host chunk. A plan with nothing but full segments takes a one-call path per object: the
+  stacked gather (one ``index_select`` over the stacked view permuted into its physical
+  order) or the rows path (one ``index_select``, or one numpy assignment of 2-D integer rows,
+  between a rows view of the stacked memory and the chunk, where the block planes are
+  tight); anything else the per-segment paths of :mod:`kvactors.kernels._moves`.
 * Staged path (paged tensors on an accelerator): torch cannot index across devices, so a
   gather first collects the segment's blocks on the device into a staging buffer laid out like
   the chunk, then moves it with ONE ``copy(host_chunk, staging)`` through the backend's copy
@@ -25,10 +26,16 @@ one segment (object) at a time. It has two shapes:
 On the staged path the copy hook receives same-width integer views of the operands.
 The staged path can be forced on CPU tensors (``staged=True``) so it is tested without
 hardware.
+
+A plan the runtime's plan cache matched runs :func:`reused_kernel`: which path applies and
+the geometry of its views depend on neither the block ids nor the chunks' addresses, so they
+are decided once per cache entry and kept in its :class:`KernelMemo` as a *binder* (a
+function of a plan that builds only that plan's index tensors and its kernel).
 """
 
 from __future__ import annotations
 
+import array
 import threading
 from typing import TYPE_CHECKING, Any
 
@@ -45,9 +52,12 @@ from kvactors.plans import paged_units
 if TYPE_CHECKING:
     from collections.abc import Callable, Sequence
 
-    from kvactors.plans import Segment, TransferPlan
+    from kvactors.plan_cache import Binder, Kernel, KernelMemo
+    from kvactors.plans import RowGeometry, Segment, TransferPlan
 
-__all__ = ("ScratchCache", "run_fast")
+__all__ = ("ScratchCache", "index_tensor", "reused_kernel", "run_fast")
+
+_ROWS_FIRST_BYTES = 8 << 20  # a gather this big takes the rows path before the stacked one
 
 
 _local = threading.local()
@@ -79,7 +89,6 @@ def run_fast(
     copy: Callable[[torch.Tensor, torch.Tensor], None] | None = None,
     scratch: ScratchCache | None = None,
     staged: bool | None = None,
-    memo: dict[Any, Any] | None = None,
     checked: bool = False,
 ) -> None:
     """Execute a validated plan with the fast kernels.
@@ -93,25 +102,13 @@ def run_fast(
         scratch: Staging buffer cache for the staged path (default: one per thread).
         staged: Force (``True``) or forbid (``False``) the staged path; ``None`` stages
             exactly when the paged tensors are not on the CPU.
-        memo: Index tensors of this plan kept between calls (see ``KernelContext``); a
-            reused plan passes the same dict every time.
         checked: The caller already proved these are the planned operands (the runtime's
-            plan cache matched their fingerprint), so the pointer check is skipped.
+            plan cache matched their metadata), so the pointer check is skipped.
 
     Raises:
         TransferValidationError: The operands are not the ones the plan was made for, or
             ``staged=False`` was asked for device tensors.
     """
-    if checked and memo is not None and plan.on_host and not staged and plan.segments:
-        # A reused plan's one-call paths: no structure walk, no per-tensor views.
-        if (
-            plan.direction is Direction.D2H
-            and plan.stacked is not None
-            and _stacked_gather(plan, _first_unit(plan, paged), objects, memo)
-        ):
-            return
-        if plan.rows is not None and _rows_host(plan, _first_unit(plan, paged), objects, memo):
-            return
     units = paged_units(plan.spec, paged)
     objs = list(objects)
     if not checked and (
@@ -124,9 +121,26 @@ def run_fast(
     use_staging = (not plan.on_host) if staged is None else staged
     if not use_staging and not plan.on_host:
         raise TransferValidationError("device tensors need the staged path", field="staged")
-    if not use_staging and _one_call_host(plan, units[0], objs, {} if memo is None else memo):
-        return
-    ctx = KernelContext(plan, units, memo)
+    if not use_staging:
+        bind = _host_binder(plan, units[0], objs)
+        if bind is not None:
+            bind(plan)(paged, objs)
+            return
+    _run_general(plan, units, objs, use_staging, copy, scratch, {})
+
+
+def _run_general(
+    plan: TransferPlan,
+    units: list[torch.Tensor],
+    objs: Sequence[torch.Tensor],
+    use_staging: bool,
+    copy: Callable[[torch.Tensor, torch.Tensor], None] | None,
+    scratch: ScratchCache | None,
+    indices: dict[tuple[str, int, int, str], torch.Tensor],
+) -> None:
+    """The per-segment paths (host) or the staged path (device); ``indices`` keeps the plan's
+    host index tensors between calls of the same plan."""
+    ctx = KernelContext(plan, units, indices)
     raw_objs = [raw(o) for o in objs]
     if not use_staging:
         d2h = plan.direction is Direction.D2H
@@ -145,104 +159,202 @@ def run_fast(
     )
 
 
-def _one_call_host(
-    plan: TransferPlan, unit0: torch.Tensor, objs: Sequence[torch.Tensor], memo: dict[Any, Any]
-) -> bool:
-    """A host plan's one-call paths (those a reused plan takes), for a fresh request too: its
-    index tensors and view geometry are built once into ``memo`` (a throwaway dict when the
-    plan is not kept), which costs less than the per-segment views of the general path.
-    The rows path first (one ``memcpy`` per block plane: 0.96x of the C loop on 128 MiB NHD
-    gathers, the stacked gather 0.91x), the stacked gather for the rest (HND). ``False``
-    (nothing moved) when neither applies."""
-    if plan.rows is not None:
-        return _rows_host(plan, unit0, objs, memo)
-    return (
-        plan.direction is Direction.D2H
-        and plan.stacked is not None
-        and _stacked_gather(plan, unit0, objs, memo)
-    )
+def reused_kernel(
+    plan: TransferPlan,
+    paged: Any,
+    objects: Sequence[torch.Tensor],
+    memo: KernelMemo,
+    *,
+    inference: bool = False,
+) -> Kernel:
+    """The kernel ``kernel(paged, objects)`` of a host plan the plan cache matched to these
+    operands; ``memo`` is the cache entry's (the path and its views' geometry are decided on
+    its first plan and kept as a binder; a plan of the same ids as the last one reuses its
+    kernel).
+
+    ``inference``: an operand is an inference tensor (made under ``torch.inference_mode``),
+    which torch writes only in inference mode; the kernel then runs in it."""
+    ids = plan.request.block_ids
+    last = memo.last
+    if last is not None and last[0] == ids:
+        return last[1]
+    bind = memo.binder
+    if bind is None:
+        bind = _binder(plan, paged, objects)
+        if inference:
+            bind = _in_inference_mode(bind)
+        memo.binder = bind
+    kernel = bind(plan)
+    memo.last = (ids, kernel)
+    return kernel
 
 
-def _first_unit(plan: TransferPlan, paged: Any) -> torch.Tensor:
-    """The first paged tensor of operands the plan cache matched (so of the planned
-    structure: one tensor, a list of layers, or K/V lists, nested or flat)."""
+def _binder(plan: TransferPlan, paged: Any, objects: Sequence[torch.Tensor]) -> Binder:
+    if plan.on_host and plan.segments:
+        bind = _host_binder(plan, _first(paged), objects)
+        if bind is not None:
+            return bind
+
+    def general(p: TransferPlan) -> Kernel:
+        indices: dict[tuple[str, int, int, str], torch.Tensor] = {}
+
+        def kernel(paged: Any, objects: Sequence[torch.Tensor]) -> None:
+            units = paged_units(p.spec, paged)
+            if p.segments:
+                _run_general(p, units, objects, not p.on_host, None, None, indices)
+
+        return kernel
+
+    return general
+
+
+def _in_inference_mode(
+    bind: Binder,
+) -> Binder:
+    def bind_inference(p: TransferPlan) -> Kernel:
+        kernel = bind(p)
+
+        def run(paged: Any, objects: Sequence[torch.Tensor]) -> None:
+            with torch.inference_mode():
+                kernel(paged, objects)
+
+        return run
+
+    return bind_inference
+
+
+def index_tensor(ids: Sequence[int]) -> torch.Tensor:
+    """An int64 CPU tensor of ``ids``, built over an ``array`` buffer (the tensor keeps it):
+    cheaper than ``torch.tensor(ids)``."""
+    if not ids:  # frombuffer refuses an empty buffer
+        return torch.empty(0, dtype=torch.int64)
+    return torch.frombuffer(array.array("q", ids), dtype=torch.int64)
+
+
+def _first(paged: Any) -> torch.Tensor:
+    """The first paged tensor of a matched structure: one tensor, a list of layers, or K/V
+    lists (nested or flat)."""
     if isinstance(paged, torch.Tensor):
         return paged
     first = paged[0]
     return first if isinstance(first, torch.Tensor) else first[0]  # type: ignore[no-any-return]
 
 
-def _rows_host(
-    plan: TransferPlan, unit0: torch.Tensor, objs: Sequence[torch.Tensor], memo: dict[Any, Any]
-) -> bool:
-    """The rows path of a reused plan with nothing but full segments, in the fewest calls:
-    per object ONE ``index_select`` (gather) or ONE numpy fancy assignment (scatter) between
-    the rows view and the chunk, with the flat row index built once per plan (in ``memo``).
-    ``False`` (nothing moved) when the plan has a partial segment or numpy is missing for a
-    scatter; the general path runs then."""
-    steps = memo.get("rows_host")
-    if steps is None:
-        steps = memo["rows_host"] = _rows_steps(plan)
-    if not steps:
-        return False
-    g = plan.rows
+def _host_binder(
+    plan: TransferPlan, unit0: torch.Tensor, objects: Sequence[torch.Tensor]
+) -> Binder | None:
+    """The binder of a host plan's one-call path, or ``None`` when none applies (a partial
+    segment, no stacked view, a scatter without rows or numpy). A small gather takes the
+    stacked path first (one torch call less than the rows path's view plus index_select); a
+    big one the rows path first (one ``memcpy`` per block plane copies faster)."""
+    bpo = plan.request.chunk_size // plan.request.shape.bs
+    if any(seg.count != bpo for seg in plan.segments):
+        return None
+    gather = plan.direction is Direction.D2H
+    stacked = gather and plan.stacked is not None
+    if stacked and not (plan.rows is not None and plan.nbytes >= _ROWS_FIRST_BYTES):
+        bind = _stacked_binder(plan, unit0, objects)
+        if bind is not None:
+            return bind
+    if plan.rows is not None and (gather or numpy_usable()):
+        return _rows_binder(plan, unit0, objects)
+    return _stacked_binder(plan, unit0, objects) if stacked else None
+
+
+def _rows_binder(
+    plan: TransferPlan, unit0: torch.Tensor, objects: Sequence[torch.Tensor]
+) -> Binder:
+    g, direction = plan.rows, plan.direction
     assert g is not None
-    if plan.direction is Direction.D2H:
-        # Same dtype on both sides (validated): no integer reinterpretation needed.
-        rows = unit0.as_strided((g.nrows, g.piece), (g.row_stride, 1), g.storage_offset)
-        for obj, idx, _ in steps:
-            out = objs[obj]
-            if out.dtype is not rows.dtype:
-                out, rows = raw(out), raw(rows)
-            torch.index_select(rows, 0, idx, out=out.view(idx.numel(), -1))
-        return True
-    # 2-D integer rows, not void items: numpy assigns void items holding the GIL, integer
-    # rows with it released (concurrent scatters scale), at the same speed.
-    rows_np = raw(unit0).as_strided((g.nrows, g.piece), (g.row_stride, 1), g.storage_offset).numpy()
-    for obj, idx, idx_np in steps:
-        rows_np[idx_np] = raw(objs[obj]).view(idx.numel(), -1).numpy()
-    return True
+    # Same dtype on both sides (validated); one whose index_select is missing goes raw.
+    as_raw = any(objects[seg.obj].dtype is not unit0.dtype for seg in plan.segments)
+
+    def bind(p: TransferPlan) -> Kernel:
+        return _rows_kernel(g, direction, _rows_steps(p), as_raw)
+
+    return bind
 
 
-def _stacked_gather(
-    plan: TransferPlan, unit0: torch.Tensor, objs: Sequence[torch.Tensor], memo: dict[Any, Any]
-) -> bool:
-    """A reused gather plan with nothing but full segments and one stacked view, in ONE
-    ``index_select`` per object: the stacked ``[L, P, B, S, H, D]`` view permuted into its
-    physical order (torch's ``index_select`` is only fast on such a source), the chunk's view
-    permuted the same way, the block axis selected: exactly the single torch call of the same
-    bytes.
+def _rows_kernel(
+    g: RowGeometry,
+    direction: Direction,
+    steps: tuple[tuple[int, torch.Tensor, Any], ...],
+    as_raw: bool,
+) -> Kernel:
+    size, stride, offset = (g.nrows, g.piece), (g.row_stride, 1), g.storage_offset
+    if direction is Direction.D2H:
+        outs = tuple((obj, idx, (idx.numel(), -1)) for obj, idx, _ in steps)
 
-    Each view is ONE ``as_strided`` per call: the plan cache matched the operands' shapes,
-    strides and storage offsets to the planned ones, so the views' geometry is computed on
-    the plan's first use and kept in ``memo`` with the order, the block axis and the id
-    tensors (every torch call costs microseconds more on caches a 2 MiB copy just evicted).
-    ``False`` (nothing moved) when it does not apply; the other paths run then."""
-    geo = memo.get("stacked_gather")
+        def gather(paged: Any, objs: Sequence[torch.Tensor]) -> None:
+            u0 = _first(paged)
+            rows = (raw(u0) if as_raw else u0).as_strided(size, stride, offset)
+            for obj, idx, view in outs:
+                out = objs[obj]
+                torch.index_select(rows, 0, idx, out=(raw(out) if as_raw else out).view(view))
+
+        return gather
+    ins = tuple((obj, idx_np, (idx.numel(), -1)) for obj, idx, idx_np in steps)
+
+    def scatter(paged: Any, objs: Sequence[torch.Tensor]) -> None:
+        # Rows of integers, not opaque void items: numpy's fancy assignment of void items
+        # holds the GIL, of 2-D integer rows it copies each row with the GIL released.
+        rows_np = raw(_first(paged)).as_strided(size, stride, offset).numpy()
+        for obj, idx_np, view in ins:
+            rows_np[idx_np] = raw(objs[obj]).view(view).numpy()
+
+    return scatter
+
+
+def _stacked_binder(
+    plan: TransferPlan, unit0: torch.Tensor, objects: Sequence[torch.Tensor]
+) -> Binder | None:
+    """A gather plan with one stacked view, in ONE ``index_select`` per object: the stacked
+    ``[L, P, B, S, H, D]`` view permuted into its physical order (torch's ``index_select``
+    is only fast on such a source), the chunk's view permuted the same way, the block axis
+    selected: exactly the single torch call of the same bytes. The views' geometry is kept
+    (each chunk view's storage offset relative to its chunk's, so other chunk buffers of the
+    same layout share it); each call makes one ``as_strided`` per view."""
+    geo = _stacked_geometry(plan, unit0, objects)
     if geo is None:
-        geo = memo["stacked_gather"] = _stacked_geometry(plan, unit0, objs)
-    if not geo:
-        return False
-    src_geo, dim, steps = geo
-    src = unit0.as_strided(*src_geo)
-    for obj, ids, out_geo in steps:
-        torch.index_select(src, dim, ids, out=objs[obj].as_strided(*out_geo))
-    return True
+        return None
+    src_geo, dim, outs = geo
+    ranges = tuple((seg.start, seg.stop) for seg in plan.segments)
+
+    def bind(p: TransferPlan) -> Kernel:
+        ids = p.request.block_ids
+        steps = tuple(
+            (obj, index_tensor(ids[start:stop]), out)
+            for (obj, out), (start, stop) in zip(outs, ranges, strict=True)
+        )
+        return _stacked_kernel(src_geo, dim, steps)
+
+    return bind
+
+
+def _stacked_kernel(
+    src_geo: tuple[Any, ...], dim: int, steps: tuple[tuple[int, torch.Tensor, Any], ...]
+) -> Kernel:
+    def gather(paged: Any, objs: Sequence[torch.Tensor]) -> None:
+        src = _first(paged).as_strided(*src_geo)
+        for obj, ids, (size, stride, offset) in steps:
+            out = objs[obj]
+            view = out.as_strided(size, stride, out.storage_offset() + offset)
+            torch.index_select(src, dim, ids, out=view)
+
+    return gather
 
 
 def _stacked_geometry(
     plan: TransferPlan, unit0: torch.Tensor, objs: Sequence[torch.Tensor]
-) -> tuple[Any, ...]:
+) -> tuple[tuple[Any, ...], int, tuple[tuple[int, Any], ...]] | None:
     sv = plan.stacked
     assert sv is not None
     shape = plan.request.shape
     bpo = plan.request.chunk_size // shape.bs
-    if (
-        any(seg.count != bpo for seg in plan.segments)
-        or len({seg.obj for seg in plan.segments}) != len(plan.segments)
-        or any(o.dtype is not unit0.dtype for o in objs)
+    if len({seg.obj for seg in plan.segments}) != len(plan.segments) or any(
+        objs[seg.obj].dtype is not unit0.dtype for seg in plan.segments
     ):
-        return ()
+        return None
     size = sv.size
     stride = tuple(st if n > 1 else 1 for n, st in zip(size, sv.stride, strict=True))
     order = sorted(range(len(size)), key=lambda i: (size[i] == 1, -stride[i]))
@@ -256,30 +368,26 @@ def _stacked_geometry(
     lead = dim == 1 and not src.is_contiguous()
     if lead:
         src, dim = src.unsqueeze(0), 2
-    steps = []
+    outs = []
     for seg in plan.segments:
-        out = object_view(plan.spec, objs[seg.obj], shape.nl, shape.nh, shape.hs, shape.bs)
+        obj = objs[seg.obj]
+        out = object_view(plan.spec, obj, shape.nl, shape.nh, shape.hs, shape.bs)
         out = out.permute(out_order)
         if lead:
             out = out.unsqueeze(0)
         if out.shape[dim] != bpo:
-            return ()
-        ids = torch.tensor(plan.request.block_ids[seg.start : seg.stop], dtype=torch.int64)
-        steps.append((seg.obj, ids, (out.shape, out.stride(), out.storage_offset())))
-    return (src.shape, src.stride(), src.storage_offset()), dim, tuple(steps)
+            return None
+        offset = out.storage_offset() - obj.storage_offset()
+        outs.append((seg.obj, (out.shape, out.stride(), offset)))
+    return (src.shape, src.stride(), src.storage_offset()), dim, tuple(outs)
 
 
 def _rows_steps(plan: TransferPlan) -> tuple[tuple[int, torch.Tensor, Any], ...]:
+    """Per segment: its object, its flat row index ``[P*NL*bpo]`` as a tensor and (with
+    numpy) as an array; every segment's in a handful of calls."""
     g = plan.rows
     assert g is not None
     bpo = plan.request.chunk_size // plan.request.shape.bs
-    if any(seg.count != bpo for seg in plan.segments):
-        return ()
-    if plan.direction is not Direction.D2H and not numpy_usable():
-        return ()
-    # Every segment's flat row index in a handful of calls (a fresh request pays for them, on
-    # caches its predecessor's copy just evicted): [segments, P*NL*bpo] at once, with numpy
-    # where it is installed (its small calls cost about a third of torch's there).
     segs = plan.segments
     block_ids = [plan.request.block_ids[seg.start : seg.stop] for seg in segs]
     if numpy_usable():

@@ -32,9 +32,6 @@ Example::
 The pytest plugin :mod:`kvactors.testing.pytest_plugin` provides fixtures ``fake_mlu`` and
 ``fake_musa``. The vendor fakes depend on nothing else in kvactors.
 
-The step-by-step CPU backend behind the ordering-rule tests is a backend, so it lives with
-the backends: :class:`kvactors.devices.manual.ManualBackend`.
-
 :func:`check_backend` (loaded on first access: it runs the Runtime) is the conformance suite
 behind ``kvactors selftest``, for vendors' CI: ``check_backend("musa").ok``.
 """

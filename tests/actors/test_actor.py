@@ -59,7 +59,7 @@ async def test_fifo_order_and_ask_reply() -> None:
     a.start()
     for i in range(20):
         a.tell_nowait(Put(i))
-    assert await a.ask(Put(99)) == 198
+    assert await a.ask_nowait(Put(99)) == 198
     assert a.seen == [*range(20), 99]
     stats = a.statistics()
     assert stats.processed == 21
@@ -123,7 +123,7 @@ async def test_ask_deadline() -> None:
     a = Recorder()
     a.start()
     with pytest.raises(DeadlineExceededError) as ei:
-        await a.ask(Hold(), timeout=0.01)
+        await a.ask_nowait(Hold(), timeout=0.01)
     assert ei.value.message_type == "Hold"
     # The late answer is dropped without error.
     a.held[0](None, 1)
@@ -141,15 +141,15 @@ async def test_stop_fails_pending_asks_with_closed() -> None:
     with pytest.raises(ActorClosedError):
         a.tell_nowait(Put(1))
     with pytest.raises(ActorClosedError):
-        await a.ask(Put(1))
+        await a.ask_nowait(Put(1))
 
 
 async def test_ask_failure_fails_only_that_ask() -> None:
     a = Recorder()
     a.start()
     with pytest.raises(RuntimeError, match="boom"):
-        await a.ask(Boom())
-    assert await a.ask(Put(1)) == 2
+        await a.ask_nowait(Boom())
+    assert await a.ask_nowait(Put(1)) == 2
     assert a.statistics().failed == 1
     await a.stop()
 

@@ -21,7 +21,6 @@ from kvactors.actors.directory import StreamDirectory
 from kvactors.actors.ipc_owner import IPCOwnerActor
 from kvactors.actors.outbox import Outbox
 from kvactors.actors.stream import Work
-from kvactors.devices.manual import ManualBackend
 from kvactors.errors import IPCError, TransferFailedError
 from kvactors.protocols.ipc import CloseContext, OpenHandle
 from kvactors.protocols.stream import (
@@ -33,6 +32,7 @@ from kvactors.protocols.stream import (
     Sync,
     Synced,
 )
+from tests._manual_backend import ManualBackend
 
 if TYPE_CHECKING:
     from collections.abc import Callable
@@ -183,7 +183,7 @@ async def test_rule2_ipc_owner_closed_only_after_stream_sync() -> None:
     try:
         assert shared.tensor is not None
         handle = backend.ipc_export(shared.tensor)
-        _, view = await ipc.ask(OpenHandle(context_id=1, handle=handle))
+        _, view = await ipc.ask_nowait(OpenHandle(context_id=1, handle=handle))
         stream = streams.get(0)
 
         def write(view: torch.Tensor = view) -> None:
@@ -199,7 +199,7 @@ async def test_rule2_ipc_owner_closed_only_after_stream_sync() -> None:
         assert closed.owners_closed == 1
         assert backend.closed_under_work == 0
         assert torch.equal(shared.tensor, torch.full((16,), 3.0))
-        again = await ipc.ask(CloseContext(context_id=1))
+        again = await ipc.ask_nowait(CloseContext(context_id=1))
         assert again.owners_closed == 0  # idempotent
         assert ipc.open_owners == 0
     finally:
@@ -216,9 +216,11 @@ async def test_ipc_close_reports_live_view_and_still_forgets_context() -> None:
     shared = backend.alloc_shared((4,), torch.float32)
     try:
         assert shared.tensor is not None
-        _, view = await ipc.ask(OpenHandle(context_id=2, handle=backend.ipc_export(shared.tensor)))
+        _, view = await ipc.ask_nowait(
+            OpenHandle(context_id=2, handle=backend.ipc_export(shared.tensor))
+        )
         with pytest.raises(IPCError, match="live views"):
-            await ipc.ask(CloseContext(context_id=2))
+            await ipc.ask_nowait(CloseContext(context_id=2))
         del view
     finally:
         await ipc.stop()
@@ -251,9 +253,9 @@ async def test_ipc_close_translates_a_foreign_close_error_naming_the_context() -
     shared = backend.alloc_shared((4,), torch.float32)
     try:
         assert shared.tensor is not None
-        await ipc.ask(OpenHandle(context_id=7, handle=backend.ipc_export(shared.tensor)))
+        await ipc.ask_nowait(OpenHandle(context_id=7, handle=backend.ipc_export(shared.tensor)))
         with pytest.raises(IPCError, match="context 7 closed with errors") as info:
-            await ipc.ask(CloseContext(context_id=7))
+            await ipc.ask_nowait(CloseContext(context_id=7))
         assert isinstance(info.value.__cause__, OSError)
         assert ipc.open_owners == 0  # forgotten all the same
     finally:

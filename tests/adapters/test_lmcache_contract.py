@@ -128,17 +128,3 @@ def test_signature_matches_lmcache(device_ops_cls: type) -> None:
     base = list(inspect.signature(device_ops_cls.multi_layer_block_kv_transfer).parameters)  # type: ignore[attr-defined]
     for cls in _ops_classes():
         assert list(inspect.signature(cls.multi_layer_block_kv_transfer).parameters) == base  # type: ignore[attr-defined]
-
-
-def test_page_buffer_shape_desc_is_the_kvactors_descriptor(device_ops_cls: type) -> None:
-    from kvactors_lmcache.shape_desc import FIELDS, KvactorsShapeDesc
-
-    native = device_ops_cls.PageBufferShapeDesc  # type: ignore[attr-defined]
-    for cls in _ops_classes():
-        ops = cls()
-        desc = ops.PageBufferShapeDesc()
-        desc.dtype = None  # make_page_buffer_shape_desc sets this dynamic attribute
-        assert type(desc) is KvactorsShapeDesc
-    # Every field LMCache's class has, and nothing it lacks (dtype is dynamic on both).
-    public = {n for n in dir(native) if not n.startswith("_")}
-    assert public == set(FIELDS)

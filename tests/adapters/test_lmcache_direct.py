@@ -14,8 +14,6 @@ pytestmark = [pytest.mark.lmcache, pytest.mark.skipif(LMCACHE_MISSING, reason=SK
 def test_gather_scatter_bit_exact_against_builtin() -> None:
     res = run_script("direct_gather_scatter.py", env=lmcache_env(KVACTORS_LMCACHE_CPU="1"))
     assert res["ops_type"] == "kvactors_lmcache.ops.KvactorsCpuOps"
-    # LMCache built the kvactors descriptor for both contenders: its own torch path read it too.
-    assert res["desc_type"] == "kvactors_lmcache.shape_desc.KvactorsShapeDesc"
     seen = {c["case"] for c in res["cases"]}
     expected = {"nhd", "hnd", "mla", "sglang", "mla_padded"}
     if importlib.metadata.version("lmcache").startswith("0.5.7"):

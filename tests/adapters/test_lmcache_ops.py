@@ -361,56 +361,6 @@ def _completion_after_stream_work(
         rt.close()
 
 
-def _full_request(
-    paged: Any, objs: Any, ids: Any, d: Any, sd: Any, chunk: Any, f: Any, s: Any
-) -> Any:
-    from kvactors_lmcache import convert
-
-    convert.check_tensor_operands(paged, objs)
-    f, paged = convert.normalize_format(f, paged)
-    return convert.to_transfer_request(f, d, ids, chunk, s, sd)
-
-
-def test_the_common_call_converts_as_the_full_checks_do() -> None:
-    """The adapter's short path answers exactly what the full conversion answers, and leaves
-    every call it cannot prove common (exact types) to the full checks and their errors."""
-    from kvactors_lmcache import convert
-
-    n = _native()
-    layers, objs = _layers(0), _objs(1)
-    fmt, d2h = n.EngineKVFormat.NL_X_TWO_NB_BS_NH_HS, n.TransferDirection.D2H
-    sd = _desc()
-    common = (layers, objs, [3, 5], d2h, sd, CHUNK, fmt, 0)
-    for _ in range(2):  # the second call takes the remembered enum numbers
-        req = convert.common_request(*common)
-        assert req == _full_request(layers, objs, [3, 5], d2h, sd, CHUNK, fmt, 0)
-    sd.nb = NB - 1  # a mutated descriptor is read again
-    req = convert.common_request(*common)
-    assert req is not None
-    assert req.shape.nb == NB - 1
-    sd.nb = NB
-    uncommon = [
-        (layers, objs, [True, 5], d2h, sd, CHUNK, fmt, 0),  # a bool block id
-        (layers, objs, [3, 5], d2h, sd, float(CHUNK), fmt, 0),  # a float chunk size
-        (layers, objs, [3, 5], True, sd, CHUNK, fmt, 0),  # a bool direction
-        (layers, objs, [3, 5], d2h, sd, CHUNK, 1.0, 0),  # a float format
-        (layers, [1234], [3, 5], d2h, sd, CHUNK, fmt, 0),  # a raw pointer
-        (tuple(layers), objs, [3, 5], d2h, sd, CHUNK, fmt, 0),  # not a list
-        (layers, objs, torch.tensor([3, 5]), d2h, sd, CHUNK, fmt, 0),  # ids as a tensor
-    ]
-    for args in uncommon:
-        assert convert.common_request(*args) is None, args
-    from kvactors_lmcache.ops import KvactorsCpuOps
-
-    ops = KvactorsCpuOps()
-    got = _objs(1)
-    ops.multi_layer_block_kv_transfer(
-        layers, got, [3, 5], torch.device("cpu"), d2h, sd, CHUNK, fmt, 0
-    )
-    expect = torch.stack([p[:, [3, 5]] for p in layers], 1).reshape(got[0].shape)
-    assert torch.equal(got[0], expect)
-
-
 def test_a_refused_call_is_not_counted(cpu_ops: Any) -> None:
     """``transfer_counts`` counts transfers served: a call the runtime refuses leaves it as it
     was (the count is taken before the call and back when it raises)."""

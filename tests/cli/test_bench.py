@@ -26,7 +26,6 @@ def test_bench_tiny(tmp_path: pathlib.Path, capsys: pytest.CaptureFixture[str]) 
         assert r["kvactors_gbps"] > 0
         assert r["raw_gbps"] > 0
     assert {r["direction"] for r in data["runtime"]} == {"gather", "scatter"}
-    assert data["messaging"]["ask_us"] > 0
     # The vendor part: kvactors' device ops per call on both fake vendors, each layout.
     ours = [r for r in data["vendor"] if r["contender"] == "kvactors"]
     assert {(r["vendor"], r["layout"]) for r in ours} >= {("mlu", "HND"), ("musa", "KV lists")}

@@ -20,7 +20,6 @@ import torch
 
 from kvactors.actors.gather import TransferOperands
 from kvactors.actors.group import DeviceActors
-from kvactors.devices.manual import ManualBackend
 from kvactors.errors import (
     ActorClosedError,
     DeadlineExceededError,
@@ -34,6 +33,7 @@ from kvactors.layouts import Direction
 from kvactors.protocols.gather import Transfer
 from kvactors.protocols.stream import Sync
 from kvactors.runtime import Runtime
+from tests._manual_backend import ManualBackend
 from tests.scenarios._kv import CHUNK, NH, NL, Snapshot, objects, paged, request, shape
 
 if TYPE_CHECKING:

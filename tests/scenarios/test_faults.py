@@ -23,7 +23,6 @@ import torch
 from kvactors.actors.gather import TransferOperands
 from kvactors.actors.group import DeviceActors
 from kvactors.devices.cpu import CpuBackend
-from kvactors.devices.manual import ManualBackend
 from kvactors.errors import (
     ActorClosedError,
     DeviceOpError,
@@ -36,6 +35,7 @@ from kvactors.layouts import Direction
 from kvactors.protocols.gather import Fence, Fenced, Ping, Pong, Transfer
 from kvactors.runtime import Runtime
 from kvactors.testing import fake_vendor
+from tests._manual_backend import ManualBackend
 from tests.scenarios import _doubles
 from tests.scenarios._doubles import FaultyBackend, open_fds, shm_exists, shm_mappings
 from tests.scenarios._kv import expected_gather, objects, paged, request, same
@@ -127,7 +127,7 @@ async def test_completed_marker_carrying_an_error_is_still_a_failure() -> None:
         backend.fail_next = 1
         out = objects(1)
         with pytest.raises(TransferFailedError):
-            await dev.gather.ask(
+            await dev.gather.ask_nowait(
                 Transfer(transfer_id=1, request=request(D2H, [0, 1])),
                 TransferOperands(src, out),
                 timeout=10,
@@ -145,7 +145,7 @@ async def test_cancelled_caller_leaves_operands_owned_until_the_device_finished(
         out_ref = weakref.ref(out[0])
 
         async def caller(o: list[torch.Tensor]) -> Any:
-            return await dev.gather.ask(
+            return await dev.gather.ask_nowait(
                 Transfer(transfer_id=1, request=request(D2H, [6, 7])), TransferOperands(src, o)
             )
 
@@ -380,7 +380,7 @@ async def test_full_mailbox_backpressure() -> None:
         backend.release()
         done = await asyncio.gather(*asks)
         assert [d.transfer_id for d in done] == [0, 1, 2]
-        assert await dev.gather.ask(Ping(seq=4)) == Pong(seq=4)
+        assert await dev.gather.ask_nowait(Ping(seq=4)) == Pong(seq=4)
         stats = dev.gather.statistics()
         assert stats.processed == processed + 2  # the waited tell and the last ask
         assert stats.mailbox_peak == 3

@@ -77,7 +77,7 @@ class _Held(Backend):
 
 
 class _HeldCpu(_Held, CpuBackend):
-    """Work complete when launched: the runtime runs idle blocking transfers inline."""
+    """Work complete when launched (CPU)."""
 
 
 class _HeldMlu(_Held, MluBackend):

@@ -34,11 +34,11 @@ from hypothesis import strategies as st
 
 from kvactors.actors.gather import TransferOperands
 from kvactors.actors.group import DeviceActors
-from kvactors.devices.manual import ManualBackend
 from kvactors.errors import ActorClosedError, KvactorsError
 from kvactors.layouts import Direction
 from kvactors.protocols.gather import Fence, Transfer
 from kvactors.protocols.ipc import CloseContext, OpenHandle
+from tests._manual_backend import ManualBackend
 from tests.scenarios._doubles import DeviceFault
 from tests.scenarios._kv import (
     BS,
@@ -276,7 +276,7 @@ class Interpreter:
 
         async def reuse() -> None:
             try:
-                await self.dev.gather.ask(Fence(block_ids=ids))
+                await self.dev.gather.ask_nowait(Fence(block_ids=ids))
             except ActorClosedError:
                 return
             if not all(f.done() for f in earlier):
@@ -301,7 +301,7 @@ class Interpreter:
         ctx = next(self.ids)
         self.contexts[ctx] = [shared]
         assert shared.tensor is not None
-        _, view = await self.dev.ipc.ask(
+        _, view = await self.dev.ipc.ask_nowait(
             OpenHandle(context_id=ctx, handle=self.backend.ipc_export(shared.tensor))
         )
         expected = expected_gather(self.src, list(ids))[0]
@@ -319,7 +319,7 @@ class Interpreter:
 
         async def close() -> None:
             try:
-                await self.dev.ipc.ask(CloseContext(context_id=ctx, stream_handles=STREAMS))
+                await self.dev.ipc.ask_nowait(CloseContext(context_id=ctx, stream_handles=STREAMS))
             except ActorClosedError:
                 return
 

@@ -19,9 +19,9 @@ from kvactors.actors.directory import StreamDirectory
 from kvactors.actors.ipc_owner import IPCOwnerActor
 from kvactors.actors.outbox import Outbox
 from kvactors.actors.stream import Work
-from kvactors.devices.manual import ManualBackend
 from kvactors.protocols.ipc import CloseContext, ContextClosed, Opened, OpenHandle
 from kvactors.protocols.stream import Launch
+from tests._manual_backend import ManualBackend
 
 if TYPE_CHECKING:
     from collections.abc import AsyncIterator
@@ -45,7 +45,7 @@ class _Rig:
         seg = self.backend.alloc_shared((16,), torch.float32)
         self.shared.append(seg)
         assert seg.tensor is not None
-        opened, view = await self.ipc.ask(
+        opened, view = await self.ipc.ask_nowait(
             OpenHandle(context_id=ctx, handle=self.backend.ipc_export(seg.tensor))
         )
         assert isinstance(opened, Opened)
@@ -118,6 +118,6 @@ async def test_second_close_waits_for_the_first(rig: _Rig) -> None:
     assert await second == want
     assert rig.backend.closed_under_work == 0
     # Once closed, a further close is a no-op answered at once.
-    assert await rig.ipc.ask(CloseContext(context_id=1)) == ContextClosed(
+    assert await rig.ipc.ask_nowait(CloseContext(context_id=1)) == ContextClosed(
         context_id=1, owners_closed=0
     )

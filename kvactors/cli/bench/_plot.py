@@ -1,4 +1,4 @@
-"""The ``kvactors bench`` plot: kernel GB/s per layout and direction, runtime and messaging.
+"""The ``kvactors bench`` plot: kernel GB/s per layout and direction, and through the runtime.
 
 matplotlib is optional (``pip install kvactors[bench]``) and always used with the Agg
 backend, so the plot renders on headless hosts and never opens a window.
@@ -20,7 +20,6 @@ _COLORS = {
     "kvactors": "#1f77b4",
     "raw copy": "#7f7f7f",
     "LMCache torch path": "#d62728",
-    "C ceiling": "#2ca02c",
     "kvactors, plan reused": "#aec7e8",
 }
 
@@ -46,15 +45,11 @@ def plot(report: BenchReport, path: str) -> None:
         if r.threads == min((x.threads for x in report.transfer), default=1)
     ]
     fig = plt.figure(figsize=(12, 6.5), dpi=110)
-    grid = fig.add_gridspec(
-        2, 2, width_ratios=[3.3, 1], height_ratios=[3, 1], wspace=0.22, hspace=0.35
-    )
-    ax = fig.add_subplot(grid[:, 0])
+    grid = fig.add_gridspec(1, 2, width_ratios=[3.3, 1], wspace=0.22)
+    ax = fig.add_subplot(grid[0, 0])
     labels = []
     for r in rows:
         note = f"{r.vs_raw:.0%} raw"
-        if r.vs_ceiling is not None:
-            note += f"\n{r.vs_ceiling:.0%} C"
         if r.vs_lmcache is not None:
             note += f"\n{r.vs_lmcache:.1f}x LMC"
         labels.append(f"{_SHORT.get(r.layout, r.layout)}\n{r.direction}\n{note}")
@@ -63,8 +58,6 @@ def plot(report: BenchReport, path: str) -> None:
         "kvactors, plan reused": [r.reused_gbps or 0.0 for r in rows],
         "raw copy": [r.raw_gbps for r in rows],
     }
-    if any(r.ceiling_gbps is not None for r in rows):
-        series["C ceiling"] = [r.ceiling_gbps or 0.0 for r in rows]
     if any(r.lmcache_gbps is not None for r in rows):
         series["LMCache torch path"] = [r.lmcache_gbps or 0.0 for r in rows]
     width = 0.8 / len(series)
@@ -113,21 +106,6 @@ def plot(report: BenchReport, path: str) -> None:
         side.grid(axis="y", alpha=0.3)
     else:
         side.axis("off")
-    text = fig.add_subplot(grid[1, 1])
-    text.axis("off")
-    m = report.messaging
-    if m is not None:
-        text.text(
-            0.0,
-            1.0,
-            f"messaging round trip (median)\n"
-            f"actor ask: {m['ask_us']:.1f} us, {m['ask_ratio']:.2f}x bare asyncio\n"
-            f"blocking call: {m['blocking_us']:.1f} us, {m['blocking_ratio']:.2f}x "
-            "thread hop",
-            transform=text.transAxes,
-            fontsize=8.5,
-            va="top",
-        )
     meta = report.meta
     fig.suptitle(
         f"kvactors bench{' --quick' if meta.get('quick') else ''}: "

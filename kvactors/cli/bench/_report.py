@@ -31,7 +31,6 @@ class BenchReport(msgspec.Struct, kw_only=True):
     meta: dict[str, Any]
     transfer: list[BenchRow]
     runtime: list[RuntimeRow]
-    messaging: dict[str, float] | None
     vendor: list[dict[str, Any]] | None = None
     percall: PercallReport | None = None
     seconds: float = 0.0

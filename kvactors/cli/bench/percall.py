@@ -56,9 +56,8 @@ from typing import TYPE_CHECKING, Any
 import msgspec
 import torch
 
-from kvactors import hotpath
 from kvactors.errors import InvalidSettingError, MissingDependencyError
-from kvactors.kernels.reused import index_tensor
+from kvactors.kernels.fast import index_tensor
 from kvactors.layouts import FORMAT_SPECS, Direction, KVFormat, ShapeDesc
 from kvactors.plans import TransferRequest
 
@@ -123,8 +122,6 @@ class PercallReport(msgspec.Struct, kw_only=True):
     plan_cold_us: float
     ping_us: float
     seconds: float = 0.0
-    hotpath: str = ""
-    """Whether the runtime ran its compiled hot path (``kvactors hotpath``)."""
     before: str = "contenders"
     """What ran before each single-caller call: ``contenders`` (the other contenders' calls)
     or ``memory`` (16 MiB of other memory copied too; see the module docstring)."""
@@ -537,7 +534,6 @@ def run_percall_bench(
         plan_cold_us=plan_cold,
         ping_us=ping,
         seconds=time.perf_counter() - t_start,
-        hotpath=hotpath.status(),
         before=before,
     )
 
@@ -576,8 +572,6 @@ def format_percall(report: PercallReport) -> str:
         f"planning: warm {report.plan_warm_us:.1f} us, cold {report.plan_cold_us:.1f} us;"
         f" Runtime.ping {report.ping_us:.1f} us"
     )
-    if report.hotpath:
-        lines.append(f"hot path: {report.hotpath}")
     return "\n".join(lines)
 
 

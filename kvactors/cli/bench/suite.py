@@ -1,18 +1,15 @@
-"""``kvactors bench``: transfer and messaging benchmarks, written as JSON and a PNG plot.
+"""``kvactors bench``: transfer and per-call benchmarks, written as JSON and PNG plots.
 
-Three parts, each a ratio measured inside one run (absolute GB/s on shared hosts swing by
+Every figure is a ratio measured inside one run (absolute GB/s on shared hosts swing by
 +-20 %, see ``docs/benchmarks.md``):
 
 * **kernels** (:func:`kvactors.cli.bench.transfer.run_transfer_bench`): per layout and direction,
   kvactors' plan + fast kernel, a raw ``copy_`` of the same bytes, and LMCache's torch path on
   identical operands when the ``kvactors.baselines`` plugin (shipped by the adapter) loads,
-  and the C ceiling of the layout's access pattern when a C compiler is present
-  (:mod:`kvactors.cli.bench.ceiling`), with repetitions interleaved;
+  with repetitions interleaved;
 * **runtime**: the same NHD transfer through :class:`~kvactors.runtime.Runtime` on
   ``--device`` (message hop, actors, lane thread, completion) against a raw contiguous copy of
   the same bytes between that device and the host, interleaved;
-* **messaging** (:func:`kvactors.cli.bench.messaging.run_messaging_bench`): the runtime's hops
-  against bare asyncio/threading floors;
 * **vendor** (:func:`kvactors.cli.bench.vendor.run_vendor_bench`): on the fake MLU and MUSA,
   kvactors next to LMCache's own backend per layout and direction: device operations per
   call (launches, copies, host syncs, allocations) and host time per call;
@@ -61,7 +58,6 @@ class BenchConfig(msgspec.Struct, frozen=True, kw_only=True):
     threads: tuple[int, ...] = (1, 2)
     reps: int | None = None
     include_lmcache: bool = True
-    messaging: bool = True
     runtime: bool = True
     vendor: bool = True
     percall: bool = True
@@ -207,8 +203,6 @@ def run_bench(cfg: BenchConfig, *, progress: Callable[[str], None] | None = None
             progress=lambda line: step(" ".join(line.split()[:3])),
         )
     meta["lmcache_baseline"] = any(r.lmcache_gbps is not None for r in rows)
-    # False: no C compiler here ("C ceiling unavailable"), the C columns are empty.
-    meta["c_ceiling"] = any(r.ceiling_gbps is not None for r in rows)
     runtime: list[RuntimeRow] = []
     if cfg.runtime:
         w = BenchWorkload(num_blocks=256) if cfg.quick else BenchWorkload()
@@ -221,13 +215,6 @@ def run_bench(cfg: BenchConfig, *, progress: Callable[[str], None] | None = None
         finally:
             torch.set_num_threads(threads_before)
         step(f"runtime {cfg.device}")
-    messaging = None
-    if cfg.messaging:
-        from kvactors.cli.bench.messaging import run_messaging_bench
-
-        m = run_messaging_bench(n=300, reps=5) if cfg.quick else run_messaging_bench()
-        messaging = msgspec.to_builtins(m)
-        step("messaging")
     vendor = None
     if cfg.vendor:
         import dataclasses
@@ -253,7 +240,6 @@ def run_bench(cfg: BenchConfig, *, progress: Callable[[str], None] | None = None
         meta=meta,
         transfer=rows,
         runtime=runtime,
-        messaging=messaging,
         vendor=vendor,
         percall=percall,
         seconds=time.perf_counter() - t0,
@@ -302,7 +288,6 @@ def add_arguments(ap: argparse.ArgumentParser) -> None:
     )
     ap.add_argument("--reps", type=int, default=None, help="timed repetitions per contender")
     ap.add_argument("--no-lmcache", action="store_true", help="skip LMCache's torch path")
-    ap.add_argument("--no-messaging", action="store_true", help="skip the messaging figures")
     ap.add_argument("--no-runtime", action="store_true", help="skip the through-runtime figures")
     ap.add_argument(
         "--no-vendor",
@@ -327,7 +312,6 @@ def run(args: argparse.Namespace) -> int:
         threads=threads,
         reps=args.reps,
         include_lmcache=not args.no_lmcache,
-        messaging=not args.no_messaging,
         runtime=not args.no_runtime,
         vendor=not args.no_vendor,
         percall=not args.no_percall,
@@ -335,7 +319,6 @@ def run(args: argparse.Namespace) -> int:
     n_steps = (
         len(cfg.layouts) * len(cfg.directions) * len(threads)
         + int(cfg.runtime)
-        + int(cfg.messaging)
         + int(cfg.vendor)
         + int(cfg.percall)
     )
@@ -349,21 +332,12 @@ def run(args: argparse.Namespace) -> int:
     json_path = os.path.join(args.out, "bench.json")
     with open(json_path, "w") as f:
         json.dump(msgspec.to_builtins(report), f, indent=2)
-    if report.transfer and not report.meta.get("c_ceiling"):
-        print("C ceiling unavailable (no C compiler): the C columns are n/a")
     print(format_table(report.transfer))
     for r in report.runtime:
         sim = " (SIMULATED device: not a throughput figure)" if r.simulated else ""
         print(
             f"runtime {r.device} {r.direction:<8} {r.runtime_gbps:6.2f} GB/s vs raw copy "
             f"{r.raw_gbps:6.2f} GB/s = {r.vs_raw:.2f}{sim}"
-        )
-    if report.messaging is not None:
-        m = report.messaging
-        print(
-            f"messaging: ask {m['ask_us']:.2f} us (bare {m['bare_ask_us']:.2f}, ratio "
-            f"{m['ask_ratio']:.2f}); blocking call {m['blocking_us']:.2f} us (bare "
-            f"{m['bare_thread_us']:.2f}, ratio {m['blocking_ratio']:.2f})"
         )
     if report.vendor is not None:
         from kvactors.cli.bench.vendor import VendorRow, format_vendor_table

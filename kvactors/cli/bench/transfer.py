@@ -1,4 +1,4 @@
-"""Transfer benchmark: kvactors' fast path vs a raw copy, the C ceiling and LMCache, same run.
+"""Transfer benchmark: kvactors' fast path vs a raw copy and LMCache, in the same run.
 
 Theory of operation. Absolute GB/s swing by +-20 % on shared machines, so every figure is a
 ratio measured in one run: per layout and direction, repetitions of kvactors (plan + fast
@@ -8,11 +8,7 @@ the LMCache adapter is installed) LMCache's torch path
 interleaved, and medians are compared. kvactors runs twice: as a fresh request (one the
 runtime never saw: its plan cache validates it in full and the kernel is specialised for it)
 and as a repeated one (the plan reused as the runtime's plan cache does, i.e. the kernel
-alone: ``reuse/C``). The C ceiling (:mod:`kvactors.cli.bench.ceiling`: a
-``memcpy`` loop over the same runs between the same addresses, compiled at bench time) joins
-the interleaving when a C compiler is present; ``vs C`` is then kvactors' speed over that of
-the best a host can do for the layout's access pattern ("C ceiling unavailable" otherwise).
-Paged pools are touched before
+alone: ``reused``). Paged pools are touched before
 timing (an untouched page reads as the shared zero page, which would flatter every reader).
 kvactors never imports lmcache: the LMCache baseline is a plugin found through the
 ``kvactors.baselines`` entry-point group (registered by the adapter package).
@@ -33,11 +29,10 @@ import msgspec
 import torch
 
 from kvactors.errors import InvalidSettingError
-from kvactors.kernels.fast import ScratchCache, run_fast
-from kvactors.kernels.reused import reused_kernel
+from kvactors.kernels.fast import ScratchCache, reused_kernel, run_fast
 from kvactors.layouts import FORMAT_SPECS, KVFormat, ShapeDesc
-from kvactors.plan_cache import PlanCache
-from kvactors.plans import TransferRequest, paged_units, plan_transfer
+from kvactors.plan_cache import KernelMemo, PlanCache
+from kvactors.plans import TransferRequest, plan_transfer
 
 if TYPE_CHECKING:
     from collections.abc import Callable, Sequence
@@ -84,15 +79,9 @@ class BenchRow(msgspec.Struct, frozen=True, kw_only=True):
     lmcache_gbps: float | None
     vs_raw: float
     vs_lmcache: float | None
-    ceiling_gbps: float | None = None
-    """The C ``memcpy`` loop over the same runs (``None``: no C compiler, or not measured)."""
-    ceiling_vs_raw: float | None = None
-    vs_ceiling: float | None = None
-    """kvactors over the C ceiling of the same access pattern."""
     reused_gbps: float | None = None
     """kvactors with the plan of a repeated request reused (the runtime's plan cache: no
     planning, index tensors kept), i.e. the kernel alone."""
-    reused_vs_ceiling: float | None = None
 
 
 class _Setup:
@@ -135,26 +124,9 @@ class _Setup:
         self.spec = spec
         self.nl, self.nh, self.hs, self.bs = nl, nh, hs, bs
 
-    def ceilings(self, direction: int) -> list[Callable[[], None]]:
-        from kvactors.cli.bench.ceiling import ceiling_movers
-
-        units = paged_units(self.spec, self.paged)
-        return ceiling_movers(
-            self.spec,
-            units,
-            self.objects,
-            self.block_ids,
-            nl=self.nl,
-            nh=self.nh,
-            hs=self.hs,
-            bs=self.bs,
-            gather=direction == 1,
-        )
-
     def kvactors(self, direction: int) -> Callable[[], None]:
         """A request the runtime never saw, as its CPU path runs one: a plan cache that holds
-        nothing validates it in full, the kernel is specialised for the new plan, and the
-        versions it wrote are settled."""
+        nothing validates it in full and the kernel is specialised for the new plan."""
         req = TransferRequest(
             fmt=int(self.fmt),
             direction=direction,
@@ -166,14 +138,13 @@ class _Setup:
 
         def run() -> None:
             cache = PlanCache("cpu", 0)
-            plan, ticket = cache.lookup(req, paged, objects)
-            if ticket is None:  # not wire-safe: the runtime runs the general kernels
-                run_fast(plan, paged, objects, scratch=self.scratch)
+            found = cache.lookup(req, paged, objects)
+            if found.memo is None:  # not wire-safe: the runtime runs the general kernels
+                run_fast(found.plan, paged, objects, scratch=self.scratch)
                 return
-            reused_kernel(
-                plan, paged, objects, ticket.memo, ticket.shared, inference=ticket.inference
-            )(paged, objects)
-            cache.settle(plan, ticket)
+            reused_kernel(found.plan, paged, objects, found.memo, inference=found.inference)(
+                paged, objects
+            )
 
         return run
 
@@ -189,7 +160,7 @@ class _Setup:
             shape=self.shape,
         )
         plan = plan_transfer(req, self.paged, self.objects, device_type="cpu")
-        kernel = reused_kernel(plan, self.paged, self.objects, {}, {})
+        kernel = reused_kernel(plan, self.paged, self.objects, KernelMemo())
         paged, objects = self.paged, self.objects
 
         def run() -> None:
@@ -248,7 +219,6 @@ def run_transfer_bench(
     quick: bool = False,
     reps: int | None = None,
     include_lmcache: bool = True,
-    include_ceiling: bool = True,
     workload: BenchWorkload | None = None,
     progress: Callable[[str], None] | None = None,
     seed: int = 0,
@@ -262,7 +232,6 @@ def run_transfer_bench(
         quick: Small pool (256 blocks) and few repetitions (a smoke run).
         reps: Timed repetitions per contender (default 15, quick 4).
         include_lmcache: Also time LMCache's torch path when lmcache is importable.
-        include_ceiling: Also time the C ceiling when a C compiler is present.
         workload: The shape (default :class:`BenchWorkload`).
         progress: Called with a line of text per finished row.
         seed: Block id sampling seed.
@@ -288,9 +257,7 @@ def run_transfer_bench(
             for nt in thread_list:
                 torch.set_num_threads(nt)
                 for d in directions:
-                    rows.append(
-                        _measure(setup, layout, d, nt, n_reps, include_lmcache, include_ceiling)
-                    )
+                    rows.append(_measure(setup, layout, d, nt, n_reps, include_lmcache))
                     if progress is not None:
                         progress(format_table(rows[-1:], header=False))
             del setup
@@ -306,7 +273,6 @@ def _measure(
     nt: int,
     n_reps: int,
     include_lmcache: bool,
-    include_ceiling: bool,
 ) -> BenchRow:
     direction = 1 if d == "gather" else 0
     contenders: dict[str, Callable[[], None]] = {
@@ -317,9 +283,6 @@ def _measure(
     lm = setup.lmcache(direction) if include_lmcache else None
     if lm is not None:
         contenders["lmcache"] = lm
-    ceilings = setup.ceilings(direction) if include_ceiling else []
-    for i, ceil in enumerate(ceilings):
-        contenders[f"ceiling{i}"] = ceil
     times: dict[str, list[float]] = {k: [] for k in contenders}
     for fn in contenders.values():
         fn()  # warm-up (and staging allocation)
@@ -328,7 +291,6 @@ def _measure(
             times[name].append(_time(fn))
     gbps = {k: setup.nbytes / statistics.median(v) / 1e9 for k, v in times.items()}
     lm_gbps = gbps.get("lmcache")
-    c_gbps = max((gbps[f"ceiling{i}"] for i in range(len(ceilings))), default=None)
     return BenchRow(
         layout=layout,
         direction=d,
@@ -340,11 +302,7 @@ def _measure(
         lmcache_gbps=lm_gbps,
         vs_raw=gbps["kvactors"] / gbps["raw"],
         vs_lmcache=None if lm_gbps is None else gbps["kvactors"] / lm_gbps,
-        ceiling_gbps=c_gbps,
-        ceiling_vs_raw=None if c_gbps is None else c_gbps / gbps["raw"],
-        vs_ceiling=None if c_gbps is None else gbps["kvactors"] / c_gbps,
         reused_gbps=gbps["reused"],
-        reused_vs_ceiling=None if c_gbps is None else gbps["reused"] / c_gbps,
     )
 
 
@@ -358,16 +316,13 @@ def format_table(rows: Sequence[BenchRow], *, header: bool = True) -> str:
     if header:
         lines.append(
             f"{'layout':<13}{'dir':<8}{'thr':>3} {'MiB':>6} {'kvactors':>9} {'raw':>7} "
-            f"{'lmcache':>8} {'C':>7} {'vs raw':>7} {'C/raw':>6} {'vs C':>6} {'reuse/C':>7} "
-            f"{'vs lmc':>7}"
+            f"{'lmcache':>8} {'reused':>7} {'vs raw':>7} {'vs lmc':>7}"
         )
     for r in rows:
         lines.append(
             f"{r.layout:<13}{r.direction:<8}{r.threads:>3} {r.nbytes / 2**20:>6.0f} "
             f"{r.kvactors_gbps:>9.2f} {r.raw_gbps:>7.2f} {opt(r.lmcache_gbps, '>8.2f')} "
-            f"{opt(r.ceiling_gbps, '>7.2f')} {r.vs_raw:>7.2f} {opt(r.ceiling_vs_raw, '>6.2f')} "
-            f"{opt(r.vs_ceiling, '>6.2f')} {opt(r.reused_vs_ceiling, '>7.2f')} "
-            f"{opt(r.vs_lmcache, '>7.1f')}"
+            f"{opt(r.reused_gbps, '>7.2f')} {r.vs_raw:>7.2f} {opt(r.vs_lmcache, '>7.1f')}"
         )
     return "\n".join(lines)
 
@@ -382,19 +337,8 @@ def main(argv: Sequence[str] | None = None) -> int:
     ap.add_argument("--blocks", type=int, default=None, help="paged pool size in blocks")
     ap.add_argument("--quick", action="store_true")
     ap.add_argument("--no-lmcache", action="store_true")
-    ap.add_argument(
-        "--ceiling",
-        action=argparse.BooleanOptionalAction,
-        default=True,
-        help="also time the C ceiling of each access pattern (needs a C compiler)",
-    )
     args = ap.parse_args(argv)
     w = BenchWorkload() if args.blocks is None else BenchWorkload(num_blocks=args.blocks)
-    if args.ceiling:
-        from kvactors.cli.bench.ceiling import ceiling_library
-
-        if ceiling_library() is None:
-            print("C ceiling unavailable (no C compiler): the C columns are n/a")
     print(format_table([]))
     run_transfer_bench(
         args.layouts,
@@ -403,7 +347,6 @@ def main(argv: Sequence[str] | None = None) -> int:
         quick=args.quick,
         reps=args.reps,
         include_lmcache=not args.no_lmcache,
-        include_ceiling=args.ceiling,
         workload=w if args.blocks is not None or not args.quick else None,
         progress=print,
     )

@@ -2,20 +2,23 @@
 
 For each vendor, layout LMCache's backend serves there (MLU: NHD, HND, MLA; MUSA: NHD, MLA,
 K/V lists) and direction, both contenders move the same blocks between the same fake device
-caches and host chunks:
+caches and host chunks, each call other block ids (a rotation of random id sets, the same
+sequence for both), with LMCache's own argument types:
 
-* ``kvactors``: ``Runtime.transfer(..., complete=False)`` on the caller's current stream,
-  as the ``kvactors_mlu`` / ``kvactors_musa`` LMCache op calls it (returns once the copies
-  are enqueued; the caller synchronizes before it reads the chunks). Its count runs until a
+* ``kvactors``: the ``kvactors_mlu`` / ``kvactors_musa`` plugin's op (entry point
+  ``kvactors_vendor_op``) on the caller's current stream: it returns once the copies are
+  enqueued (the caller synchronizes before it reads the chunks). Without LMCache,
+  ``Runtime.transfer(..., complete=False)``, as that op calls it. Its count runs until a
   ``fence`` answered, so it holds the runtime's one background completion wait
   (:data:`BACKGROUND_SYNCS`), which the budget check sets apart;
 * ``lmcache``: LMCache's ``MluDeviceOps`` (lmcache >= 0.5.7) / ``MusaDeviceOps``
   (built in), unmodified, found through the ``kvactors.baselines`` entry points
   ``lmcache_mlu_ops`` / ``lmcache_musa_ops`` (kvactors never imports lmcache).
 
-Reported per call: the device operations the fake counted (kernel launches, H2D/D2H/D2D
-copies, host synchronisations, device allocations; ``kvactors.testing`` ``OpCounts``), the
-host time until the call returns and until its work completed (call + device synchronize),
+Reported per call: the device operations the fake counted in steady state (the block ids of
+the warm-up calls; kernel launches, H2D/D2H/D2D copies, host synchronisations, device
+allocations; ``kvactors.testing`` ``OpCounts``), the host time until the call returns and
+until its work completed (call + device synchronize) with other block ids on every call,
 medians over interleaved repetitions, and whether kvactors meets the per-call budget
 (:func:`budget_violations`, issue 11 item 6). Fake host times measure Python and
 synchronisation overhead on this machine, not a card: compare contenders, not absolutes.
@@ -28,6 +31,7 @@ torch names one private device per process, so each vendor runs in its own inter
 from __future__ import annotations
 
 import dataclasses
+import itertools
 import json
 import os
 import random
@@ -37,6 +41,7 @@ import sys
 import time
 from typing import TYPE_CHECKING, Any
 
+import msgspec
 import torch
 
 from kvactors.errors import BackendUnavailableError
@@ -120,6 +125,9 @@ def budget_violations(
     return out
 
 
+_ID_SETS = 64  # other block ids on every call: the contenders cycle through these sets
+
+
 @dataclasses.dataclass(frozen=True)
 class _Shape:
     nl: int = 8
@@ -174,11 +182,11 @@ def _operands(
     return paged, objects, desc
 
 
-def _lmcache_contender(kind: str) -> Callable[..., Callable[[], None]] | None:
+def _baseline(name: str) -> Callable[..., Callable[[], None]] | None:
     from importlib.metadata import entry_points
 
     for ep in entry_points(group="kvactors.baselines"):
-        if ep.name == f"lmcache_{kind}_ops":
+        if ep.name == name:
             try:
                 return ep.load()  # type: ignore[no-any-return]
             except ImportError:
@@ -225,7 +233,8 @@ def measure_vendor(
 
     torch.set_num_threads(1)
     shape = _Shape()
-    make_lmcache = _lmcache_contender(kind) if lmcache else None
+    make_lmcache = _baseline(f"lmcache_{kind}_ops") if lmcache else None
+    make_ours = _baseline("kvactors_vendor_op") if lmcache else None
     rows: list[VendorRow] = []
     with fake_vendor(kind, seed=seed) as fake:
         if lmcache and not fake.torch_devices:
@@ -246,7 +255,10 @@ def measure_vendor(
             for layout in VENDOR_LAYOUTS[kind]:
                 paged, objects, desc = _operands(fake, layout, shape, seed)
                 n_ids = shape.chunk_blocks * shape.chunks
-                ids = tuple(random.Random(seed).sample(range(shape.nb), n_ids))
+                rng = random.Random(seed)
+                id_sets = [tuple(rng.sample(range(shape.nb), n_ids)) for _ in range(_ID_SETS)]
+                ids = id_sets[0]
+                every = tuple(range(shape.nb))
                 planes = 1 if layout == "MLA" else 2
                 for dname, direction in (("gather", Direction.D2H), ("scatter", Direction.H2D)):
                     req = TransferRequest(
@@ -258,41 +270,70 @@ def measure_vendor(
                     )
 
                     def ours(
+                        sets: list[tuple[int, ...]],
                         req: TransferRequest = req,
                         paged: Any = paged,
                         objects: list[torch.Tensor] = objects,
-                    ) -> None:
-                        # As the kvactors_mlu/_musa LMCache op calls it: enqueue-return; the
-                        # caller synchronizes before it reads chunks (outside the count).
-                        handle = rt.backend.current_stream_handle(0)
-                        rt.transfer(req, paged, objects, stream_handle=handle, complete=False)
+                    ) -> Callable[[], None]:
+                        ring = itertools.cycle(sets)
 
-                    fns: dict[str, Callable[[], None]] = {"kvactors": ours}
+                        def call() -> None:
+                            # As the kvactors_mlu/_musa LMCache op calls it: enqueue-return;
+                            # the caller synchronizes before it reads chunks (not counted).
+                            handle = rt.backend.current_stream_handle(0)
+                            r = msgspec.structs.replace(req, block_ids=next(ring))
+                            rt.transfer(r, paged, objects, stream_handle=handle, complete=False)
+
+                        return call
+
+                    # torch parses the device name only where the fake owns it (with LMCache).
+                    measured = make_ours is not None or make_lmcache is not None
+                    dev: Any = torch.device(kind, 0) if measured else None
+
                     note = ""
                     if not lmcache:
                         note = "not measured"
                     elif make_lmcache is None:
                         note = f"lmcache (or its {kind} ops) not importable"
-                    else:
+
+                    def contenders(
+                        sets: list[tuple[int, ...]],
+                        req: TransferRequest = req,
+                        paged: Any = paged,
+                        objects: list[torch.Tensor] = objects,
+                        dev: Any = dev,
+                        note: str = note,
+                    ) -> tuple[dict[str, Callable[[], None]], str]:
+                        out = {
+                            "kvactors": ours(sets)
+                            if make_ours is None
+                            else make_ours(rt, req, paged, objects, dev, sets)
+                        }
+                        if make_lmcache is None:
+                            return out, note
                         try:
-                            fns["lmcache"] = make_lmcache(
-                                req, paged, objects, torch.device(kind, 0)
-                            )
+                            out["lmcache"] = make_lmcache(req, paged, objects, dev, sets)
                         except (ImportError, NotImplementedError) as exc:
-                            note = f"lmcache: {exc}"
-                    for fn in fns.values():  # warm up: plans, caches, allocator
+                            return out, f"lmcache: {exc}"
+                        return out, note
+
+                    # Counted in steady state (the ids of the warm-up calls); timed with other
+                    # block ids on every call.
+                    steady, note = contenders([ids])
+                    fns, note = contenders(id_sets)
+                    for fn in [*steady.values(), *fns.values()]:  # warm up: plans, caches
                         fn()
                         fn()
                         mod.synchronize()
                     counts: dict[str, dict[str, int]] = {}
-                    for name, fn in fns.items():
-                        rt.fence(ids)  # the runtime idle: nothing of the warm-up counted
+                    for name, fn in steady.items():
+                        rt.fence(every)  # the runtime idle: nothing of the warm-up counted
                         with fake.counting() as ops:
                             fn()
                             if name == "kvactors":
                                 # Until its reaper saw the device finish (one event wait per
                                 # call, off the caller's thread; counted as BACKGROUND_SYNCS).
-                                rt.fence(ids)
+                                rt.fence(every)
                         mod.synchronize()
                         counts[name] = ops.counts.as_dict()
                     times = (
@@ -397,7 +438,8 @@ def format_vendor_table(rows: Sequence[VendorRow]) -> str:
     """A plain-text side-by-side table (kvactors | LMCache's own backend)."""
     head = (
         f"{'vendor':6} {'layout':9} {'dir':8} | {'kvactors ops':18} {'ret us':>8} "
-        f"{'done us':>8} | {'lmcache ops':18} {'ret us':>8} {'done us':>8} | budget"
+        f"{'done us':>8} | {'lmcache ops':18} {'ret us':>8} {'done us':>8} | {'ret/lmc':>7} | "
+        "budget"
     )
     lines = [head, "-" * len(head)]
     by = {(r.vendor, r.layout, r.direction, r.contender): r for r in rows}
@@ -419,10 +461,18 @@ def format_vendor_table(rows: Sequence[VendorRow]) -> str:
             if k is not None and not k.violations
             else "; ".join(k.violations if k is not None else ("-",))
         )
-        lines.append(f"{key[0]:6} {key[1]:9} {key[2]:8} | {cell(k)} | {cell(lm)} | {budget}")
+        ratio = (
+            f"{k.host_us / lm.host_us:7.2f}"
+            if k is not None and lm is not None and k.host_us and lm.host_us
+            else f"{'-':>7}"
+        )
+        lines.append(
+            f"{key[0]:6} {key[1]:9} {key[2]:8} | {cell(k)} | {cell(lm)} | {ratio} | {budget}"
+        )
     lines.append(
         "ops: <L>aunches <h2d>/<d2h>/<d2d> copies <S>yncs <A>llocations, per call; "
-        "ret: host time to return, done: to completion (fake devices)"
+        "ret: host time to return, done: to completion (fake devices); ret/lmc: kvactors' "
+        "return time over LMCache's"
     )
     return "\n".join(lines)
 

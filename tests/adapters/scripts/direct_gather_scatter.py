@@ -167,13 +167,9 @@ def run_case(case: str, dtype: torch.dtype, builtin: Any, window: int | None = N
 def main() -> int:
     ops = resolve_device_ops("cpu")
     builtin = CpuDeviceOps()
-    from lmcache.v1.gpu_connector import utils as gc_utils
 
-    # The descriptor class make_page_buffer_shape_desc builds (the process-global ops' own).
-    desc = type(gc_utils.device_ops.PageBufferShapeDesc())
     results = {
         "ops_type": f"{type(ops).__module__}.{type(ops).__qualname__}",
-        "desc_type": f"{desc.__module__}.{desc.__qualname__}",
         "cases": [],
     }
     cases = [

@@ -1,4 +1,5 @@
-"""ManualBackend: a CPU-backed device whose streams run only when the test says so.
+"""ManualBackend: a CPU-backed device whose streams run only when its driver says so
+(``examples/preemption.py`` steps it from a device-clock thread).
 
 Theory of operation. Ordering bugs are races, and a race test is only as good as its control
 over the race. ManualBackend behaves like an accelerator whose execution the test drives
