@@ -112,6 +112,28 @@ def _tensor_list(value: object, field: str) -> list[torch.Tensor]:
     return out
 
 
+def _merged_width(t: torch.Tensor, n_axes: int, i: int) -> torch.Tensor:
+    """A one-plane paged tensor that carries ``D`` as two trailing axes ``[2, D/2]`` (K, V),
+    as the view with one ``D`` axis; any other tensor as given (the shape check names it).
+
+    Raises:
+        TransferValidationError: the two axes are not one evenly strided run (merging them
+            would need a copy, and a scatter into a copy is lost).
+    """
+    if t.dim() != n_axes + 1 or t.size(-2) != 2:
+        return t
+    size, stride = tuple(t.shape), t.stride()
+    inner = size[-1]
+    if inner > 1 and stride[-2] != inner * stride[-1]:
+        raise TransferValidationError(
+            f"paged tensor {i} has K/V axes {size[-2:]} with strides {stride[-2:]}: not one "
+            "evenly strided run of the packed width, so they cannot be merged without a copy",
+            field="paged",
+        )
+    d_stride = stride[-1] if inner > 1 else stride[-2]
+    return t.as_strided((*size[:-2], 2 * inner), (*stride[:-2], d_stride), t.storage_offset())
+
+
 def normalize_paged(spec: FormatSpec, paged: object) -> list[torch.Tensor]:
     """The paged operand as a flat list of tensors (K list first for K/V lists)."""
     if spec.kind is PagedKind.CROSS_LAYER:
@@ -121,7 +143,10 @@ def normalize_paged(spec: FormatSpec, paged: object) -> list[torch.Tensor]:
             )
         return [paged]
     if spec.kind is PagedKind.LAYER_LIST:
-        return _tensor_list(paged, "paged")
+        units = _tensor_list(paged, "paged")
+        if spec.single_plane:
+            return [_merged_width(t, len(spec.axes), i) for i, t in enumerate(units)]
+        return units
     if isinstance(paged, torch.Tensor) or not isinstance(paged, Sequence):
         raise OperandTypeError(
             f"{spec.fmt.name} needs [[K...], [V...]], got {type(paged).__name__}", field="paged"
@@ -216,9 +241,10 @@ def check_paged_tensors(
 def check_objects(
     spec: FormatSpec, shape: ShapeDesc, objs: list[torch.Tensor], dtype: str, chunk: int
 ) -> None:
-    """Check every host chunk: CPU, dtype, contiguous, shape (MLA also ``[1, NL, T, HS]``)."""
+    """Check every host chunk: CPU, dtype, contiguous, shape (one-plane formats also
+    ``[1, NL, T, NH*HS]``)."""
     want = spec.object_shape(shape.nl, chunk, shape.nh, shape.hs)
-    alt = (1, *want) if spec.is_mla else want
+    alt = (1, *want) if spec.planes == 1 else want
     for i, o in enumerate(objs):
         if o.device.type != "cpu":
             raise TransferValidationError(

@@ -28,6 +28,10 @@ LMCACHE_NUMBERS = {
     "NL_X_TWO_NB_NH_BS_HS": 6,
     "NL_X_NB_TWO_NH_BS_HS": 7,
     "TWO_X_NL_X_NB_BS_NH_HS": 9,
+    "NL_X_NB_NH_BS_TWO_HS": 10,
+    "NL_X_NB_BS_NH_TWO_HS": 11,
+    "NL_X_NB_NH_BS_CS": 12,
+    "NL_X_NB_BS_NH_CS": 13,
 }
 
 
@@ -44,7 +48,7 @@ def test_format_numbers_match_installed_lmcache_native() -> None:
     assert int(native.TransferDirection.D2H) == Direction.D2H == 1  # type: ignore[comparison-overlap]
 
 
-@pytest.mark.parametrize("number", [4, 5, 8, 10, 11, 12, 13, 14, 15, 16, 17, 18, -1, 99])
+@pytest.mark.parametrize("number", [4, 5, 14, 15, 17, 19, -1, 99])
 def test_unknown_formats_have_no_spec(number: int) -> None:
     assert format_spec(number) is None
 
@@ -69,6 +73,11 @@ def test_directions() -> None:
         (KVFormat.NL_X_TWO_NB_NH_BS_HS, (2, 5, 2, 4, 8), (2, 3, 16, 16)),
         (KVFormat.NL_X_NB_TWO_NH_BS_HS, (5, 2, 2, 4, 8), (2, 3, 16, 16)),
         (KVFormat.TWO_X_NL_X_NB_BS_NH_HS, (5, 4, 2, 8), (2, 3, 16, 16)),
+        # fused K/V: hs is the packed width, one plane of NH heads
+        (KVFormat.NL_X_NB_NH_BS_TWO_HS, (5, 2, 4, 8), (3, 16, 16)),
+        (KVFormat.NL_X_NB_BS_NH_TWO_HS, (5, 4, 2, 8), (3, 16, 16)),
+        (KVFormat.NL_X_NB_NH_BS_CS, (5, 2, 4, 8), (3, 16, 16)),
+        (KVFormat.NL_X_NB_BS_NH_CS, (5, 4, 2, 8), (3, 16, 16)),
     ],
 )
 def test_shapes(fmt: KVFormat, tensor: tuple[int, ...], obj: tuple[int, ...]) -> None:
@@ -87,10 +96,24 @@ def test_format_facts() -> None:
     assert {f for f in KVFormat if FORMAT_SPECS[f].is_hnd} == {
         KVFormat.NL_X_TWO_NB_NH_BS_HS,
         KVFormat.NL_X_NB_TWO_NH_BS_HS,
+        KVFormat.NL_X_NB_NH_BS_TWO_HS,
+        KVFormat.NL_X_NB_NH_BS_CS,
     }
-    assert [f for f in KVFormat if FORMAT_SPECS[f].allows_block_padding] == [KVFormat.NL_X_NB_BS_HS]
+    # LMCache 0.5.7 sends the block stride of exactly these (gpu_connector/utils.py)
+    assert {f for f in KVFormat if FORMAT_SPECS[f].allows_block_padding} == {
+        KVFormat.NL_X_NB_BS_HS,
+        KVFormat.NL_X_NB_NH_BS_CS,
+        KVFormat.NL_X_NB_BS_NH_CS,
+    }
     assert FORMAT_SPECS[KVFormat.NL_X_NB_BS_HS].planes == 1
     assert FORMAT_SPECS[KVFormat.NL_X_TWO_NB_BS_NH_HS].planes == 2
+    assert {f for f in KVFormat if FORMAT_SPECS[f].single_plane} == {
+        KVFormat.NL_X_NB_NH_BS_TWO_HS,
+        KVFormat.NL_X_NB_BS_NH_TWO_HS,
+        KVFormat.NL_X_NB_NH_BS_CS,
+        KVFormat.NL_X_NB_BS_NH_CS,
+    }
+    assert all(FORMAT_SPECS[f].planes == 1 for f in KVFormat if FORMAT_SPECS[f].single_plane)
 
 
 def test_dtype_table() -> None:
