@@ -91,3 +91,9 @@ _.host_device_copies  # OpCounts property: H2D + D2H, for vendors' per-call budg
 # ---- the compiled hot path's Protocol (kvactors.hotpath): its parameters, passed positionally
 _.to_chunk  # Hotpath.StackedRuns: copy into the chunk (a gather) or out of it (a scatter)
 _.unique  # Hotpath.touched_blocks: refuse ids that repeat among the copied positions
+
+# ---- the serving validation (adapters/kvactors_lmcache/serving) ------------------------------
+_.__class__  # engine.patch_llvmlite_lib: the llvmlite library object's class is swapped
+_.stored_as  # tap.Mismatch fields: read by name from the report (Mismatch.__dict__)
+_.restore_call  # tap.Mismatch field, read by name from the report
+_.differing_bytes  # tap.Mismatch field, read by name from the report
