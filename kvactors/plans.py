@@ -215,7 +215,7 @@ def _stacked(spec: FormatSpec, shape: ShapeDesc, units: list[torch.Tensor]) -> S
             return None
         offsets.append(int(t.storage_offset()))
     o0 = offsets[0]
-    if spec.kind is PagedKind.KV_LIST:
+    if spec.is_kv_list:
         sl = offsets[1] - o0 if nl > 1 else 0
         sp = offsets[nl] - o0
         expect = [o0 + p * sp + layer * sl for p in range(2) for layer in range(nl)]

@@ -171,7 +171,7 @@ def test_skip_then_direction_then_format() -> None:
     check(e, ValueError, "direction")
     e = _err(c, lambda r: msgspec.structs.replace(r, fmt=4))
     check(e, ValueError, "fmt")
-    e = _err(c, lambda r: msgspec.structs.replace(r, fmt=18))
+    e = _err(c, lambda r: msgspec.structs.replace(r, fmt=17))
     check(e, ValueError, "fmt")
 
 
@@ -390,3 +390,14 @@ def test_fused_split_width_that_is_not_one_run_is_refused() -> None:
     with pytest.raises(TransferValidationError, match="cannot be merged without a copy") as e:
         plan_transfer(c.request(0, [0, 1]), layers, objs, device_type="cpu")
     assert e.value.field == "paged"
+
+
+def test_kv_pairs_need_one_k_v_pair_per_layer() -> None:
+    c = case(KVFormat.NL_X_TWO_X_NB_BS_NH_HS)
+    paged, objs, _ = c.build()
+    assert plan_transfer(c.request(1, [0, 1]), paged, objs, device_type="cpu").spec.is_kv_list
+    flat = [t for kv in paged for t in kv]
+    for bad in (flat, [(*paged[0], paged[0][0]), paged[1]], paged[0][0]):
+        with pytest.raises(OperandTypeError, match="NL_X_TWO_X_NB_BS_NH_HS") as e:
+            plan_transfer(c.request(1, [0, 1]), bad, objs, device_type="cpu")
+        assert e.value.field == "paged"
