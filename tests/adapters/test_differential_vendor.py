@@ -63,6 +63,19 @@ REFUSED: dict[str, frozenset[KVFormat]] = {
     "mlu": frozenset({F.NL_X_NB_TWO_BS_NH_HS, F.NL_X_NB_TWO_NH_BS_HS, F.TWO_X_NL_X_NB_BS_NH_HS}),
     "musa": frozenset({F.NL_X_TWO_NB_NH_BS_HS, F.NL_X_NB_TWO_BS_NH_HS, F.NL_X_NB_TWO_NH_BS_HS}),
 }
+#: Formats kvactors serves on CPU only: LMCache's MLU and MUSA ops refuse them, and so does
+#: kvactors there (docs/formats.md).
+CPU_ONLY = frozenset(
+    {
+        F.NB_NL_TWO_NH_BS_HS,
+        F.NL_X_NB_NH_BS_TWO_HS,
+        F.NL_X_NB_BS_NH_TWO_HS,
+        F.NL_X_NB_NH_BS_CS,
+        F.NL_X_NB_BS_NH_CS,
+        F.NL_X_TWO_X_NB_BS_NH_HS,
+        F.NL_X_NB_BS_NH_HS,
+    }
+)
 DTYPES = (torch.bfloat16, torch.float16, torch.float32)
 ALLOCS = ("stacked", "separate", "gapped", "shuffled", "padded")
 CASES = 60
@@ -95,8 +108,8 @@ def _on_device(fake: FakeVendor, paged: Any, backing: list[torch.Tensor]) -> Any
     dev = {b.untyped_storage().data_ptr(): fake.adopt(b) for b in backing}
 
     def conv(t: Any) -> Any:
-        if isinstance(t, list):
-            return [conv(x) for x in t]
+        if isinstance(t, (list, tuple)):
+            return type(t)(conv(x) for x in t)
         base = dev[t.untyped_storage().data_ptr()]
         return base.as_strided(t.shape, t.stride(), t.storage_offset())
 
@@ -276,3 +289,16 @@ def test_refusals_match(vendor: tuple[Any, ...], what: str) -> None:
         pytest.fail(f"LMCache's {kind} ops accepted {what}; the refusal case is stale")
     assert mine.error is not None, f"kvactors accepted {what} (LMCache: {theirs.error!r})"
     assert mine.untouched()
+
+
+@pytest.mark.parametrize("fmt", sorted(CPU_ONLY), ids=lambda f: f.name)
+@pytest.mark.parametrize("direction", [0, 1])
+def test_cpu_only_formats_are_refused_as_lmcache_refuses(
+    vendor: tuple[Any, ...], fmt: KVFormat, direction: int
+) -> None:
+    kind, fake, lm, ours = vendor
+    case = Case(
+        fmt=fmt, nl=2, nb=10, bs=4, nh=2, hs=8, dtype=torch.bfloat16, alloc="separate",
+        seed=7, n_objects=2, bpo=2,
+    )  # fmt: skip
+    assert _check(kind, fake, lm, ours, (case, [1, 4, 2, 7], 0, direction)) == "refused"
