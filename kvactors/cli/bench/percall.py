@@ -646,9 +646,7 @@ def main(argv: Sequence[str] | None = None) -> int:
     ap = argparse.ArgumentParser(description=__doc__.splitlines()[0] if __doc__ else None)
     ap.add_argument("--quick", action="store_true")
     ap.add_argument("--models", nargs="+", choices=tuple(MODELS), default=list(MODELS))
-    ap.add_argument(
-        "--layouts", nargs="+", choices=tuple(_FORMATS), default=list(DEFAULT_LAYOUTS)
-    )
+    ap.add_argument("--layouts", nargs="+", choices=tuple(_FORMATS), default=list(DEFAULT_LAYOUTS))
     ap.add_argument(
         "--directions", nargs="+", choices=("gather", "scatter"), default=["gather", "scatter"]
     )
