@@ -323,8 +323,10 @@ def plan_transfer(
     Args:
         request: What to move.
         paged: Paged KV tensors: per-layer sequence, ``[[K...], [V...]]`` (or flat
-            ``[K..., V...]``) for format 9, one tensor for format 0.
-        objects: Host chunks: CPU, contiguous, ``[2, NL, T, NH*HS]`` (MLA ``[NL, T, HS]``).
+            ``[K..., V...]``) for format 9, ``[(K, V), ...]`` for format 16, one tensor for
+            the cross-layer formats 0 and 8.
+        objects: Host chunks: CPU, contiguous, ``[2, NL, T, NH*HS]`` (one-plane formats, MLA
+            and fused K/V: ``[NL, T, NH*HS]``).
         device_type: Device type the paged tensors must live on (``"cpu"``, ``"mlu"``, ...).
         device_index: Device index they must live on (``None``: any, but one).
 
