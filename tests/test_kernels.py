@@ -15,7 +15,7 @@ from kvactors.kernels import _moves
 from kvactors.kernels._views import void_view
 from kvactors.kernels.fast import ScratchCache, run_fast
 from kvactors.kernels.reference import run_reference
-from kvactors.layouts import FORMAT_SPECS, KVFormat
+from kvactors.layouts import KVFormat
 from kvactors.plans import TransferPlan, plan_transfer
 from tests._transfer_cases import ALLOCS, Case, block_view, raw, same_bytes, snapshot
 
@@ -167,7 +167,7 @@ def test_round_trip_to_new_blocks(fmt: KVFormat) -> None:
         t.zero_()
     p2 = plan_transfer(c.request(0, dst_ids), paged2, objs, device_type="cpu")
     run_fast(p2, paged2, objs)
-    planes = FORMAT_SPECS[fmt].planes
+    planes = c.spec.planes
     for layer in range(c.nl):
         for pl in range(planes):
             for b in range(c.nb):
