@@ -157,7 +157,16 @@ class Case:
             raise AssertionError(alloc)
         if self.split_width and self.spec.single_plane and self.hs % 2 == 0:
             # The same memory with the packed width as [2, HS/2] (K, V): LMCache's other form.
-            units = [t.unflatten(-1, (2, self.hs // 2)) for t in units]
+            # (as_strided keeps every stride, a size-1 block axis's included: a view may not)
+            half = self.hs // 2
+            units = [
+                t.as_strided(
+                    (*t.shape[:-1], 2, half),
+                    (*t.stride()[:-1], half * t.stride(-1), t.stride(-1)),
+                    t.storage_offset(),
+                )
+                for t in units
+            ]
         paged: Any
         kind = self.spec.kind
         if kind is PagedKind.CROSS_LAYER:
