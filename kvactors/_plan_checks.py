@@ -134,8 +134,30 @@ def _merged_width(t: torch.Tensor, n_axes: int, i: int) -> torch.Tensor:
     return t.as_strided((*size[:-2], 2 * inner), (*stride[:-2], d_stride), t.storage_offset())
 
 
+def _pairs(spec: FormatSpec, paged: object) -> list[torch.Tensor]:
+    """``[(K_0, V_0), ...]`` as ``[K_0.., V_0..]``."""
+    if isinstance(paged, torch.Tensor) or not isinstance(paged, Sequence):
+        raise OperandTypeError(
+            f"{spec.fmt.name} needs [(K, V), ...] per layer, got {type(paged).__name__}",
+            field="paged",
+        )
+    ks: list[torch.Tensor] = []
+    vs: list[torch.Tensor] = []
+    for i, pair in enumerate(paged):
+        if isinstance(pair, torch.Tensor) or not isinstance(pair, Sequence) or len(pair) != 2:
+            raise OperandTypeError(
+                f"{spec.fmt.name} layer {i} must be a (K, V) pair of tensors, got "
+                f"{type(pair).__name__}",
+                field="paged",
+            )
+        k, v = _tensor_list(pair, "paged")
+        ks.append(k)
+        vs.append(v)
+    return ks + vs
+
+
 def normalize_paged(spec: FormatSpec, paged: object) -> list[torch.Tensor]:
-    """The paged operand as a flat list of tensors (K list first for K/V lists)."""
+    """The paged operand as a flat list of tensors (K list first for K/V lists and pairs)."""
     if spec.kind is PagedKind.CROSS_LAYER:
         if not isinstance(paged, torch.Tensor):
             raise OperandTypeError(
@@ -147,6 +169,8 @@ def normalize_paged(spec: FormatSpec, paged: object) -> list[torch.Tensor]:
         if spec.single_plane:
             return [_merged_width(t, len(spec.axes), i) for i, t in enumerate(units)]
         return units
+    if spec.kind is PagedKind.KV_PAIRS:
+        return _pairs(spec, paged)
     if isinstance(paged, torch.Tensor) or not isinstance(paged, Sequence):
         raise OperandTypeError(
             f"{spec.fmt.name} needs [[K...], [V...]], got {type(paged).__name__}", field="paged"

@@ -44,11 +44,14 @@ class KVFormat(enum.IntEnum):
     NL_X_NB_BS_HS = 3
     NL_X_TWO_NB_NH_BS_HS = 6
     NL_X_NB_TWO_NH_BS_HS = 7
+    NB_NL_TWO_NH_BS_HS = 8
     TWO_X_NL_X_NB_BS_NH_HS = 9
     NL_X_NB_NH_BS_TWO_HS = 10
     NL_X_NB_BS_NH_TWO_HS = 11
     NL_X_NB_NH_BS_CS = 12
     NL_X_NB_BS_NH_CS = 13
+    NL_X_TWO_X_NB_BS_NH_HS = 16
+    NL_X_NB_BS_NH_HS = 18
 
 
 class Direction(enum.IntEnum):
@@ -69,6 +72,8 @@ class PagedKind(enum.Enum):
     """A sequence with one tensor per layer."""
     KV_LIST = "kv_list"
     """``[[K_0..K_{NL-1}], [V_0..V_{NL-1}]]`` (a flat ``[K..., V...]`` is accepted too)."""
+    KV_PAIRS = "kv_pairs"
+    """``[(K_0, V_0), ..., (K_{NL-1}, V_{NL-1})]``: one K/V pair per layer."""
 
 
 class FormatSpec(msgspec.Struct, frozen=True, kw_only=True):
@@ -82,7 +87,8 @@ class FormatSpec(msgspec.Struct, frozen=True, kw_only=True):
         is_hnd: Head-major blocks (``... H, S, D``): moving them transposes to token-major.
         allows_block_padding: ``ShapeDesc.block_stride_elems`` may be non-zero (dim-0 padding).
         single_plane: One plane of ``NH`` heads per tensor: fused K/V, whose ``D`` axis packs
-            K then V (``hs`` is the packed width ``2*head_size``). Objects are
+            K then V (``hs`` is the packed width ``2*head_size``), or one independent
+            component per tensor (format 18, whose ``nl`` counts components). Objects are
             ``[NL, T, NH*HS]`` and ``kv_size`` is 1. A paged tensor may also carry ``D`` as
             two trailing axes ``[2, D/2]``, merged with a view (LMCache's torch path takes
             both forms).
@@ -98,8 +104,8 @@ class FormatSpec(msgspec.Struct, frozen=True, kw_only=True):
 
     @property
     def is_kv_list(self) -> bool:
-        """Whether K and V come as two separate tensor lists."""
-        return self.kind is PagedKind.KV_LIST
+        """Whether K and V are separate tensors (two lists, or one pair per layer)."""
+        return self.kind is PagedKind.KV_LIST or self.kind is PagedKind.KV_PAIRS
 
     @property
     def planes(self) -> int:
@@ -153,6 +159,12 @@ FORMAT_SPECS: dict[KVFormat, FormatSpec] = {
         axes=("B", "P", "H", "S", "D"),
         is_hnd=True,
     ),
+    KVFormat.NB_NL_TWO_NH_BS_HS: FormatSpec(  # TRT-LLM's cross-layer pool
+        fmt=KVFormat.NB_NL_TWO_NH_BS_HS,
+        kind=PagedKind.CROSS_LAYER,
+        axes=("B", "L", "P", "H", "S", "D"),
+        is_hnd=True,
+    ),
     KVFormat.TWO_X_NL_X_NB_BS_NH_HS: FormatSpec(
         fmt=KVFormat.TWO_X_NL_X_NB_BS_NH_HS,
         kind=PagedKind.KV_LIST,
@@ -184,6 +196,18 @@ FORMAT_SPECS: dict[KVFormat, FormatSpec] = {
     ),
     KVFormat.NL_X_NB_BS_NH_CS: FormatSpec(
         fmt=KVFormat.NL_X_NB_BS_NH_CS,
+        kind=PagedKind.LAYER_LIST,
+        axes=("B", "S", "H", "D"),
+        allows_block_padding=True,
+        single_plane=True,
+    ),
+    KVFormat.NL_X_TWO_X_NB_BS_NH_HS: FormatSpec(  # vLLM-Ascend's per-layer (K, V) tuples
+        fmt=KVFormat.NL_X_TWO_X_NB_BS_NH_HS,
+        kind=PagedKind.KV_PAIRS,
+        axes=("B", "S", "H", "D"),
+    ),
+    KVFormat.NL_X_NB_BS_NH_HS: FormatSpec(  # SGLang's independent components
+        fmt=KVFormat.NL_X_NB_BS_NH_HS,
         kind=PagedKind.LAYER_LIST,
         axes=("B", "S", "H", "D"),
         allows_block_padding=True,
@@ -226,14 +250,14 @@ class ShapeDesc(msgspec.Struct, frozen=True, kw_only=True):
 
     Attributes:
         kv_size: Object planes: 2 for split K/V, 1 for MLA and fused K/V.
-        nl: Layers (per K/V list for format 9).
+        nl: Layers (per K/V list for format 9; components for format 18).
         nb: Blocks in each paged tensor.
         bs: Token slots per block.
         nh: KV heads (1 for MLA).
         hs: Head size (MLA: latent width; fused K/V: the packed width ``2*head_size``).
         element_size: Bytes per element.
         block_stride_elems: Physical stride of the block axis in elements; 0 = take it from the
-            tensors. Non-zero only for formats that allow block padding (MLA, 12, 13).
+            tensors. Non-zero only for formats that allow block padding (3, 12, 13, 18).
         dtype: Exact torch dtype name (``"bfloat16"``); authoritative when set. ``None`` means
             "take it from the tensors" (a 2-byte size alone is ambiguous and never guessed).
     """

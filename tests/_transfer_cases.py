@@ -157,13 +157,25 @@ class Case:
             raise AssertionError(alloc)
         if self.split_width and self.spec.single_plane and self.hs % 2 == 0:
             # The same memory with the packed width as [2, HS/2] (K, V): LMCache's other form.
-            units = [t.unflatten(-1, (2, self.hs // 2)) for t in units]
+            # (as_strided keeps every stride, a size-1 block axis's included: a view may not)
+            half = self.hs // 2
+            units = [
+                t.as_strided(
+                    (*t.shape[:-1], 2, half),
+                    (*t.stride()[:-1], half * t.stride(-1), t.stride(-1)),
+                    t.storage_offset(),
+                )
+                for t in units
+            ]
         paged: Any
         kind = self.spec.kind
         if kind is PagedKind.CROSS_LAYER:
             paged = units[0]
         elif kind is PagedKind.KV_LIST:
             paged = [units[: self.nl], units[self.nl :]] if self.seed % 2 else list(units)
+        elif kind is PagedKind.KV_PAIRS:
+            pairs = zip(units[: self.nl], units[self.nl :], strict=True)
+            paged = [tuple(kv) if self.seed % 2 else list(kv) for kv in pairs]
         else:
             paged = units
         tokens = self.bpo * self.bs
@@ -195,8 +207,12 @@ def block_view(fmt: KVFormat, paged: Any, nl: int, layer: int, p: int, b: int) -
             else list(paged)
         )
         return flat[p * nl + layer][b]
+    if fmt is KVFormat.NL_X_TWO_X_NB_BS_NH_HS:
+        return paged[layer][p][b]
     if fmt is KVFormat.NB_NL_TWO_BS_NH_HS:
         return paged[b, layer, p]
+    if fmt is KVFormat.NB_NL_TWO_NH_BS_HS:
+        return paged[b, layer, p].transpose(0, 1)
     t = paged[layer]
     if FORMAT_SPECS[fmt].single_plane and t.dim() == 5:
         t = t.flatten(-2)  # the [2, HS/2] form of the packed width (a view here)
@@ -210,4 +226,5 @@ def block_view(fmt: KVFormat, paged: Any, nl: int, layer: int, p: int, b: int) -
         KVFormat.NL_X_NB_BS_NH_TWO_HS: lambda: t[b],
         KVFormat.NL_X_NB_NH_BS_CS: lambda: t[b].transpose(0, 1),
         KVFormat.NL_X_NB_BS_NH_CS: lambda: t[b],
+        KVFormat.NL_X_NB_BS_NH_HS: lambda: t[b],
     }[fmt]()

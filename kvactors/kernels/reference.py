@@ -29,6 +29,8 @@ def _block(
     """The ``[BS, NH, HS]`` view of block ``b`` of ``layer``, plane ``p``."""
     if fmt is KVFormat.NB_NL_TWO_BS_NH_HS:
         return units[0][b, layer, p]
+    if fmt is KVFormat.NB_NL_TWO_NH_BS_HS:
+        return units[0][b, layer, p].transpose(0, 1)  # [NH, BS, HS] -> [BS, NH, HS]
     if fmt is KVFormat.NL_X_TWO_NB_BS_NH_HS:
         return units[layer][p, b]
     if fmt is KVFormat.NL_X_NB_TWO_BS_NH_HS:
@@ -39,11 +41,11 @@ def _block(
         return units[layer][p, b].transpose(0, 1)
     if fmt is KVFormat.NL_X_NB_TWO_NH_BS_HS:
         return units[layer][b, p].transpose(0, 1)
-    if fmt is KVFormat.TWO_X_NL_X_NB_BS_NH_HS:
-        return units[p * nl + layer][b]
+    if fmt in (KVFormat.TWO_X_NL_X_NB_BS_NH_HS, KVFormat.NL_X_TWO_X_NB_BS_NH_HS):
+        return units[p * nl + layer][b]  # units are [K_0.., V_0..] for both
     if fmt in (KVFormat.NL_X_NB_NH_BS_TWO_HS, KVFormat.NL_X_NB_NH_BS_CS):
         return units[layer][b].transpose(0, 1)  # [NH, BS, 2*HS] -> [BS, NH, 2*HS]
-    if fmt in (KVFormat.NL_X_NB_BS_NH_TWO_HS, KVFormat.NL_X_NB_BS_NH_CS):
+    if fmt in (KVFormat.NL_X_NB_BS_NH_TWO_HS, KVFormat.NL_X_NB_BS_NH_CS, KVFormat.NL_X_NB_BS_NH_HS):
         return units[layer][b]
     raise AssertionError(f"no reference mapping for {fmt!r}")
 
