@@ -84,3 +84,9 @@ _.launches  # OpCounts field: serialised by name into the vendor bench rows (msg
 _.allocations  # OpCounts field: serialised by name into the vendor bench rows
 _.alloc_bytes  # OpCounts field: serialised by name into the vendor bench rows
 _.host_device_copies  # OpCounts property: H2D + D2H, for vendors' per-call budget checks
+
+# ---- the serving validation (adapters/kvactors_lmcache/serving) ------------------------------
+_.__class__  # engine.patch_llvmlite_lib: the llvmlite library object's class is swapped
+_.stored_as  # tap.Mismatch fields: read by name from the report (Mismatch.__dict__)
+_.restore_call  # tap.Mismatch field, read by name from the report
+_.differing_bytes  # tap.Mismatch field, read by name from the report

@@ -112,8 +112,52 @@ def _tensor_list(value: object, field: str) -> list[torch.Tensor]:
     return out
 
 
+def _merged_width(t: torch.Tensor, n_axes: int, i: int) -> torch.Tensor:
+    """A one-plane paged tensor that carries ``D`` as two trailing axes ``[2, D/2]`` (K, V),
+    as the view with one ``D`` axis; any other tensor as given (the shape check names it).
+
+    Raises:
+        TransferValidationError: the two axes are not one evenly strided run (merging them
+            would need a copy, and a scatter into a copy is lost).
+    """
+    if t.dim() != n_axes + 1 or t.size(-2) != 2:
+        return t
+    size, stride = tuple(t.shape), t.stride()
+    inner = size[-1]
+    if inner > 1 and stride[-2] != inner * stride[-1]:
+        raise TransferValidationError(
+            f"paged tensor {i} has K/V axes {size[-2:]} with strides {stride[-2:]}: not one "
+            "evenly strided run of the packed width, so they cannot be merged without a copy",
+            field="paged",
+        )
+    d_stride = stride[-1] if inner > 1 else stride[-2]
+    return t.as_strided((*size[:-2], 2 * inner), (*stride[:-2], d_stride), t.storage_offset())
+
+
+def _pairs(spec: FormatSpec, paged: object) -> list[torch.Tensor]:
+    """``[(K_0, V_0), ...]`` as ``[K_0.., V_0..]``."""
+    if isinstance(paged, torch.Tensor) or not isinstance(paged, Sequence):
+        raise OperandTypeError(
+            f"{spec.fmt.name} needs [(K, V), ...] per layer, got {type(paged).__name__}",
+            field="paged",
+        )
+    ks: list[torch.Tensor] = []
+    vs: list[torch.Tensor] = []
+    for i, pair in enumerate(paged):
+        if isinstance(pair, torch.Tensor) or not isinstance(pair, Sequence) or len(pair) != 2:
+            raise OperandTypeError(
+                f"{spec.fmt.name} layer {i} must be a (K, V) pair of tensors, got "
+                f"{type(pair).__name__}",
+                field="paged",
+            )
+        k, v = _tensor_list(pair, "paged")
+        ks.append(k)
+        vs.append(v)
+    return ks + vs
+
+
 def normalize_paged(spec: FormatSpec, paged: object) -> list[torch.Tensor]:
-    """The paged operand as a flat list of tensors (K list first for K/V lists)."""
+    """The paged operand as a flat list of tensors (K list first for K/V lists and pairs)."""
     if spec.kind is PagedKind.CROSS_LAYER:
         if not isinstance(paged, torch.Tensor):
             raise OperandTypeError(
@@ -121,7 +165,12 @@ def normalize_paged(spec: FormatSpec, paged: object) -> list[torch.Tensor]:
             )
         return [paged]
     if spec.kind is PagedKind.LAYER_LIST:
-        return _tensor_list(paged, "paged")
+        units = _tensor_list(paged, "paged")
+        if spec.single_plane:
+            return [_merged_width(t, len(spec.axes), i) for i, t in enumerate(units)]
+        return units
+    if spec.kind is PagedKind.KV_PAIRS:
+        return _pairs(spec, paged)
     if isinstance(paged, torch.Tensor) or not isinstance(paged, Sequence):
         raise OperandTypeError(
             f"{spec.fmt.name} needs [[K...], [V...]], got {type(paged).__name__}", field="paged"
@@ -216,9 +265,10 @@ def check_paged_tensors(
 def check_objects(
     spec: FormatSpec, shape: ShapeDesc, objs: list[torch.Tensor], dtype: str, chunk: int
 ) -> None:
-    """Check every host chunk: CPU, dtype, contiguous, shape (MLA also ``[1, NL, T, HS]``)."""
+    """Check every host chunk: CPU, dtype, contiguous, shape (one-plane formats also
+    ``[1, NL, T, NH*HS]``)."""
     want = spec.object_shape(shape.nl, chunk, shape.nh, shape.hs)
-    alt = (1, *want) if spec.is_mla else want
+    alt = (1, *want) if spec.planes == 1 else want
     for i, o in enumerate(objs):
         if o.device.type != "cpu":
             raise TransferValidationError(

@@ -7,12 +7,14 @@ carries it (one cross-layer tensor, one tensor per layer, or K and V lists), the
 of one paged tensor, and the shape of the host chunk ("object"). The axis letters are
 
 * ``L`` layer, ``P`` K/V plane (0 = K, 1 = V), ``B`` block, ``S`` token slot inside a block,
-  ``H`` KV head, ``D`` element inside a head (MLA: the latent width).
+  ``H`` KV head, ``D`` element inside a head (MLA: the latent width; fused K/V formats: the
+  packed width ``2*head_size``, all K elements then all V elements).
 
-A host chunk is always token-major (``obj[p, l, t, h*HS + d]``, MLA ``obj[l, t, d]``), so every
-format maps paged element ``(l, p, b, s, h, d)`` to object element ``(p, l, j*BS + s, h, d)``
-where ``j`` is the block's slot in the chunk. Formats outside :data:`FORMAT_SPECS` are rejected,
-never copied "best effort". This module imports neither torch nor asyncio.
+A host chunk is always token-major (``obj[p, l, t, h*HS + d]``; one-plane formats, MLA and
+fused K/V, ``obj[l, t, h*HS + d]``), so every format maps paged element ``(l, p, b, s, h, d)``
+to object element ``(p, l, j*BS + s, h, d)`` where ``j`` is the block's slot in the chunk
+(one-plane formats have no ``p``). Formats outside :data:`FORMAT_SPECS` are rejected, never
+copied "best effort". This module imports neither torch nor asyncio.
 """
 
 from __future__ import annotations
@@ -42,7 +44,14 @@ class KVFormat(enum.IntEnum):
     NL_X_NB_BS_HS = 3
     NL_X_TWO_NB_NH_BS_HS = 6
     NL_X_NB_TWO_NH_BS_HS = 7
+    NB_NL_TWO_NH_BS_HS = 8
     TWO_X_NL_X_NB_BS_NH_HS = 9
+    NL_X_NB_NH_BS_TWO_HS = 10
+    NL_X_NB_BS_NH_TWO_HS = 11
+    NL_X_NB_NH_BS_CS = 12
+    NL_X_NB_BS_NH_CS = 13
+    NL_X_TWO_X_NB_BS_NH_HS = 16
+    NL_X_NB_BS_NH_HS = 18
 
 
 class Direction(enum.IntEnum):
@@ -63,6 +72,8 @@ class PagedKind(enum.Enum):
     """A sequence with one tensor per layer."""
     KV_LIST = "kv_list"
     """``[[K_0..K_{NL-1}], [V_0..V_{NL-1}]]`` (a flat ``[K..., V...]`` is accepted too)."""
+    KV_PAIRS = "kv_pairs"
+    """``[(K_0, V_0), ..., (K_{NL-1}, V_{NL-1})]``: one K/V pair per layer."""
 
 
 class FormatSpec(msgspec.Struct, frozen=True, kw_only=True):
@@ -75,6 +86,12 @@ class FormatSpec(msgspec.Struct, frozen=True, kw_only=True):
         is_mla: One plane, one head; objects are ``[NL, T, HS]`` and ``kv_size`` is 1.
         is_hnd: Head-major blocks (``... H, S, D``): moving them transposes to token-major.
         allows_block_padding: ``ShapeDesc.block_stride_elems`` may be non-zero (dim-0 padding).
+        single_plane: One plane of ``NH`` heads per tensor: fused K/V, whose ``D`` axis packs
+            K then V (``hs`` is the packed width ``2*head_size``), or one independent
+            component per tensor (format 18, whose ``nl`` counts components). Objects are
+            ``[NL, T, NH*HS]`` and ``kv_size`` is 1. A paged tensor may also carry ``D`` as
+            two trailing axes ``[2, D/2]``, merged with a view (LMCache's torch path takes
+            both forms).
     """
 
     fmt: KVFormat
@@ -83,16 +100,17 @@ class FormatSpec(msgspec.Struct, frozen=True, kw_only=True):
     is_mla: bool = False
     is_hnd: bool = False
     allows_block_padding: bool = False
+    single_plane: bool = False
 
     @property
     def is_kv_list(self) -> bool:
-        """Whether K and V come as two separate tensor lists."""
-        return self.kind is PagedKind.KV_LIST
+        """Whether K and V are separate tensors (two lists, or one pair per layer)."""
+        return self.kind is PagedKind.KV_LIST or self.kind is PagedKind.KV_PAIRS
 
     @property
     def planes(self) -> int:
-        """Number of K/V planes (``kv_size``): 1 for MLA, else 2."""
-        return 1 if self.is_mla else 2
+        """Number of K/V planes (``kv_size``): 1 for MLA and fused K/V, else 2."""
+        return 1 if self.is_mla or self.single_plane else 2
 
     def tensor_shape(self, nl: int, nb: int, bs: int, nh: int, hs: int) -> tuple[int, ...]:
         """The shape one paged tensor of this format must have."""
@@ -101,8 +119,8 @@ class FormatSpec(msgspec.Struct, frozen=True, kw_only=True):
 
     def object_shape(self, nl: int, tokens: int, nh: int, hs: int) -> tuple[int, ...]:
         """The shape of one host chunk holding ``tokens`` token rows."""
-        if self.is_mla:
-            return (nl, tokens, hs)
+        if self.planes == 1:
+            return (nl, tokens, nh * hs)
         return (2, nl, tokens, nh * hs)
 
 
@@ -141,10 +159,59 @@ FORMAT_SPECS: dict[KVFormat, FormatSpec] = {
         axes=("B", "P", "H", "S", "D"),
         is_hnd=True,
     ),
+    KVFormat.NB_NL_TWO_NH_BS_HS: FormatSpec(  # TRT-LLM's cross-layer pool
+        fmt=KVFormat.NB_NL_TWO_NH_BS_HS,
+        kind=PagedKind.CROSS_LAYER,
+        axes=("B", "L", "P", "H", "S", "D"),
+        is_hnd=True,
+    ),
     KVFormat.TWO_X_NL_X_NB_BS_NH_HS: FormatSpec(
         fmt=KVFormat.TWO_X_NL_X_NB_BS_NH_HS,
         kind=PagedKind.KV_LIST,
         axes=("B", "S", "H", "D"),
+    ),
+    # vLLM's blocks-first fused K/V layouts: 12 is its CPU attention's [NB, NH, BS, 2*HS];
+    # 10 and 11 are the same memory with the K/V axis split off (LMCache deprecated them in
+    # favour of 12 and 13 and takes either tensor form for all four).
+    KVFormat.NL_X_NB_NH_BS_TWO_HS: FormatSpec(
+        fmt=KVFormat.NL_X_NB_NH_BS_TWO_HS,
+        kind=PagedKind.LAYER_LIST,
+        axes=("B", "H", "S", "D"),
+        is_hnd=True,
+        single_plane=True,
+    ),
+    KVFormat.NL_X_NB_BS_NH_TWO_HS: FormatSpec(
+        fmt=KVFormat.NL_X_NB_BS_NH_TWO_HS,
+        kind=PagedKind.LAYER_LIST,
+        axes=("B", "S", "H", "D"),
+        single_plane=True,
+    ),
+    KVFormat.NL_X_NB_NH_BS_CS: FormatSpec(
+        fmt=KVFormat.NL_X_NB_NH_BS_CS,
+        kind=PagedKind.LAYER_LIST,
+        axes=("B", "H", "S", "D"),
+        is_hnd=True,
+        allows_block_padding=True,
+        single_plane=True,
+    ),
+    KVFormat.NL_X_NB_BS_NH_CS: FormatSpec(
+        fmt=KVFormat.NL_X_NB_BS_NH_CS,
+        kind=PagedKind.LAYER_LIST,
+        axes=("B", "S", "H", "D"),
+        allows_block_padding=True,
+        single_plane=True,
+    ),
+    KVFormat.NL_X_TWO_X_NB_BS_NH_HS: FormatSpec(  # vLLM-Ascend's per-layer (K, V) tuples
+        fmt=KVFormat.NL_X_TWO_X_NB_BS_NH_HS,
+        kind=PagedKind.KV_PAIRS,
+        axes=("B", "S", "H", "D"),
+    ),
+    KVFormat.NL_X_NB_BS_NH_HS: FormatSpec(  # SGLang's independent components
+        fmt=KVFormat.NL_X_NB_BS_NH_HS,
+        kind=PagedKind.LAYER_LIST,
+        axes=("B", "S", "H", "D"),
+        allows_block_padding=True,
+        single_plane=True,
     ),
 }
 """Every supported format, keyed by format."""
@@ -182,15 +249,15 @@ class ShapeDesc(msgspec.Struct, frozen=True, kw_only=True):
     """kvactors' copy of LMCache's ``PageBufferShapeDesc`` (wire-safe).
 
     Attributes:
-        kv_size: Object planes: 2 for split K/V, 1 for MLA.
-        nl: Layers (per K/V list for format 9).
+        kv_size: Object planes: 2 for split K/V, 1 for MLA and fused K/V.
+        nl: Layers (per K/V list for format 9; components for format 18).
         nb: Blocks in each paged tensor.
         bs: Token slots per block.
         nh: KV heads (1 for MLA).
-        hs: Head size (MLA: latent width).
+        hs: Head size (MLA: latent width; fused K/V: the packed width ``2*head_size``).
         element_size: Bytes per element.
         block_stride_elems: Physical stride of the block axis in elements; 0 = take it from the
-            tensors. Non-zero only for formats that allow block padding (MLA).
+            tensors. Non-zero only for formats that allow block padding (3, 12, 13, 18).
         dtype: Exact torch dtype name (``"bfloat16"``); authoritative when set. ``None`` means
             "take it from the tensors" (a 2-byte size alone is ambiguous and never guessed).
     """

@@ -219,7 +219,7 @@ def _stacked(spec: FormatSpec, shape: ShapeDesc, units: list[torch.Tensor]) -> S
             return None
         offsets.append(int(t.storage_offset()))
     o0 = offsets[0]
-    if spec.kind is PagedKind.KV_LIST:
+    if spec.is_kv_list:
         sl = offsets[1] - o0 if nl > 1 else 0
         sp = offsets[nl] - o0
         expect = [o0 + p * sp + layer * sl for p in range(2) for layer in range(nl)]
@@ -329,8 +329,10 @@ def plan_transfer(
     Args:
         request: What to move.
         paged: Paged KV tensors: per-layer sequence, ``[[K...], [V...]]`` (or flat
-            ``[K..., V...]``) for format 9, one tensor for format 0.
-        objects: Host chunks: CPU, contiguous, ``[2, NL, T, NH*HS]`` (MLA ``[NL, T, HS]``).
+            ``[K..., V...]``) for format 9, ``[(K, V), ...]`` for format 16, one tensor for
+            the cross-layer formats 0 and 8.
+        objects: Host chunks: CPU, contiguous, ``[2, NL, T, NH*HS]`` (one-plane formats, MLA
+            and fused K/V: ``[NL, T, NH*HS]``).
         device_type: Device type the paged tensors must live on (``"cpu"``, ``"mlu"``, ...).
         device_index: Device index they must live on (``None``: any, but one).
 

@@ -43,6 +43,7 @@ class Case:
     bpo: int = 2
     mla_4d: bool = False
     declare_stride: bool = False
+    split_width: bool = False
 
     @property
     def spec(self) -> Any:
@@ -79,7 +80,10 @@ class Case:
         return self.spec.tensor_shape(self.nl, self.nb, self.bs, self.nh, self.hs)
 
     def _block_stride(self) -> int:
-        return self.bs * self.hs + 3
+        inner = 1
+        for n in self._unit_shape()[1:]:
+            inner *= n
+        return inner + 3
 
     def _n_units(self) -> int:
         kind = self.spec.kind
@@ -138,25 +142,45 @@ class Case:
                 parts = [fresh(numel) for _ in range(n_units)]
             units = [part.view(phys).permute(inv) for part in parts]
         elif alloc == "padded":
-            bstride = self._block_stride()
+            # Block axis first (the formats that allow padding), the rest tight, each block
+            # followed by 3 unused elements.
+            inner = [1]
+            for n in reversed(shape[1:]):
+                inner.insert(0, inner[0] * n)
+            bstride = inner[0] + 3
             per = bstride * self.nb
             buf = fresh(per * n_units + 7)
             units = [
-                buf.as_strided(shape, (bstride, self.hs, 1), 7 + u * per) for u in range(n_units)
+                buf.as_strided(shape, (bstride, *inner[1:]), 7 + u * per) for u in range(n_units)
             ]
         else:
             raise AssertionError(alloc)
+        if self.split_width and self.spec.single_plane and self.hs % 2 == 0:
+            # The same memory with the packed width as [2, HS/2] (K, V): LMCache's other form.
+            # (as_strided keeps every stride, a size-1 block axis's included: a view may not)
+            half = self.hs // 2
+            units = [
+                t.as_strided(
+                    (*t.shape[:-1], 2, half),
+                    (*t.stride()[:-1], half * t.stride(-1), t.stride(-1)),
+                    t.storage_offset(),
+                )
+                for t in units
+            ]
         paged: Any
         kind = self.spec.kind
         if kind is PagedKind.CROSS_LAYER:
             paged = units[0]
         elif kind is PagedKind.KV_LIST:
             paged = [units[: self.nl], units[self.nl :]] if self.seed % 2 else list(units)
+        elif kind is PagedKind.KV_PAIRS:
+            pairs = zip(units[: self.nl], units[self.nl :], strict=True)
+            paged = [tuple(kv) if self.seed % 2 else list(kv) for kv in pairs]
         else:
             paged = units
         tokens = self.bpo * self.bs
         oshape = self.spec.object_shape(self.nl, tokens, self.nh, self.hs)
-        if self.spec.is_mla and self.mla_4d:
+        if self.spec.planes == 1 and self.mla_4d:
             oshape = (1, *oshape)
         objects = []
         for _ in range(self.n_objects):
@@ -183,13 +207,24 @@ def block_view(fmt: KVFormat, paged: Any, nl: int, layer: int, p: int, b: int) -
             else list(paged)
         )
         return flat[p * nl + layer][b]
+    if fmt is KVFormat.NL_X_TWO_X_NB_BS_NH_HS:
+        return paged[layer][p][b]
     if fmt is KVFormat.NB_NL_TWO_BS_NH_HS:
         return paged[b, layer, p]
+    if fmt is KVFormat.NB_NL_TWO_NH_BS_HS:
+        return paged[b, layer, p].transpose(0, 1)
     t = paged[layer]
+    if FORMAT_SPECS[fmt].single_plane and t.dim() == 5:
+        t = t.flatten(-2)  # the [2, HS/2] form of the packed width (a view here)
     return {
         KVFormat.NL_X_TWO_NB_BS_NH_HS: lambda: t[p, b],
         KVFormat.NL_X_NB_TWO_BS_NH_HS: lambda: t[b, p],
         KVFormat.NL_X_NB_BS_HS: lambda: t[b].unsqueeze(1),
         KVFormat.NL_X_TWO_NB_NH_BS_HS: lambda: t[p, b].transpose(0, 1),
         KVFormat.NL_X_NB_TWO_NH_BS_HS: lambda: t[b, p].transpose(0, 1),
+        KVFormat.NL_X_NB_NH_BS_TWO_HS: lambda: t[b].transpose(0, 1),
+        KVFormat.NL_X_NB_BS_NH_TWO_HS: lambda: t[b],
+        KVFormat.NL_X_NB_NH_BS_CS: lambda: t[b].transpose(0, 1),
+        KVFormat.NL_X_NB_BS_NH_CS: lambda: t[b],
+        KVFormat.NL_X_NB_BS_NH_HS: lambda: t[b],
     }[fmt]()

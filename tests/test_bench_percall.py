@@ -16,10 +16,10 @@ if TYPE_CHECKING:
 
 def test_percall_rows_compare_every_contender_with_the_single_torch_call() -> None:
     report = run_percall_bench(
-        models=("small",), layouts=("nhd", "mla"), callers=(1, 2), reps=2, quick=True
+        models=("small",), layouts=("nhd", "mla", "fused"), callers=(1, 2), reps=2, quick=True
     )
     expected = []
-    for lay in ("nhd", "mla"):
+    for lay in ("nhd", "mla", "fused"):
         for c in (1, 2):
             for d in ("gather", "scatter"):
                 expected.append((lay, d, c, "same"))

@@ -168,7 +168,7 @@ def test_round_trip_to_new_blocks(fmt: KVFormat) -> None:
         t.zero_()
     p2 = plan_transfer(c.request(0, dst_ids), paged2, objs, device_type="cpu")
     run_fast(p2, paged2, objs)
-    planes = 1 if fmt is MLA else 2
+    planes = c.spec.planes
     for layer in range(c.nl):
         for pl in range(planes):
             for b in range(c.nb):

@@ -42,6 +42,7 @@ def cases(draw: st.DrawFn) -> tuple[Case, int, list[int], int]:
         bpo=draw(st.integers(1, 3)),
         mla_4d=draw(st.booleans()),
         declare_stride=draw(st.booleans()),
+        split_width=draw(st.booleans()),
     )
     direction = draw(st.sampled_from([0, 1]))
     n = draw(st.integers(0, min(nb, c.n_objects * c.bpo + 1)))

@@ -27,7 +27,14 @@ LMCACHE_NUMBERS = {
     "NL_X_NB_BS_HS": 3,
     "NL_X_TWO_NB_NH_BS_HS": 6,
     "NL_X_NB_TWO_NH_BS_HS": 7,
+    "NB_NL_TWO_NH_BS_HS": 8,
     "TWO_X_NL_X_NB_BS_NH_HS": 9,
+    "NL_X_NB_NH_BS_TWO_HS": 10,
+    "NL_X_NB_BS_NH_TWO_HS": 11,
+    "NL_X_NB_NH_BS_CS": 12,
+    "NL_X_NB_BS_NH_CS": 13,
+    "NL_X_TWO_X_NB_BS_NH_HS": 16,
+    "NL_X_NB_BS_NH_HS": 18,
 }
 
 
@@ -44,7 +51,7 @@ def test_format_numbers_match_installed_lmcache_native() -> None:
     assert int(native.TransferDirection.D2H) == Direction.D2H == 1  # type: ignore[comparison-overlap]
 
 
-@pytest.mark.parametrize("number", [4, 5, 8, 10, 11, 12, 13, 14, 15, 16, 17, 18, -1, 99])
+@pytest.mark.parametrize("number", [4, 5, 14, 15, 17, 19, 20, -1, 99])
 def test_unknown_formats_have_no_spec(number: int) -> None:
     assert format_spec(number) is None
 
@@ -69,6 +76,14 @@ def test_directions() -> None:
         (KVFormat.NL_X_TWO_NB_NH_BS_HS, (2, 5, 2, 4, 8), (2, 3, 16, 16)),
         (KVFormat.NL_X_NB_TWO_NH_BS_HS, (5, 2, 2, 4, 8), (2, 3, 16, 16)),
         (KVFormat.TWO_X_NL_X_NB_BS_NH_HS, (5, 4, 2, 8), (2, 3, 16, 16)),
+        # fused K/V: hs is the packed width, one plane of NH heads
+        (KVFormat.NL_X_NB_NH_BS_TWO_HS, (5, 2, 4, 8), (3, 16, 16)),
+        (KVFormat.NL_X_NB_BS_NH_TWO_HS, (5, 4, 2, 8), (3, 16, 16)),
+        (KVFormat.NL_X_NB_NH_BS_CS, (5, 2, 4, 8), (3, 16, 16)),
+        (KVFormat.NL_X_NB_BS_NH_CS, (5, 4, 2, 8), (3, 16, 16)),
+        (KVFormat.NB_NL_TWO_NH_BS_HS, (5, 3, 2, 2, 4, 8), (2, 3, 16, 16)),
+        (KVFormat.NL_X_TWO_X_NB_BS_NH_HS, (5, 4, 2, 8), (2, 3, 16, 16)),
+        (KVFormat.NL_X_NB_BS_NH_HS, (5, 4, 2, 8), (3, 16, 16)),
     ],
 )
 def test_shapes(fmt: KVFormat, tensor: tuple[int, ...], obj: tuple[int, ...]) -> None:
@@ -81,16 +96,36 @@ def test_shapes(fmt: KVFormat, tensor: tuple[int, ...], obj: tuple[int, ...]) ->
 def test_format_facts() -> None:
     kinds = {f: FORMAT_SPECS[f].kind for f in KVFormat}
     assert kinds[KVFormat.NB_NL_TWO_BS_NH_HS] is PagedKind.CROSS_LAYER
+    assert kinds[KVFormat.NB_NL_TWO_NH_BS_HS] is PagedKind.CROSS_LAYER
     assert kinds[KVFormat.TWO_X_NL_X_NB_BS_NH_HS] is PagedKind.KV_LIST
+    assert kinds[KVFormat.NL_X_TWO_X_NB_BS_NH_HS] is PagedKind.KV_PAIRS
     assert FORMAT_SPECS[KVFormat.TWO_X_NL_X_NB_BS_NH_HS].is_kv_list
+    assert FORMAT_SPECS[KVFormat.NL_X_TWO_X_NB_BS_NH_HS].is_kv_list
     assert [f for f in KVFormat if FORMAT_SPECS[f].is_mla] == [KVFormat.NL_X_NB_BS_HS]
     assert {f for f in KVFormat if FORMAT_SPECS[f].is_hnd} == {
         KVFormat.NL_X_TWO_NB_NH_BS_HS,
         KVFormat.NL_X_NB_TWO_NH_BS_HS,
+        KVFormat.NL_X_NB_NH_BS_TWO_HS,
+        KVFormat.NL_X_NB_NH_BS_CS,
+        KVFormat.NB_NL_TWO_NH_BS_HS,
     }
-    assert [f for f in KVFormat if FORMAT_SPECS[f].allows_block_padding] == [KVFormat.NL_X_NB_BS_HS]
+    # LMCache 0.5.7 sends the block stride of exactly these (gpu_connector/utils.py)
+    assert {f for f in KVFormat if FORMAT_SPECS[f].allows_block_padding} == {
+        KVFormat.NL_X_NB_BS_HS,
+        KVFormat.NL_X_NB_NH_BS_CS,
+        KVFormat.NL_X_NB_BS_NH_CS,
+        KVFormat.NL_X_NB_BS_NH_HS,
+    }
     assert FORMAT_SPECS[KVFormat.NL_X_NB_BS_HS].planes == 1
     assert FORMAT_SPECS[KVFormat.NL_X_TWO_NB_BS_NH_HS].planes == 2
+    assert {f for f in KVFormat if FORMAT_SPECS[f].single_plane} == {
+        KVFormat.NL_X_NB_NH_BS_TWO_HS,
+        KVFormat.NL_X_NB_BS_NH_TWO_HS,
+        KVFormat.NL_X_NB_NH_BS_CS,
+        KVFormat.NL_X_NB_BS_NH_CS,
+        KVFormat.NL_X_NB_BS_NH_HS,
+    }
+    assert all(FORMAT_SPECS[f].planes == 1 for f in KVFormat if FORMAT_SPECS[f].single_plane)
 
 
 def test_dtype_table() -> None:

@@ -171,7 +171,7 @@ def test_skip_then_direction_then_format() -> None:
     check(e, ValueError, "direction")
     e = _err(c, lambda r: msgspec.structs.replace(r, fmt=4))
     check(e, ValueError, "fmt")
-    e = _err(c, lambda r: msgspec.structs.replace(r, fmt=18))
+    e = _err(c, lambda r: msgspec.structs.replace(r, fmt=17))
     check(e, ValueError, "fmt")
 
 
@@ -346,3 +346,58 @@ def test_case_dataclass_is_cheap_to_vary() -> None:
     assert plan(c, ids=[0, 1, 2]).request.shape == ShapeDesc(
         kv_size=2, nl=2, nb=3, bs=2, nh=2, hs=4, element_size=2, dtype="bfloat16"
     )
+
+
+# -- fused K/V formats (10-13: one plane of NH heads, the packed width 2*HS) -------------------
+
+FUSED_HND = KVFormat.NL_X_NB_NH_BS_CS
+
+
+def test_fused_shape_desc_and_objects() -> None:
+    p = plan(case(FUSED_HND, hs=8))
+    assert (p.spec.planes, p.tight, p.stacked is not None) == (1, False, True)
+    assert p.nbytes == 4 * 2 * 2 * 8 * 2 * 2  # blocks * bs * nh * hs * itemsize * nl
+    with pytest.raises(TransferValidationError, match="kv_size=1") as e:
+        plan(
+            case(FUSED_HND, hs=8),
+            shape=with_shape(case(FUSED_HND).request(1, [0]), kv_size=2).shape,
+        )
+    assert e.value.field == "kv_size"
+    c = case(FUSED_HND, hs=8)
+    paged, _, _ = c.build()
+    split_objs = [torch.zeros(2, c.nl, c.bpo * c.bs, c.nh * c.hs // 2, dtype=c.dtype)] * 2
+    with pytest.raises(TransferValidationError, match="object 0 has shape") as e:
+        plan_transfer(c.request(1, [0, 1]), paged, split_objs, device_type="cpu")
+    assert e.value.field == "objects"
+
+
+def test_fused_split_width_form_is_the_same_plan() -> None:
+    packed, split = plan(case(FUSED_HND, hs=8)), plan(case(FUSED_HND, hs=8, split_width=True))
+    assert split.stacked is not None
+    assert (split.stacked, split.tight, split.nbytes) == (
+        packed.stacked,
+        packed.tight,
+        packed.nbytes,
+    )
+
+
+def test_fused_split_width_that_is_not_one_run_is_refused() -> None:
+    c = case(FUSED_HND, hs=8)
+    _, objs, _ = c.build()
+    # [2, NB, NH, BS, HS/2] memory seen as [NB, NH, BS, 2, HS/2]: K and V are not one run.
+    base = torch.zeros(2, c.nb, c.nh, c.bs, c.hs // 2, dtype=c.dtype)
+    layers = [base.permute(1, 2, 3, 0, 4)] * c.nl
+    with pytest.raises(TransferValidationError, match="cannot be merged without a copy") as e:
+        plan_transfer(c.request(0, [0, 1]), layers, objs, device_type="cpu")
+    assert e.value.field == "paged"
+
+
+def test_kv_pairs_need_one_k_v_pair_per_layer() -> None:
+    c = case(KVFormat.NL_X_TWO_X_NB_BS_NH_HS)
+    paged, objs, _ = c.build()
+    assert plan_transfer(c.request(1, [0, 1]), paged, objs, device_type="cpu").spec.is_kv_list
+    flat = [t for kv in paged for t in kv]
+    for bad in (flat, [(*paged[0], paged[0][0]), paged[1]], paged[0][0]):
+        with pytest.raises(OperandTypeError, match="NL_X_TWO_X_NB_BS_NH_HS") as e:
+            plan_transfer(c.request(1, [0, 1]), bad, objs, device_type="cpu")
+        assert e.value.field == "paged"

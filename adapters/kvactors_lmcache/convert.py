@@ -13,9 +13,11 @@ The enum numbers are LMCache's, so the mapping is by value (``int(...)``); LMCac
 enums are never imported here. Two LMCache formats differ from a kvactors format only by a
 size-1 axis between heads and tokens (RBLN's ``NL_X_NB_TWO_NH_ONE_BS_HS``, new in LMCache
 0.5.7, and ``NL_X_TWO_NB_NH_ONE_BS_HS``): the same bytes and strides, so :func:`normalize_format`
-drops that axis with a view and kvactors moves them as the HND format they are. Blocked-scale
-formats (fp8 values and fp32 scales per block, which LMCache repacks into token-major rows)
-are refused by name before anything is touched.
+drops that axis with a view and kvactors moves them as the HND format they are. The formats
+kvactors does not move (blocked-scale pages, token-folded pools, MLA plane tuples, and any
+format newer than this adapter) are refused before anything is touched, with a message naming
+the format and the engine that produces it (from LMCache's format registry); docs/formats.md
+lists which formats each device serves.
 """
 
 from __future__ import annotations
@@ -40,6 +42,9 @@ __all__ = (
     "dtype_name",
     "format_of",
     "normalize_format",
+    "producers",
+    "refusal_reason",
+    "served_as",
     "shape_desc_of",
     "to_transfer_request",
 )
@@ -58,14 +63,40 @@ _SINGLETON_AXIS_FORMATS: dict[int, tuple[KVFormat, int, str]] = {
 }
 """LMCache format -> (kvactors format, the size-1 axis of each paged tensor, LMCache name)."""
 
+_TOKEN_FOLDED = (
+    "a token-folded pool ([NB*BS, ...] per tensor), which LMCache's engine-driven path does not "
+    "move (its block count is undefined there)"
+)
 _REFUSED_FORMATS: dict[int, str] = {
+    4: _TOKEN_FOLDED,
+    5: _TOKEN_FOLDED,
     14: (
-        "NL_X_NB_BSV_BSS is a blocked-scale format (per block: fp8 values of every token, then "
-        "their fp32 scales; LMCache's torch path repacks them into token-major rows). kvactors "
-        "does not move blocked-scale pages; use LMCache's own backend for this KV cache"
+        "a blocked-scale format (per block: fp8 values of every token, then their fp32 "
+        "scales; LMCache's torch path repacks them into token-major rows), and kvactors does "
+        "not move blocked-scale pages"
+    ),
+    17: (
+        "per-layer tuples of MLA planes of different widths and dtypes, byte-concatenated per "
+        "token, which kvactors does not move"
     ),
 }
-"""LMCache formats kvactors refuses with a specific reason (other unknown ones are refused too)."""
+"""LMCache formats kvactors refuses, with the reason (any other unknown one is refused too)."""
+
+REFUSAL_ADVICE = "use LMCache's own backend for this engine (docs/formats.md lists the formats)"
+"""What a refusal tells the operator to do."""
+
+
+def producers(value: int) -> tuple[str, str | None]:
+    """``(engines, name)`` for LMCache format ``value``: who produces it and the format's name,
+    from the installed LMCache's registry (its specs' ``attention_backends``)."""
+    try:
+        from lmcache.v1.gpu_connector.kv_format.specs.registry import SPECS
+    except ImportError:  # an LMCache without the registry: nothing to name
+        return "an engine this LMCache does not name", None
+    for fmt, spec in SPECS.items():
+        if int(fmt) == value:
+            return " / ".join(spec.attention_backends) or "an unnamed engine", fmt.name
+    return "an engine this LMCache's registry does not know", None
 
 
 def _format_value(engine_kv_format: Any) -> int:
@@ -78,21 +109,44 @@ def _format_value(engine_kv_format: Any) -> int:
         ) from exc
 
 
-def format_of(engine_kv_format: Any) -> KVFormat:
-    """kvactors' :class:`KVFormat` for LMCache's ``EngineKVFormat`` (same numbers)."""
-    value = _format_value(engine_kv_format)
+def served_as(value: int) -> KVFormat | None:
+    """The kvactors format LMCache format ``value`` is moved as (a singleton-axis format as
+    the format it views to), or ``None`` when the adapter refuses it."""
+    mapped = _SINGLETON_AXIS_FORMATS.get(value)
+    if mapped is not None:
+        return mapped[0]
     if value in _REFUSED_FORMATS:
-        raise TransferValidationError(
-            f"engine_kv_format {engine_kv_format!r}: {_REFUSED_FORMATS[value]}",
-            field="engine_kv_format",
-        )
+        return None
     try:
         return KVFormat(value)
-    except ValueError as exc:
-        raise TransferValidationError(
-            f"unknown engine_kv_format {engine_kv_format!r} (value {value})",
-            field="engine_kv_format",
-        ) from exc
+    except ValueError:
+        return None
+
+
+def refusal_reason(value: int) -> str:
+    """Why the adapter refuses LMCache format ``value``."""
+    return _REFUSED_FORMATS.get(value, "a format this kvactors does not know")
+
+
+def format_of(engine_kv_format: Any) -> KVFormat:
+    """kvactors' :class:`KVFormat` for LMCache's ``EngineKVFormat`` (same numbers).
+
+    Raises:
+        TransferValidationError: a format kvactors does not move, naming it and its engine.
+    """
+    value = _format_value(engine_kv_format)
+    if value not in _REFUSED_FORMATS:
+        try:
+            return KVFormat(value)
+        except ValueError:
+            pass
+    engines, name = producers(value)
+    reason = refusal_reason(value)
+    raise TransferValidationError(
+        f"kvactors does not serve engine_kv_format {name or engine_kv_format!r} (value {value}), "
+        f"produced by {engines}: {reason}; {REFUSAL_ADVICE}",
+        field="engine_kv_format",
+    )
 
 
 def normalize_format(engine_kv_format: Any, paged: Any) -> tuple[Any, Any]:

@@ -1,5 +1,5 @@
-"""The ``kvactors`` command: ``doctor``, ``demo``, ``bench``, ``validate``, ``replay``,
-``selftest``.
+"""The ``kvactors`` command: ``doctor``, ``demo``, ``bench``, ``validate``,
+``validate-serving``, ``replay``, ``selftest``, ``hotpath``.
 
 Each subcommand lives in its own module and is imported only when it runs, so
 ``kvactors doctor`` works even where a heavier dependency (matplotlib) is missing.
@@ -17,7 +17,7 @@ import msgspec
 if TYPE_CHECKING:
     from collections.abc import Sequence
 
-__all__ = ("build_parser", "main")
+__all__ = ("build_parser", "main", "parse_args")
 
 
 def build_parser() -> argparse.ArgumentParser:
@@ -86,6 +86,17 @@ def build_parser() -> argparse.ArgumentParser:
 
     validate_args(val)
 
+    # Its other flags (and --help) are the procedure's: passed through, see main().
+    vs = sub.add_parser(
+        "validate-serving",
+        parents=[common],
+        add_help=False,
+        help="vLLM + LMCache + kvactors serving validation (runs in the engine's venv)",
+    )
+    from kvactors.cli.serving import add_arguments as serving_args
+
+    serving_args(vs)
+
     st = add_parser("selftest", help="conformance suite on one device (real, or --fake)")
     from kvactors.cli.selftest import add_arguments as selftest_args
 
@@ -98,9 +109,21 @@ def build_parser() -> argparse.ArgumentParser:
     return ap
 
 
+def parse_args(argv: Sequence[str] | None = None) -> argparse.Namespace:
+    """Parse ``kvactors``' arguments; ``validate-serving`` keeps the procedure's in
+    ``procedure_args`` (every other command refuses unknown arguments)."""
+    parser = build_parser()
+    args, extra = parser.parse_known_args(argv)
+    if args.command == "validate-serving":
+        args.procedure_args = extra
+    elif extra:
+        parser.error(f"unrecognized arguments: {' '.join(extra)}")
+    return args
+
+
 def main(argv: Sequence[str] | None = None) -> int:
     """Run ``kvactors``; returns the process exit status."""
-    args = build_parser().parse_args(argv)
+    args = parse_args(argv)
     from kvactors.logs import configure
 
     # Actions are shared between parsers (parents=), so defaults live here, not in set_defaults.
@@ -121,6 +144,10 @@ def main(argv: Sequence[str] | None = None) -> int:
         from kvactors.cli.validate import run as run_validate
 
         return run_validate(args)
+    if args.command == "validate-serving":
+        from kvactors.cli.serving import run as run_serving
+
+        return run_serving(args)
     if args.command == "selftest":
         from kvactors.cli.selftest import run as run_selftest
 

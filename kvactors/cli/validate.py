@@ -110,8 +110,13 @@ def dump_paged(paged: Any, fmt: int, block_ids: Sequence[int]) -> KVDump:
         whole = take(paged, bdim)
         layers = list(whole.unbind(ldim))
         return KVDump(tuple(ids), layers, bdim if bdim < ldim else bdim - 1)
-    if spec.kind is PagedKind.KV_LIST:
-        ks, vs = (paged[0], paged[1]) if len(paged) == 2 else _halves(paged)
+    if spec.is_kv_list:
+        ks: Sequence[torch.Tensor]
+        vs: Sequence[torch.Tensor]
+        if spec.kind is PagedKind.KV_PAIRS:
+            ks, vs = [kv[0] for kv in paged], [kv[1] for kv in paged]
+        else:
+            ks, vs = (paged[0], paged[1]) if len(paged) == 2 else _halves(paged)
         bdim = spec.axes.index("B")
         layers = [torch.stack([take(k, bdim), take(v, bdim)]) for k, v in zip(ks, vs, strict=True)]
         return KVDump(tuple(ids), layers, bdim + 1)

@@ -29,6 +29,8 @@ def _block(
     """The ``[BS, NH, HS]`` view of block ``b`` of ``layer``, plane ``p``."""
     if fmt is KVFormat.NB_NL_TWO_BS_NH_HS:
         return units[0][b, layer, p]
+    if fmt is KVFormat.NB_NL_TWO_NH_BS_HS:
+        return units[0][b, layer, p].transpose(0, 1)  # [NH, BS, HS] -> [BS, NH, HS]
     if fmt is KVFormat.NL_X_TWO_NB_BS_NH_HS:
         return units[layer][p, b]
     if fmt is KVFormat.NL_X_NB_TWO_BS_NH_HS:
@@ -39,8 +41,12 @@ def _block(
         return units[layer][p, b].transpose(0, 1)
     if fmt is KVFormat.NL_X_NB_TWO_NH_BS_HS:
         return units[layer][b, p].transpose(0, 1)
-    if fmt is KVFormat.TWO_X_NL_X_NB_BS_NH_HS:
-        return units[p * nl + layer][b]
+    if fmt in (KVFormat.TWO_X_NL_X_NB_BS_NH_HS, KVFormat.NL_X_TWO_X_NB_BS_NH_HS):
+        return units[p * nl + layer][b]  # units are [K_0.., V_0..] for both
+    if fmt in (KVFormat.NL_X_NB_NH_BS_TWO_HS, KVFormat.NL_X_NB_NH_BS_CS):
+        return units[layer][b].transpose(0, 1)  # [NH, BS, 2*HS] -> [BS, NH, 2*HS]
+    if fmt in (KVFormat.NL_X_NB_BS_NH_TWO_HS, KVFormat.NL_X_NB_BS_NH_CS, KVFormat.NL_X_NB_BS_NH_HS):
+        return units[layer][b]
     raise AssertionError(f"no reference mapping for {fmt!r}")
 
 
@@ -73,8 +79,9 @@ def run_reference(plan: TransferPlan, paged: object, objects: list[torch.Tensor]
             for layer in range(nl):
                 for p in range(plan.spec.planes):
                     blk = _block(plan.fmt, units, nl, layer, p, b)
-                    if plan.spec.is_mla:
-                        rows = obj.reshape(nl, tokens, hs)[layer, t0 : t0 + bs].unsqueeze(1)
+                    if plan.spec.planes == 1:  # MLA (nh == 1) and fused K/V: [NL, T, NH*HS]
+                        one = obj.reshape(nl, tokens, nh * hs)
+                        rows = one[layer, t0 : t0 + bs].view(bs, nh, hs)
                     else:
                         rows = obj[p, layer, t0 : t0 + bs].view(bs, nh, hs)
                     if plan.direction is Direction.D2H:

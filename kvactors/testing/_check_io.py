@@ -183,6 +183,8 @@ class KVCase:
             return units[0]
         if kind is PagedKind.KV_LIST:
             return [units[: self.nl], units[self.nl :]]
+        if kind is PagedKind.KV_PAIRS:
+            return [(units[i], units[self.nl + i]) for i in range(self.nl)]
         return list(units)
 
     def reference(

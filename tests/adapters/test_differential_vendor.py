@@ -63,6 +63,19 @@ REFUSED: dict[str, frozenset[KVFormat]] = {
     "mlu": frozenset({F.NL_X_NB_TWO_BS_NH_HS, F.NL_X_NB_TWO_NH_BS_HS, F.TWO_X_NL_X_NB_BS_NH_HS}),
     "musa": frozenset({F.NL_X_TWO_NB_NH_BS_HS, F.NL_X_NB_TWO_BS_NH_HS, F.NL_X_NB_TWO_NH_BS_HS}),
 }
+#: Formats kvactors serves on CPU only: LMCache's MLU and MUSA ops refuse them, and so does
+#: kvactors there (docs/formats.md).
+CPU_ONLY = frozenset(
+    {
+        F.NB_NL_TWO_NH_BS_HS,
+        F.NL_X_NB_NH_BS_TWO_HS,
+        F.NL_X_NB_BS_NH_TWO_HS,
+        F.NL_X_NB_NH_BS_CS,
+        F.NL_X_NB_BS_NH_CS,
+        F.NL_X_TWO_X_NB_BS_NH_HS,
+        F.NL_X_NB_BS_NH_HS,
+    }
+)
 DTYPES = (torch.bfloat16, torch.float16, torch.float32)
 ALLOCS = ("stacked", "separate", "gapped", "shuffled", "padded")
 CASES = 60
@@ -95,8 +108,8 @@ def _on_device(fake: FakeVendor, paged: Any, backing: list[torch.Tensor]) -> Any
     dev = {b.untyped_storage().data_ptr(): fake.adopt(b) for b in backing}
 
     def conv(t: Any) -> Any:
-        if isinstance(t, list):
-            return [conv(x) for x in t]
+        if isinstance(t, (list, tuple)):
+            return type(t)(conv(x) for x in t)
         base = dev[t.untyped_storage().data_ptr()]
         return base.as_strided(t.shape, t.stride(), t.storage_offset())
 
@@ -276,3 +289,66 @@ def test_refusals_match(vendor: tuple[Any, ...], what: str) -> None:
         pytest.fail(f"LMCache's {kind} ops accepted {what}; the refusal case is stale")
     assert mine.error is not None, f"kvactors accepted {what} (LMCache: {theirs.error!r})"
     assert mine.untouched()
+
+
+@pytest.mark.parametrize("fmt", sorted(CPU_ONLY), ids=lambda f: f.name)
+@pytest.mark.parametrize("direction", [0, 1])
+def test_cpu_only_formats_are_refused_as_lmcache_refuses(
+    vendor: tuple[Any, ...], fmt: KVFormat, direction: int
+) -> None:
+    kind, fake, lm, ours = vendor
+    case = Case(
+        fmt=fmt, nl=2, nb=10, bs=4, nh=2, hs=8, dtype=torch.bfloat16, alloc="separate",
+        seed=7, n_objects=2, bpo=2,
+    )  # fmt: skip
+    assert _check(kind, fake, lm, ours, (case, [1, 4, 2, 7], 0, direction)) == "refused"
+
+
+@pytest.mark.parametrize("skip", ["none", "block", "chunk"])
+@pytest.mark.parametrize("direction", [0, 1])
+def test_served_formats_with_the_engine_skips(
+    vendor: tuple[Any, ...], direction: int, skip: str
+) -> None:
+    """Every format LMCache serves there, with the skips the engine-driven path produces
+    (0, one block, one whole chunk), byte for byte."""
+    kind, fake, lm, ours = vendor
+    for fmt in sorted(VENDORS[kind][3]):
+        case = Case(
+            fmt=fmt, nl=2, nb=10, bs=4, nh=1 if fmt is F.NL_X_NB_BS_HS else 2, hs=8,
+            dtype=torch.bfloat16, alloc="separate", seed=9, n_objects=3, bpo=2,
+        )  # fmt: skip
+        n = {"none": 0, "block": 1, "chunk": case.bpo}[skip]
+        assert _check(kind, fake, lm, ours, (case, [8, 1, 4, 0, 6, 3], n, direction)) == (
+            "identical"
+        ), fmt
+
+
+@pytest.mark.parametrize("direction", [0, 1])
+def test_rbln_singleton_axis_format_moves_as_format_6_on_mlu(
+    vendor: tuple[Any, ...], direction: int
+) -> None:
+    """Format 15 (format 6 with a size-1 axis 3, docs/formats.md): LMCache's MLU ops refuse
+    the rank; kvactors moves the bytes LMCache's MLU ops move for the same memory as 6."""
+    import lmcache.lmcache_native as native
+
+    kind, fake, lm, ours = vendor
+    if kind != "mlu":
+        pytest.skip("format 15 is refused on MUSA, as LMCache's MUSA ops refuse it")
+    case = Case(
+        fmt=F.NL_X_TWO_NB_NH_BS_HS, nl=2, nb=10, bs=4, nh=2, hs=8, dtype=torch.bfloat16,
+        alloc="separate", seed=3, n_objects=2, bpo=2,
+    )  # fmt: skip
+    ids, skip, dev = [5, 2, 9, 0], 1, torch.device(kind, 0)
+    theirs = _Run(case, _transfer(lm, case, ids, skip, direction, dev), fake, ())
+
+    def singleton(paged: Any, objects: list[torch.Tensor]) -> None:
+        ours.multi_layer_block_kv_transfer(
+            [t.unsqueeze(3) for t in paged], objects, list(ids), dev,
+            native.TransferDirection(direction), _desc(case, ours), case.bpo * case.bs,
+            native.EngineKVFormat(15), skip,
+        )  # fmt: skip
+
+    mine = _Run(case, singleton, fake, ())
+    assert theirs.error is None, theirs.error
+    assert mine.error is None, mine.error
+    assert mine.same(theirs)

@@ -40,7 +40,7 @@ def test_store_lookup_retrieve_round_trip(transport: str, lmcache_server_factory
     assert res["ops_module"] == "kvactors_lmcache.ops"
     assert res["ops_type"] == "KvactorsCpuOps"
     expected_sub = "EngineDrivenContextShm" if transport == "shm" else _inline_context()
-    assert {c["case"] for c in res["cases"]} == {"nhd", "mla", "sglang"}
+    assert {c["case"] for c in res["cases"]} == {"nhd", "mla", "sglang", "fused"}
     for case in res["cases"]:
         assert case["ctx"] == "EngineDrivenTransferContext", case
         assert case["sub_ctx"] == expected_sub, case
@@ -51,7 +51,7 @@ def test_store_lookup_retrieve_round_trip(transport: str, lmcache_server_factory
             assert r["retrieved"], label
             assert r["bit_exact"], label
     # Served by kvactors: one gather per store, one scatter per retrieve, per case.
-    assert res["plugin_calls"] == {"cpu:D2H": 3, "cpu:H2D": 9}
+    assert res["plugin_calls"] == {"cpu:D2H": 4, "cpu:H2D": 12}
 
     rc = srv.stop()
     assert rc in (0, -15), f"server exit code {rc}\n{srv.log()}"

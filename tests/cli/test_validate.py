@@ -69,6 +69,16 @@ def test_nan_bits_compare_exactly() -> None:
                 [torch.arange(48.0).reshape(6, 4, 2) - 100 * i for i in range(3)],
             ],
         ),
+        (
+            KVFormat.NL_X_TWO_X_NB_BS_NH_HS,
+            lambda: [
+                (
+                    torch.arange(48.0).reshape(6, 4, 2) + 100 * i,
+                    -torch.arange(48.0).reshape(6, 4, 2),
+                )
+                for i in range(3)
+            ],
+        ),
     ],
 )
 def test_dump_paged_layouts(fmt: KVFormat, make: object) -> None:

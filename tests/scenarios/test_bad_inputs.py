@@ -135,6 +135,12 @@ def _overlapping_paged(env: Env) -> list[torch.Tensor]:
     return [over, env.src[1]]
 
 
+def _split_kv_paged(env: Env) -> list[torch.Tensor]:
+    # The NHD layers [2, NB, BS, NH, HS] seen as format 12's split form [NB, NH, BS, 2, HS]:
+    # the K/V axis is the planes' (far apart), not one run with the head's elements.
+    return [t.permute(1, 3, 2, 0, 4) for t in env.src]
+
+
 ROWS: tuple[Row, ...] = (
     # ---- raw pointers -----------------------------------------------------------------
     Row(
@@ -247,6 +253,14 @@ ROWS: tuple[Row, ...] = (
         TransferValidationError,
         "has overlapping memory",
         lambda e: e.transfer(request(H2D, [0, 1]), _overlapping_paged(e)),
+    ),
+    Row(
+        "fused-kv-axes-not-one-run",
+        TransferValidationError,
+        "cannot be merged without a copy",
+        lambda e: e.transfer(
+            request(H2D, [0, 1], fmt=12, shape=shape(kv_size=1, hs=16)), _split_kv_paged(e)
+        ),
     ),
     Row(
         "block-id-out-of-range",

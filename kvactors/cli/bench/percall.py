@@ -84,7 +84,10 @@ _FORMATS = {
     "hnd": KVFormat.NL_X_TWO_NB_NH_BS_HS,
     "mla": KVFormat.NL_X_NB_BS_HS,
     "kv_list": KVFormat.TWO_X_NL_X_NB_BS_NH_HS,
+    "fused": KVFormat.NL_X_NB_NH_BS_CS,  # vLLM CPU attention's [NB, NH, BS, 2*HS]
 }
+DEFAULT_LAYOUTS = ("nhd", "hnd", "mla", "kv_list")
+"""What a run without ``--layouts`` measures (``fused`` on request)."""
 CONTENDERS = ("torch", "runtime", "op", "lmcache")
 _BS, _TOKENS = 16, 256
 _ID_SETS = 384  # above the runtime's plan cache capacity (256)
@@ -146,6 +149,8 @@ class _Case:
         spec = FORMAT_SPECS[self.fmt]
         if spec.is_mla:
             nh, hs = 1, hs * 9 // 2
+        if spec.single_plane:
+            hs *= 2  # the packed K|V width
         bpo = _TOKENS // _BS
         nb = bpo * callers * (1 if model != "small" else 4)
         dtype = torch.bfloat16
@@ -210,6 +215,9 @@ class _Case:
         nl, j, s, h, d = self.nl, self.bpo, _BS, self.nh, self.hs
         if self.spec.is_mla:
             return obj.view(nl, j, s, d)  # pool [L, B, S, D]
+        if self.spec.single_plane:
+            v = obj.view(nl, j, s, h, d)  # [L, J, S, H, D]
+            return v.permute(0, 1, 3, 2, 4) if self.spec.is_hnd else v  # pool [L, B, H, S, D]
         v = obj.view(2, nl, j, s, h, d)  # [P, L, J, S, H, D]
         if self.spec.is_kv_list:
             return v  # pool [P, L, B, S, H, D]
@@ -459,7 +467,7 @@ def run_percall_bench(
     *,
     quick: bool = False,
     models: Sequence[str] = ("small", "8b"),
-    layouts: Sequence[str] = ("nhd", "hnd", "mla", "kv_list"),
+    layouts: Sequence[str] = DEFAULT_LAYOUTS,
     directions: Sequence[str] = ("gather", "scatter"),
     callers: Sequence[int] = (1, 4),
     reps: int | None = None,
@@ -632,7 +640,7 @@ def main(argv: Sequence[str] | None = None) -> int:
     ap = argparse.ArgumentParser(description=__doc__.splitlines()[0] if __doc__ else None)
     ap.add_argument("--quick", action="store_true")
     ap.add_argument("--models", nargs="+", choices=tuple(MODELS), default=list(MODELS))
-    ap.add_argument("--layouts", nargs="+", choices=tuple(_FORMATS), default=list(_FORMATS))
+    ap.add_argument("--layouts", nargs="+", choices=tuple(_FORMATS), default=list(DEFAULT_LAYOUTS))
     ap.add_argument(
         "--directions", nargs="+", choices=("gather", "scatter"), default=["gather", "scatter"]
     )

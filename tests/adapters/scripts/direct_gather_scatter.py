@@ -62,6 +62,24 @@ def make_kv(case: str, dtype: torch.dtype, gen: torch.Generator) -> dict[str, An
             "hints": {"kv_layout": "NHD"},
             "engine": EngineType.VLLM,
         }
+    if case in ("fused_hnd", "fused_nhd"):
+        # vLLM's blocks-first fused K/V (format 12 HND: its CPU attention; 13 NHD): per layer
+        # [NB, NH, BS, 2*HS] or [NB, BS, NH, 2*HS], each head's K row then its V row.
+        mid = (NH, BS) if case == "fused_hnd" else (BS, NH)
+        return {
+            "kv": {f"l{i}": _rand((NB, *mid, 2 * HS), dtype, gen) for i in range(NL)},
+            "hints": {"kv_layout": "HND" if case == "fused_hnd" else "NHD"},
+            "engine": EngineType.VLLM,
+        }
+    if case == "fused_hnd_blocks_first":
+        # One [NB, NL, NH, BS, 2*HS] allocation seen per layer (vLLM's BLHNC views): stride(0)
+        # spans every layer's block, which LMCache 0.5.7 passes as block_stride_elems.
+        pool = _rand((NB, NL, NH, BS, 2 * HS), dtype, gen)
+        return {
+            "kv": {f"l{i}": pool[:, i] for i in range(NL)},
+            "hints": {"kv_layout": "BLHNC"},
+            "engine": EngineType.VLLM,
+        }
     if case == "sglang":
         kv = {f"k{i}": _rand((NB * BS, NH, HS), dtype, gen) for i in range(NL)}
         kv.update({f"v{i}": _rand((NB * BS, NH, HS), dtype, gen) for i in range(NL)})
@@ -71,6 +89,14 @@ def make_kv(case: str, dtype: torch.dtype, gen: torch.Generator) -> dict[str, An
             "engine": EngineType.SGLANG,
         }
     raise ValueError(case)
+
+
+def _format_of(kv: dict[str, torch.Tensor], hints: dict[str, Any], engine: Any) -> str:
+    """The EngineKVFormat LMCache's detector reports for ``kv`` (what the op is called with)."""
+    from lmcache.v1.gpu_connector.utils import normalize_kv_and_discover_format
+
+    fmt, _ = normalize_kv_and_discover_format(list(kv.values()), engine, layout_hints=hints)
+    return str(fmt.name)
 
 
 def bits(t: torch.Tensor) -> torch.Tensor:
@@ -156,6 +182,7 @@ def run_case(case: str, dtype: torch.dtype, builtin: Any, window: int | None = N
         "case": case if window is None else f"{case}_window{window}",
         "dtype": str(dtype),
         "chunk_shape": list(got[0].shape) if got else [],
+        "format": _format_of(kv, hints, engine),
         "gather_bit_exact": bool(gather_ok),
         "scatter_bit_exact": scatter_ok,
         "roundtrip": bool(rt_ok),
@@ -179,6 +206,11 @@ def main() -> int:
         ("sglang", torch.bfloat16),
     ]
     cases.append(("mla_padded", torch.bfloat16))
+    cases += [
+        ("fused_hnd", torch.bfloat16),
+        ("fused_nhd", torch.float16),
+        ("fused_hnd_blocks_first", torch.bfloat16),
+    ]
     for case, dtype in cases:
         results["cases"].append(run_case(case, dtype, builtin))  # type: ignore[attr-defined]
     if "blocks_per_window" in inspect.signature(tc_base.gather_paged_kv_to_cpu).parameters:

