@@ -1,36 +1,69 @@
 #!/usr/bin/env bash
-# Create (or reuse) the virtual environments, each with torch 2.13.0 (CPU build from local disk)
-# and kvactors installed (editable).
-#   bash scripts/setup.sh            .venv: runtime + CLI (kvactors demo/doctor/bench)
-#   bash scripts/setup.sh --test     .venv: plus test tools and lmcache 0.5.6;
-#                                    .venv-lmcache057: the same with lmcache 0.5.7rc2, for the
-#                                    adapter tests against the second LMCache version
-#                                    (scripts/test.sh runs tests/adapters in both)
+# Create (or reuse) the virtual environments, each with kvactors installed (editable). No C++
+# compiler is needed.
+#   bash scripts/setup.sh            .venv: torch 2.13.0 (CPU build from local disk), runtime +
+#                                    CLI (kvactors demo/doctor/bench)
+#   bash scripts/setup.sh --test     all of the test job's venvs (the two parts below, in turn):
+#     --test main                    .venv: plus test tools and lmcache 0.5.6
+#     --test others                  .venv-lmcache057: torch 2.13.0, test tools, lmcache 0.5.7rc2
+#                                    (the adapter tests against the second LMCache version);
+#                                    .venv-torch24 / .venv-torch25: torch 2.4.1 / 2.5.1 (PyPI's
+#                                    builds, about 5 GB each with their CUDA libraries), test
+#                                    tools, matplotlib, no lmcache (the torch version matrix);
+#                                    .venv-vllm (scripts/setup-engine.sh, where it exists)
+#   bash scripts/setup.sh --matrix   prints the matrix ("SUFFIX TORCH_VERSION" per line)
+# scripts/test.sh runs "main" first and "others" in the background while the lint and the
+# first suite run. Each step is idempotent: a second run reuses what is there.
 set -euo pipefail
 cd "$(dirname "${BASH_SOURCE[0]}")/.."
 PY_BOOT="${PYTHON_BOOT:-python3}"
+# The torch version matrix: venv suffix and torch version. The oldest one is the floor
+# pyproject.toml declares and kvactors.doctor.TORCH_TESTED names (tests/test_torch_range.py
+# checks they agree).
+TORCH_MATRIX=("torch24 2.4.1" "torch25 2.5.1")
 
-make_venv() {  # make_venv DIR EXTRAS
-    local dir="$1" extras="$2"
+make_venv() {  # make_venv DIR EXTRAS [TORCH_VERSION]
+    local dir="$1" extras="$2" torch_version="${3:-2.13.0}"
     if [ ! -x "$dir/bin/python" ]; then
         "$PY_BOOT" -m venv "$dir"
     fi
     "$dir/bin/python" -m pip install -q --upgrade pip
-    # Pin torch first: any unpinned resolution would download a multi-GB CUDA build.
-    "$dir/bin/python" -m pip install -q "torch==2.13.0"
-    "$dir/bin/python" -m pip install -q -c <(echo "torch==2.13.0") -e ".[$extras]"
-    # The compiled hot path (optional: without a C++ compiler the Python twins run).
-    "$dir/bin/kvactors" hotpath --build >/dev/null 2>"$dir/hotpath-build.log" ||
-        echo "hot path not built (see $dir/hotpath-build.log); the Python twins run" >&2
-    "$dir/bin/kvactors" hotpath
+    # Pin torch first: any unpinned resolution would download another multi-GB build.
+    "$dir/bin/python" -m pip install -q "torch==$torch_version"
+    "$dir/bin/python" -m pip install -q -c <(echo "torch==$torch_version") -e ".[$extras]"
 }
 
-if [ "${1:-}" = "--test" ]; then
-    make_venv .venv test,bench,metrics,hotpath
-    PYTHON=.venv/bin/python LMCACHE_VERSION=0.5.6 bash scripts/install-lmcache.sh >/dev/null
-    make_venv .venv-lmcache057 test,hotpath
-    PYTHON=.venv-lmcache057/bin/python LMCACHE_VERSION=0.5.7rc2 \
+timed() {  # timed LABEL COMMAND...: runs it, then prints how long it took
+    local start=$SECONDS
+    "${@:2}"
+    echo "setup: $1 in $((SECONDS - start)) s"
+}
+
+setup_main() {
+    timed ".venv (torch 2.13.0)" make_venv .venv test,bench,metrics
+    timed ".venv: lmcache 0.5.6" env PYTHON=.venv/bin/python LMCACHE_VERSION=0.5.6 \
         bash scripts/install-lmcache.sh >/dev/null
-else
-    make_venv .venv bench,hotpath
-fi
+}
+
+setup_others() {
+    timed ".venv-lmcache057 (torch 2.13.0)" make_venv .venv-lmcache057 test
+    timed ".venv-lmcache057: lmcache 0.5.7rc2" env PYTHON=.venv-lmcache057/bin/python \
+        LMCACHE_VERSION=0.5.7rc2 bash scripts/install-lmcache.sh >/dev/null
+    local entry suffix version
+    for entry in "${TORCH_MATRIX[@]}"; do
+        read -r suffix version <<<"$entry"
+        timed ".venv-$suffix (torch $version)" make_venv ".venv-$suffix" test,bench "$version"
+    done
+    if [ -f scripts/setup-engine.sh ]; then
+        timed ".venv-vllm (scripts/setup-engine.sh)" bash scripts/setup-engine.sh
+    fi
+}
+
+case "${1:-} ${2:-}" in
+    "--test main") setup_main ;;
+    "--test others") setup_others ;;
+    "--test ") setup_main; setup_others ;;
+    "--matrix ") printf '%s\n' "${TORCH_MATRIX[@]}" ;;  # for scripts/test.sh
+    " ") make_venv .venv bench ;;
+    *) echo "usage: bash scripts/setup.sh [--test [main|others]]" >&2; exit 2 ;;
+esac
