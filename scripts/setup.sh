@@ -9,7 +9,7 @@
 #                                    (the adapter tests against the second LMCache version);
 #                                    .venv-torch24 / .venv-torch25: torch 2.4.1 / 2.5.1 (PyPI's
 #                                    builds, about 5 GB each with their CUDA libraries), test
-#                                    tools, matplotlib, no lmcache (the torch version matrix);
+#                                    tools, bench and metrics extras, no lmcache (the matrix);
 #                                    .venv-vllm (scripts/setup-engine.sh, where it exists)
 #   bash scripts/setup.sh --matrix   prints the matrix ("SUFFIX TORCH_VERSION" per line)
 # scripts/test.sh runs "main" first and "others" in the background while the lint and the
@@ -52,7 +52,7 @@ setup_others() {
     local entry suffix version
     for entry in "${TORCH_MATRIX[@]}"; do
         read -r suffix version <<<"$entry"
-        timed ".venv-$suffix (torch $version)" make_venv ".venv-$suffix" test,bench "$version"
+        timed ".venv-$suffix (torch $version)" make_venv ".venv-$suffix" test,bench,metrics "$version"
     done
     if [ -f scripts/setup-engine.sh ]; then
         timed ".venv-vllm (scripts/setup-engine.sh)" bash scripts/setup-engine.sh
