@@ -33,6 +33,10 @@ make_venv() {  # make_venv DIR EXTRAS [TORCH_VERSION]
     "$dir/bin/python" -m pip install -q -c <(echo "torch==$torch_version") -e ".[$extras]"
 }
 
+install_lmcache() {  # install_lmcache PYTHON VERSION
+    PYTHON="$1" LMCACHE_VERSION="$2" bash scripts/install-lmcache.sh >/dev/null
+}
+
 timed() {  # timed LABEL COMMAND...: runs it, then prints how long it took
     local start=$SECONDS
     "${@:2}"
@@ -41,14 +45,12 @@ timed() {  # timed LABEL COMMAND...: runs it, then prints how long it took
 
 setup_main() {
     timed ".venv (torch 2.13.0)" make_venv .venv test,bench,metrics
-    timed ".venv: lmcache 0.5.6" env PYTHON=.venv/bin/python LMCACHE_VERSION=0.5.6 \
-        bash scripts/install-lmcache.sh >/dev/null
+    timed ".venv: lmcache 0.5.6" install_lmcache .venv/bin/python 0.5.6
 }
 
 setup_others() {
     timed ".venv-lmcache057 (torch 2.13.0)" make_venv .venv-lmcache057 test
-    timed ".venv-lmcache057: lmcache 0.5.7rc2" env PYTHON=.venv-lmcache057/bin/python \
-        LMCACHE_VERSION=0.5.7rc2 bash scripts/install-lmcache.sh >/dev/null
+    timed ".venv-lmcache057: lmcache 0.5.7rc2" install_lmcache .venv-lmcache057/bin/python 0.5.7rc2
     local entry suffix version
     for entry in "${TORCH_MATRIX[@]}"; do
         read -r suffix version <<<"$entry"
