@@ -13,7 +13,8 @@
 #                                    .venv-vllm (scripts/setup-engine.sh, where it exists)
 #   bash scripts/setup.sh --matrix   prints the matrix ("SUFFIX TORCH_VERSION" per line)
 # scripts/test.sh runs "main" first and "others" in the background while the lint and the
-# first suite run. Each step is idempotent: a second run reuses what is there.
+# first suite run; "others" builds the matrix venvs and the LMCache 0.5.7rc2 + vLLM venvs at
+# the same time. Each step is idempotent: a second run reuses what is there.
 set -euo pipefail
 cd "$(dirname "${BASH_SOURCE[0]}")/.."
 PY_BOOT="${PYTHON_BOOT:-python3}"
@@ -48,17 +49,33 @@ setup_main() {
     timed ".venv: lmcache 0.5.6" install_lmcache .venv/bin/python 0.5.6
 }
 
-setup_others() {
+setup_lmcache057_and_engine() {
     timed ".venv-lmcache057 (torch 2.13.0)" make_venv .venv-lmcache057 test
     timed ".venv-lmcache057: lmcache 0.5.7rc2" install_lmcache .venv-lmcache057/bin/python 0.5.7rc2
+    if [ -f scripts/setup-engine.sh ]; then
+        timed ".venv-vllm (scripts/setup-engine.sh)" bash scripts/setup-engine.sh
+    fi
+}
+
+setup_matrix() {
     local entry suffix version
     for entry in "${TORCH_MATRIX[@]}"; do
         read -r suffix version <<<"$entry"
         timed ".venv-$suffix (torch $version)" make_venv ".venv-$suffix" test,bench,metrics "$version"
     done
-    if [ -f scripts/setup-engine.sh ]; then
-        timed ".venv-vllm (scripts/setup-engine.sh)" bash scripts/setup-engine.sh
-    fi
+}
+
+setup_others() {  # two chains at once: both are mostly downloads and unpacking
+    # Each chain runs as a background job, so `set -e` stops it at its first failure (in an
+    # `||` list it would not); the exit statuses come back through wait.
+    local matrix_pid engine_pid rc=0
+    setup_matrix &
+    matrix_pid=$!
+    setup_lmcache057_and_engine &
+    engine_pid=$!
+    wait "$matrix_pid" || rc=$?
+    wait "$engine_pid" || rc=$?
+    return "$rc"
 }
 
 case "${1:-} ${2:-}" in
