@@ -61,9 +61,6 @@ echo "torch==${TORCH_VERSION}" >"$CONSTRAINTS"
 "$VENV/bin/python" -m pip uninstall -q -y torchvision torchaudio torchcodec 2>/dev/null || true
 PYTHON="$VENV/bin/python" LMCACHE_VERSION="$LMCACHE_VERSION" \
     bash scripts/install-lmcache.sh >/dev/null
-"$VENV/bin/python" -m pip install -q -c "$CONSTRAINTS" -e ".[test,bench,hotpath]"
-# The compiled hot path, as scripts/setup.sh builds it (optional: the Python twins run without).
-"$VENV/bin/kvactors" hotpath --build >/dev/null 2>"$VENV/hotpath-build.log" ||
-    echo "hot path not built (see $VENV/hotpath-build.log); the Python twins run" >&2
+"$VENV/bin/python" -m pip install -q -c "$CONSTRAINTS" -e ".[test,bench]"
 check_imports
 echo "$STAMP_INPUTS" >"$STAMP"

@@ -3,6 +3,8 @@
 #
 #   bash scripts/test-fakes.sh [pytest args...]      (PYTHON=... to pick another venv)
 #   bash scripts/test-fakes.sh --list                 (the suites, for scripts/test.sh)
+#   bash scripts/test-fakes.sh --list-core            (those that need no lmcache: the torch
+#                                                      version matrix runs them)
 #
 # torch can name one private device per process (rename_privateuse1_backend), so the fakes
 # give real torch.device("mlu:0") / ("musa:0") objects to one vendor per process: the first
@@ -11,12 +13,12 @@
 # the other skip with a reason); scripts/test.sh runs these suites under each vendor in turn.
 set -euo pipefail
 cd "$(dirname "${BASH_SOURCE[0]}")/.."
-SUITES=(tests/testing tests/devices tests/test_runtime.py tests/scenarios
-        tests/adapters/test_differential_vendor.py tests/adapters/test_lmcache_ops.py)
-if [ "${1:-}" = "--list" ]; then
-    echo "${SUITES[@]}"
-    exit 0
-fi
+CORE=(tests/testing tests/devices tests/test_runtime.py tests/scenarios)
+SUITES=("${CORE[@]}" tests/adapters/test_differential_vendor.py tests/adapters/test_lmcache_ops.py)
+case "${1:-}" in
+    --list) echo "${SUITES[@]}"; exit 0 ;;
+    --list-core) echo "${CORE[@]}"; exit 0 ;;
+esac
 PY="${PYTHON:-.venv/bin/python}"
 export LMCACHE_TRACK_USAGE=false PYTHONHASHSEED=0
 rc=0

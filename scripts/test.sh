@@ -1,63 +1,142 @@
 #!/usr/bin/env bash
 # The whole test job: set up the venvs, lint (ruff check + format check), import contracts
-# (import-linter), type-check (mypy), dead code (vulture), pytest.
-# Exits non-zero on any failure, including "no tests collected".
+# (import-linter), type-check (mypy, also for Python 3.10), dead code (vulture), pytest, the
+# torch version matrix and the vLLM engine test. Prints each phase's time and a summary.
+# Exits non-zero on any failure, including "no tests collected". No C++ compiler is needed.
 #
-# Two LMCache versions: the whole suite runs in .venv (lmcache 0.5.6); then the adapter tests
-# (tests/adapters: unit, selection, gather/scatter, end to end against a real LMCache MP
-# server, the differential tests) and the doctor tests run again in .venv-lmcache057
-# (lmcache 0.5.7rc2). KVACTORS_EXPECT_LMCACHE makes each run check it has the version it
-# is meant to test. KVACTORS_LMCACHE057=0 skips the second version (local iteration only).
+# Phases, cheapest and likeliest to fail first:
+#   1. .venv (torch 2.13.0, lmcache 0.5.6); then the other venvs are built in the background
+#      (scripts/setup.sh --test others: network and disk bound) while 2-4 run
+#   2. ruff, ruff format --check, lint-imports, mypy (3.11 and 3.10), vulture
+#   3. the whole suite in .venv (lmcache 0.5.6)
+#   4. the fake-vendor suites once per fake vendor (scripts/test-fakes.sh): torch names one
+#      private device per process, so each vendor's code runs as written in its own process
+#   5. LMCache 0.5.7rc2 (.venv-lmcache057): the adapter and doctor tests, and the MLU
+#      differential test (LMCache's own MluDeviceOps exist from 0.5.7 on)
+#   6. the torch version matrix (.venv-torch24, .venv-torch25; scripts/setup.sh --matrix): on
+#      each, the suite without tests/adapters, tests/engine and the tests marked lmcache (no
+#      lmcache there), the fake-vendor suites for both
+#      vendors, `kvactors selftest --device mlu|musa --fake` and `kvactors demo`. The LMCache
+#      adapter tests stay on torch 2.13: LMCache's native extension is built per torch
+#   7. the vLLM engine test (tests/engine in .venv-vllm), where the tree has one
 #
-# One fake vendor per process: torch names one private device per process, so the suites
-# that run vendor code as written run once per vendor (scripts/test-fakes.sh), and the MLU
-# differential test (LMCache's own MluDeviceOps exist from 0.5.7 on) runs under 0.5.7rc2.
+# KVACTORS_EXPECT_LMCACHE makes each adapter run check it has the LMCache version it is meant
+# to test. Local iteration only: KVACTORS_LMCACHE057=0 skips phase 5, KVACTORS_MATRIX=0 phase 6,
+# KVACTORS_ENGINE=0 phase 7 (and the venvs they need are still built).
 set -euo pipefail
 cd "$(dirname "${BASH_SOURCE[0]}")/.."
-bash scripts/setup.sh --test
+export LMCACHE_TRACK_USAGE=false PYTHONHASHSEED=0
 PY=.venv/bin/python
 PY057=.venv-lmcache057/bin/python
-export LMCACHE_TRACK_USAGE=false PYTHONHASHSEED=0
-echo "== ruff"
-"$PY" -m ruff check .
-echo "== ruff format --check (reported now, fails the job at the end)"
-fmt=0
-"$PY" -m ruff format --check . || fmt=1
-echo "== import contracts (the floors of docs/architecture.md)"
-.venv/bin/lint-imports
-echo "== mypy (strict: kvactors/, adapters/; tests/ non-strict)"
-"$PY" -m mypy
-echo "== vulture (dead code: names only tests reach; reasons in vulture_whitelist.py)"
-"$PY" -m vulture kvactors adapters examples scripts vulture_whitelist.py --min-confidence 60
+START=$SECONDS
+SUMMARY=()
+SETUP_PID=""
+SETUP_LOG="$(mktemp)"
 
-run_pytest() {  # run_pytest LABEL PYTHON LMCACHE_VERSION [ENV=VALUE] ARGS...
-    local label="$1" py="$2" version="$3" rc
-    shift 3
-    echo "== pytest ($label: lmcache $version)"
-    set +e
-    KVACTORS_EXPECT_LMCACHE="$version" "$py" -m pytest "$@"
-    rc=$?
-    set -e
+summary() {
+    if [ -n "$SETUP_PID" ]; then  # an early exit: stop the background set-up we started
+        kill -- "-$SETUP_PID" 2>/dev/null || true
+    fi
+    rm -f "$SETUP_LOG"
+    echo "== phases (seconds, status):"
+    printf '  %s\n' "${SUMMARY[@]}"
+    echo "== total $((SECONDS - START)) s"
+}
+trap summary EXIT
+
+step() {  # step NAME COMMAND...: runs it, records its time and status, returns its status
+    local name="$1" begin=$SECONDS rc=0
+    shift
+    echo "== [+$((SECONDS - START)) s] $name"
+    "$@" || rc=$?
+    SUMMARY+=("$(printf '%5d  %-4s  %s' $((SECONDS - begin)) \
+        "$([ "$rc" -eq 0 ] && echo ok || echo FAIL)" "$name")")
+    return "$rc"
+}
+
+run_pytest() {  # run_pytest PYTHON ARGS...: pytest, and "no tests collected" fails
+    local py="$1" rc=0
+    shift
+    "$py" -m pytest "$@" || rc=$?
     if [ "$rc" -eq 5 ]; then
-        echo "pytest ($label) collected no tests: failing" >&2
+        echo "pytest collected no tests: failing" >&2
         return 1
     fi
     return "$rc"
 }
 
+expect_torch() {  # expect_torch PYTHON VERSION: the venv has the torch it is meant to test
+    "$1" -c 'import sys, torch
+v = torch.__version__.split("+")[0]
+sys.exit(0 if v == sys.argv[1] else f"torch {v} installed, the matrix expects {sys.argv[1]}")' "$2"
+}
+
+step "setup: .venv (scripts/setup.sh --test main)" bash scripts/setup.sh --test main
+echo "== [+$((SECONDS - START)) s] setup of the other venvs starts in the background"
+set -m  # its own process group, so an early exit can stop all of it
+bash scripts/setup.sh --test others >"$SETUP_LOG" 2>&1 &
+SETUP_PID=$!
+set +m
+
+step "ruff check" "$PY" -m ruff check .
+fmt=0
+step "ruff format --check (fails the job at the end)" "$PY" -m ruff format --check . || fmt=1
+step "import contracts (lint-imports)" .venv/bin/lint-imports
+step "mypy (strict: kvactors/, adapters/; tests/ non-strict)" "$PY" -m mypy
+step "mypy --python-version 3.10 (kvactors/, adapters/)" "$PY" -m mypy --python-version 3.10 \
+    kvactors adapters/kvactors_lmcache
+step "vulture (dead code; reasons in vulture_whitelist.py)" "$PY" -m vulture kvactors adapters \
+    examples scripts vulture_whitelist.py --min-confidence 60
+
 rc=0
-run_pytest "whole suite" "$PY" 0.5.6 "$@" || rc=$?
+KVACTORS_EXPECT_LMCACHE=0.5.6 step "pytest: whole suite (torch 2.13, lmcache 0.5.6)" \
+    run_pytest "$PY" --ignore=tests/engine "$@" || rc=$?
 for vendor in mlu musa; do
-    KVACTORS_FAKE_VENDOR="$vendor" run_pytest "fake $vendor owns the device name" "$PY" 0.5.6 \
-        -q -p no:cacheprovider $(bash scripts/test-fakes.sh --list) || rc=$?
+    KVACTORS_FAKE_VENDOR="$vendor" step "pytest: fake $vendor suites (torch 2.13)" \
+        run_pytest "$PY" -q -p no:cacheprovider $(bash scripts/test-fakes.sh --list) || rc=$?
 done
+
+setup_rc=0
+step "setup: the other venvs (background, waited for)" wait "$SETUP_PID" || setup_rc=$?
+SETUP_PID=""
+cat "$SETUP_LOG"
+if [ "$setup_rc" -ne 0 ]; then
+    echo "scripts/setup.sh --test others failed (exit $setup_rc): see above" >&2
+    exit 1
+fi
+
 if [ "${KVACTORS_LMCACHE057:-1}" != "0" ]; then
-    run_pytest "adapter + doctor tests" "$PY057" 0.5.7rc2 \
-        -p no:cacheprovider tests/adapters tests/cli/test_doctor.py || rc=$?
-    KVACTORS_FAKE_VENDOR=mlu run_pytest "fake mlu owns the device name" "$PY057" 0.5.7rc2 \
-        -q -p no:cacheprovider tests/adapters/test_differential_vendor.py \
+    KVACTORS_EXPECT_LMCACHE=0.5.7rc2 step "pytest: adapter + doctor tests (lmcache 0.5.7rc2)" \
+        run_pytest "$PY057" -p no:cacheprovider tests/adapters tests/cli/test_doctor.py || rc=$?
+    KVACTORS_EXPECT_LMCACHE=0.5.7rc2 KVACTORS_FAKE_VENDOR=mlu \
+        step "pytest: fake mlu differential (lmcache 0.5.7rc2)" \
+        run_pytest "$PY057" -q -p no:cacheprovider tests/adapters/test_differential_vendor.py \
         tests/adapters/test_lmcache_ops.py || rc=$?
 fi
+
+if [ "${KVACTORS_MATRIX:-1}" != "0" ]; then
+    while read -r suffix version; do
+        venv=".venv-$suffix"
+        step "torch $version: $venv has it" expect_torch "$venv/bin/python" "$version" || rc=$?
+        step "torch $version: pytest without tests/adapters" run_pytest "$venv/bin/python" \
+            -q -p no:cacheprovider --ignore=tests/adapters --ignore=tests/engine \
+            -m "not lmcache" || rc=$?
+        for vendor in mlu musa; do
+            KVACTORS_FAKE_VENDOR="$vendor" step "torch $version: pytest fake $vendor suites" \
+                run_pytest "$venv/bin/python" -q -p no:cacheprovider \
+                $(bash scripts/test-fakes.sh --list-core) || rc=$?
+            step "torch $version: kvactors selftest --device $vendor --fake" \
+                "$venv/bin/kvactors" selftest --device "$vendor" --fake || rc=$?
+        done
+        step "torch $version: kvactors demo" "$venv/bin/kvactors" demo || rc=$?
+    done < <(bash scripts/setup.sh --matrix)
+fi
+
+if [ "${KVACTORS_ENGINE:-1}" != "0" ] && [ -d tests/engine ]; then
+    step "pytest: vLLM engine test (.venv-vllm)" \
+        run_pytest .venv-vllm/bin/python -p no:cacheprovider tests/engine || rc=$?
+fi
+
 if [ "$rc" -eq 0 ] && [ "$fmt" -ne 0 ]; then
     echo "ruff format --check found files to reformat: run 'ruff format .'" >&2
     exit 1

@@ -26,6 +26,7 @@ from typing import TYPE_CHECKING, Literal
 
 import msgspec
 
+from kvactors.cli.torch_range import placement_line, torch_placement, torch_range_advice
 from kvactors.devices import BACKEND_KINDS, Probe, probe_all
 from kvactors.plugins import PLUGIN_CPU
 
@@ -128,6 +129,11 @@ class DoctorReport(msgspec.Struct, frozen=True, kw_only=True):
     kvactors: str
     packages: dict[str, str | None]
     torch_threads: int
+    torch: str
+    """The running torch's ``__version__``."""
+    torch_tested: str
+    """The running torch against the tested range (``kvactors.cli.torch_range``): ``inside``,
+    ``older``, ``newer`` or ``unknown``."""
     backends: list[Probe]
     plugins: dict[str, str]
     adapter_importable: bool
@@ -277,6 +283,8 @@ def collect(env: dict[str, str] | None = None, *, fake: str | None = None) -> Do
         kvactors=_version(("kvactors",)) or "not installed (source tree)",
         packages=packages,
         torch_threads=torch.get_num_threads(),
+        torch=str(torch.__version__),  # a TorchVersion, which JSON cannot encode
+        torch_tested=torch_placement(torch.__version__),
         backends=list(probes.values()),
         plugins=plugins,
         adapter_importable=adapter,
@@ -312,7 +320,10 @@ def _pick_lines(r: DoctorReport) -> list[str]:
 
 
 def _findings(r: DoctorReport, env: dict[str, str]) -> list[Finding]:
-    out: list[Finding] = []
+    level, message, fix = torch_range_advice(
+        r.torch, {k: r.packages.get(k) for k in ("torch_mlu", "torch_musa")}
+    )
+    out = [Finding(level=level, topic="torch", message=message, fix=fix)]
     for p in r.backends:
         if p.available:
             out.append(Finding(level="ok", topic=f"backend {p.backend}", message="available"))
@@ -460,6 +471,7 @@ def format_doctor(r: DoctorReport) -> str:
         f"kvactors {r.kvactors}  python {r.python}  {r.platform}"
         + (f"  [fake {r.fake} vendor module]" if r.fake else ""),
         "packages: " + ", ".join(f"{k} {v or 'not installed'}" for k, v in r.packages.items()),
+        placement_line(r.torch, r.torch_tested),
         f"torch intra-op threads: {r.torch_threads}",
         "backends:",
     ]

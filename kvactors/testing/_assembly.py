@@ -10,6 +10,16 @@ tensor factories (``torch.empty(..., device=dev)``),
 ``Tensor.pin_memory``/``Tensor.is_pinned`` (torch_musa patches these too) and, for MLU,
 ``UntypedStorage._share_mlu_``/``_new_shared_mlu``.
 Every patch is undone on exit, in reverse order, so fakes can nest (one of each kind).
+
+Pinned host memory. Once the private device is named, torch 2.5 and later answer
+``Tensor.is_pinned`` for host tensors by asking the private backend's hooks, which real vendors
+register in C++ (``RegisterPrivateUse1HooksInterface``); torch 2.4.1 and 2.5.1 offer no Python
+way to register them (torch 2.13 has ``torch._C._acc``), and without them torch 2.5 raises.
+The fakes are that backend: each installed fake answers for the memory it pinned, and at the
+end of the chain, with the name taken, the answer is False (no live fake pinned it), which is
+torch 2.13's own answer with a fake installed. Tensor factories with ``pin_memory=True``
+and ``Tensor.pin_memory`` never reach torch's pinned allocator (the fakes pin in their own
+registry), so no other torch entry point needs those hooks.
 """
 
 from __future__ import annotations
@@ -27,6 +37,7 @@ from kvactors.testing._device import (
     FakeDeviceError,
     claim_device_name,
     parse_fake_device,
+    private_backend_named,
 )
 from kvactors.testing._memory import FakeMusart
 from kvactors.testing._tensor import FakeDeviceTensor, move_to, parse_to, plain, wrap
@@ -40,6 +51,7 @@ if TYPE_CHECKING:
 __all__ = ("Installation",)
 
 _MISSING = object()
+_TORCH_IS_PINNED = torch.Tensor.is_pinned
 _FACTORIES = (
     "empty",
     "zeros",
@@ -320,6 +332,12 @@ class Installation:
         def is_pinned(self_: torch.Tensor, device: object = None) -> bool:
             if isinstance(self_, FakeDeviceTensor):
                 return False
-            return v.memory.is_pinned(self_) or bool(orig(self_))
+            if v.memory.is_pinned(self_):
+                return True
+            if orig is _TORCH_IS_PINNED and private_backend_named():
+                # The end of the chain (each installed fake asked its own memory): torch would
+                # ask the named private backend's hooks, see the module notes.
+                return False
+            return bool(orig(self_))
 
         return is_pinned

@@ -28,6 +28,7 @@ __all__ = (
     "FakeDeviceError",
     "claim_device_name",
     "parse_fake_device",
+    "private_backend_named",
     "process_vendor",
 )
 
@@ -111,6 +112,11 @@ def process_vendor() -> str | None:
         return str(name)
     pinned = os.environ.get(ENV_VENDOR, "").strip().lower()
     return pinned or None
+
+
+def private_backend_named() -> bool:
+    """Whether torch's private backend has a name in this process (any kind: irreversible)."""
+    return bool(torch._C._get_privateuse1_backend_name() != _UNNAMED)
 
 
 def claim_device_name(kind: str) -> bool:
