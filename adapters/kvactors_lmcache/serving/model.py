@@ -7,6 +7,8 @@ from typing import TYPE_CHECKING
 
 import torch
 
+from kvactors.errors import InvalidSettingError
+
 if TYPE_CHECKING:
     from pathlib import Path
 
@@ -180,7 +182,7 @@ def make_model(kind: str, directory: Path, *, seed: int = 0) -> Path:
         return make_tiny_mla(directory, seed=seed)
     if kind == "llama":
         return make_tiny_llama(directory, seed=seed)
-    raise ValueError(f"unknown model kind {kind!r} (llama or mla)")
+    raise InvalidSettingError(f"unknown model kind {kind!r} (llama or mla)", setting="model")
 
 
 def kv_bytes_per_token(kind: str) -> int:

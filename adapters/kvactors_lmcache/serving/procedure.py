@@ -27,6 +27,8 @@ from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any
 
+from kvactors.errors import BackendUnavailableError
+from kvactors.plugins import PLUGIN_CPU
 from kvactors_lmcache.serving.model import TINY_LLAMA, kv_bytes_per_token, make_model
 from kvactors_lmcache.serving.server import LMCacheServer
 from kvactors_lmcache.serving.workload import BLOCK, CHUNK, Workload, make_workload
@@ -82,7 +84,7 @@ def engine_env(backend: str | None) -> dict[str, str]:
     if backend is not None:
         env["LMCACHE_MP_TRANSFER_MODE"] = "engine_driven"
     if backend == "kvactors":
-        env.update(LMCACHE_DEVICE_BACKEND="kvactors_cpu", KVACTORS_LMCACHE_CPU="1")
+        env.update(LMCACHE_DEVICE_BACKEND=PLUGIN_CPU, KVACTORS_LMCACHE_CPU="1")
     return env
 
 
@@ -131,7 +133,9 @@ def _run_engine(opts: Options, spec: dict[str, Any], env: dict[str, str]) -> dic
     _say(opts, f"engine {spec['name']}: exit {proc.returncode} in {time.monotonic() - t0:.0f} s")
     if proc.returncode != 0 or not out_path.exists():
         tail = log_path.read_text(errors="replace")[-4000:]
-        raise RuntimeError(f"engine {spec['name']} exited {proc.returncode}:\n{tail}")
+        raise BackendUnavailableError(
+            backend=f"engine {spec['name']}", reason=f"exited {proc.returncode}:\n{tail}"
+        )
     result: dict[str, Any] = json.loads(out_path.read_text())
     return result
 

@@ -12,6 +12,8 @@ import tempfile
 import time
 from pathlib import Path
 
+from kvactors.errors import BackendUnavailableError
+
 __all__ = ("LMCacheServer", "free_port", "server_command")
 
 
@@ -55,14 +57,19 @@ class LMCacheServer:
         deadline = time.monotonic() + timeout
         while time.monotonic() < deadline:
             if self.proc.poll() is not None:
-                raise RuntimeError(f"LMCache server exited {self.proc.returncode}:\n{self.log()}")
+                raise BackendUnavailableError(
+                    backend="lmcache server",
+                    reason=f"exited {self.proc.returncode}:\n{self.log()}",
+                )
             with (
                 contextlib.suppress(OSError),
                 socket.create_connection(("127.0.0.1", self.port), timeout=0.5),
             ):
                 return
             time.sleep(0.2)  # bounded readiness poll of another process
-        raise RuntimeError(f"LMCache server not ready in {timeout:.0f} s:\n{self.log()}")
+        raise BackendUnavailableError(
+            backend="lmcache server", reason=f"not ready in {timeout:.0f} s:\n{self.log()}"
+        )
 
     def log(self) -> str:
         """The last 6000 characters of the server's log."""

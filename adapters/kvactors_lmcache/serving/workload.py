@@ -13,6 +13,8 @@ from __future__ import annotations
 import random
 from dataclasses import dataclass
 
+from kvactors.errors import InvalidSettingError
+
 __all__ = ("CHUNK", "BLOCK", "Prompt", "Workload", "make_workload")
 
 CHUNK = 64
@@ -47,11 +49,12 @@ def make_workload(*, seed: int = 0, vocab: int = 1024, max_tokens: int = 24) -> 
     """The store and warm prompts for ``seed`` (deterministic).
 
     Raises:
-        ValueError: ``max_tokens`` would let a prompt's generated tokens complete a chunk.
+        InvalidSettingError: ``max_tokens`` would let a prompt's generated tokens complete a chunk.
     """
     if not 1 <= max_tokens <= 30:
-        raise ValueError(
-            f"max_tokens must be 1..30 (the prompts leave 30 tokens), got {max_tokens}"
+        raise InvalidSettingError(
+            f"max_tokens must be 1..30 (the prompts leave 30 tokens), got {max_tokens}",
+            setting="max_tokens",
         )
     rng = random.Random(seed)
 
