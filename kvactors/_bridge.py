@@ -13,26 +13,37 @@ from __future__ import annotations
 import concurrent.futures
 import contextlib
 import threading
-from typing import Any
+import time
+from typing import TYPE_CHECKING, Any
 
 from kvactors.errors import ActorClosedError, DeadlineExceededError
+
+if TYPE_CHECKING:
+    from collections.abc import Callable
 
 __all__ = ("FutureSlot", "ReplyLock", "settle_slot")
 
 
 class ReplyLock:
-    """A one-shot reply slot a foreign thread can sleep on (a pre-acquired lock).
+    """A one-shot reply slot a foreign thread can sleep on (a pre-acquired lock), and that
+    thread's :class:`~kvactors.actors.actor.Waiter`.
 
     It has the shape of a future (``done``/``set_result``/``set_exception``); the first settle
-    wins, from any thread.
+    wins, from any thread. While the caller sleeps in :meth:`wait`, an actor may hand it a turn
+    (:meth:`hand`): the caller wakes, runs the turn on its own thread, and sleeps again. A
+    caller that leaves (a result, or its deadline) refuses later hand-offs, atomically with its
+    check for one: a turn handed to it is always run.
     """
 
-    __slots__ = ("_done", "_exc", "_lock", "_value")
+    __slots__ = ("_done", "_exc", "_gone", "_lock", "_mutex", "_turn", "_value")
 
     def __init__(self) -> None:
         self._lock = threading.Lock()
         self._lock.acquire()
+        self._mutex = threading.Lock()  # the settle, and the hand-off against the caller leaving
         self._done = False
+        self._gone = False
+        self._turn: Callable[[], None] | None = None
         self._value: Any = None
         self._exc: BaseException | None = None
 
@@ -40,21 +51,56 @@ class ReplyLock:
         return self._done
 
     def set_result(self, value: Any) -> None:
-        if not self._done:
-            self._done = True
-            self._value = value
-            with contextlib.suppress(RuntimeError):  # a racing settle released it first
-                self._lock.release()
+        self._settle(value, None)
 
     def set_exception(self, exc: BaseException) -> None:
-        if not self._done:
+        self._settle(None, exc)
+
+    def _settle(self, value: Any, exc: BaseException | None) -> None:
+        with self._mutex:
+            if self._done:
+                return
+            self._value, self._exc = value, exc
             self._done = True
-            self._exc = exc
-            with contextlib.suppress(RuntimeError):  # a racing settle released it first
-                self._lock.release()
+        with contextlib.suppress(RuntimeError):  # a hand-off released it already
+            self._lock.release()
+
+    def hand(self, turn: Callable[[], None]) -> bool:
+        """Give the sleeping caller ``turn`` to run; ``False`` if it left already."""
+        with self._mutex:
+            if self._gone:
+                return False
+            self._turn = turn
+        with contextlib.suppress(RuntimeError):  # a settle released it already
+            self._lock.release()
+        return True
+
+    def _take(self, leave: bool) -> Callable[[], None] | None:
+        # The turn handed over, if any; with ``leave``, refuse every later one if none was.
+        with self._mutex:
+            turn, self._turn = self._turn, None
+            if leave and turn is None:
+                self._gone = True
+            return turn
 
     def wait(self, timeout: float, what: str) -> Any:
-        if not self._lock.acquire(timeout=timeout):
+        """Sleep until the reply is settled (running the turns handed over meanwhile); raise
+        it, or :class:`~kvactors.errors.DeadlineExceededError` past ``timeout`` seconds."""
+        end: float | None = None
+        while True:
+            if self._done or (end is not None and time.monotonic() >= end):
+                turn = self._take(leave=True)
+                if turn is None:
+                    break
+            else:
+                turn = self._take(leave=False)
+                if turn is None:
+                    if end is None:
+                        end = time.monotonic() + timeout
+                    self._lock.acquire(timeout=max(0.0, end - time.monotonic()))
+                    continue
+            turn()
+        if not self._done:
             raise DeadlineExceededError(actor="runtime", message_type=what, timeout=timeout)
         if self._exc is not None:
             raise self._exc

@@ -250,7 +250,7 @@ class Runtime:
         try:
             if call is not None:
                 observers.started(call)  # admission: in mailbox order
-            pick(actors).ask_into(reply, msg, operands)
+            pick(actors).ask_into(reply, msg, operands, waiter=reply)
         except BaseException as exc:
             reply.set_exception(exc)
         try:

@@ -7,12 +7,20 @@ reply over (returns :data:`DEFERRED`) and settles it later, from any thread.
 
 Who runs a turn. A sender that finds the actor idle (no turn running, nothing queued) runs the
 turn itself, on its own thread, when it is the actor's loop thread or when the actor takes
-turns on any thread (``turns_anywhere``); otherwise the envelope waits in the FIFO and the
-actor's task on the loop runs it, in order. Either way FIFO holds: a turn is claimed under the
-actor's lock, and a message that arrives during a turn queues behind it. This is the whole
-"fast path": an idle actor is cheap to reach, with the same code, events and statistics as a
-busy one. Reply slots must accept a settle from any thread (:class:`~kvactors._bridge.ReplyLock`,
-the loop-bound slot :meth:`Actor.ask_nowait` makes).
+turns on any thread (``turns_anywhere``); otherwise the envelope waits in the FIFO. A turn
+claimed by a thread that is inside a turn already runs right after that turn, on the same
+thread (the outer turn is released first; the claimed one holds its place in FIFO order).
+
+When a turn ends (on any thread, or in the actor's task on the loop) the turn passes to the
+FIFO head: if that envelope's sender is a :class:`Waiter` (a thread that sleeps until its reply
+anyway) of an actor that takes turns anywhere, the turn is *handed* to that thread, which
+wakes, runs it and goes back to waiting; otherwise the actor's task on the loop runs it. A
+waiter that left (its deadline passed) refuses the hand-off, and the task runs its envelope.
+Either way FIFO holds: a turn is claimed under the actor's lock, and a message that arrives
+during a turn queues behind it. An idle actor is cheap to reach and a busy one costs no trip
+through the loop, with the same code, events and statistics in every case. Reply slots must
+accept a settle from any thread (:class:`~kvactors._bridge.ReplyLock`, the loop-bound slot
+:meth:`Actor.ask_nowait` makes).
 
 The bound counts what the actor holds: envelopes queued plus replies it took over and has
 not settled yet. A send past the bound raises :class:`~kvactors.errors.MailboxFullError`
@@ -28,6 +36,7 @@ import asyncio
 import collections
 import contextlib
 import enum
+import functools
 import threading
 from typing import (
     TYPE_CHECKING,
@@ -64,6 +73,7 @@ __all__ = (
     "Envelope",
     "LoopSlot",
     "ReplySlot",
+    "Waiter",
     "on_loop",
     "unreachable",
 )
@@ -71,6 +81,14 @@ __all__ = (
 M = TypeVar("M")
 
 _running_loop = asyncio._get_running_loop
+
+
+class _Turns(threading.local):
+    # Per thread: the turns claimed while this thread runs a turn (None outside a turn).
+    after: list[tuple[Actor[Any], Envelope[Any]]] | None = None
+
+
+_turns = _Turns()
 
 
 def on_loop(loop: asyncio.AbstractEventLoop | None) -> bool:
@@ -108,6 +126,16 @@ class ReplySlot(Protocol):
 
     def set_exception(self, exc: BaseException, /) -> None:
         """Settle with an exception."""
+        ...
+
+
+class Waiter(Protocol):
+    """A blocking sender's thread, as an actor sees it: it sleeps until its reply is settled,
+    and meanwhile takes the turns handed to it (see the module docstring)."""
+
+    def hand(self, turn: Callable[[], None], /) -> bool:
+        """Give the sleeping thread ``turn`` to run; ``False`` (nothing changed) if it no
+        longer waits. Called under the actor's lock: it only records and wakes."""
         ...
 
 
@@ -179,14 +207,18 @@ class ActorStatistics(msgspec.Struct, frozen=True, kw_only=True):
 
 @final
 class Envelope(Generic[M]):
-    """A message, the operands riding beside it, and the reply slot of an ask (else None)."""
+    """A message, the operands riding beside it, the reply slot of an ask (else None), and
+    the sender's thread when it waits for the reply and may run the turn (else None)."""
 
-    __slots__ = ("_timer", "msg", "operands", "reply")
+    __slots__ = ("_timer", "msg", "operands", "reply", "waiter")
 
-    def __init__(self, msg: M, operands: Any, reply: ReplySlot | None) -> None:
+    def __init__(
+        self, msg: M, operands: Any, reply: ReplySlot | None, waiter: Waiter | None = None
+    ) -> None:
         self.msg = msg
         self.operands = operands
         self.reply = reply
+        self.waiter = waiter
         self._timer: asyncio.TimerHandle | None = None
 
     def resolve(self, value: Any) -> None:
@@ -363,25 +395,33 @@ class Actor(Generic[M]):
             raise MailboxFullError(actor=self.name, capacity=self._capacity)
 
     def _deliver(self, env: Envelope[M], msg: object, *, here: bool = True) -> None:
-        # Claim the turn if the actor is idle and this thread may run it; else queue.
+        # Claim the turn if the actor is idle and this thread may run it; else queue (a busy
+        # actor's turn, when it ends, hands or wakes: no wake-up needed then).
         with self._mutex:
             self._check_send(msg)
             depth = len(self._fifo) + len(self._deferred) + 1
             if depth > self._peak:
                 self._peak = depth
+            busy = self._busy
             if (
                 here
-                and not self._busy
+                and not busy
                 and not self._fifo
                 and (self.turns_anywhere or on_loop(self._loop))
             ):
                 self._busy = True
             else:
+                if not self.turns_anywhere:
+                    env.waiter = None
                 self._fifo.append(env)
                 here = False
         if here:
-            self._turn(env)
-        else:
+            after = _turns.after
+            if after is None:
+                self._turn(env)
+            else:  # inside a turn: run this one when that one ended
+                after.append((self, env))
+        elif not busy:
             self._wake_task()
 
     def tell_nowait(self, msg: M, operands: Any = None) -> None:
@@ -419,10 +459,13 @@ class Actor(Generic[M]):
         *,
         timeout: float | None = None,
         here: bool = True,
+        waiter: Waiter | None = None,
     ) -> None:
         """Send ``msg`` with ``slot`` as its reply slot, from any thread. With ``here=False``
-        the sender never runs the turn itself (an event loop's thread that must not block)."""
-        env: Envelope[M] = Envelope(msg, operands, slot)
+        the sender never runs the turn itself (an event loop's thread that must not block).
+        ``waiter``: the sending thread sleeps until its reply is settled and takes the turn
+        if it is handed over (see the module docstring)."""
+        env: Envelope[M] = Envelope(msg, operands, slot, waiter)
         loop = self._loop
         if timeout is not None and loop is not None:
             if on_loop(loop):
@@ -506,8 +549,14 @@ class Actor(Generic[M]):
                 loop.call_soon_threadsafe(wake.set)
 
     def _turn(self, env: Envelope[M]) -> None:
-        # The claimed turn (``_busy`` set by the claimer): handle ``env``, give the turn back,
-        # and hand what queued meanwhile to the task.
+        # The claimed turn (``_busy`` set by the claimer): handle ``env``, give the turn back
+        # (to the next waiting sender, else to the task), then run the turns this thread
+        # claimed meanwhile.
+        after = _turns.after
+        outer = after is None
+        if outer:
+            after = _turns.after = []
+        handled = False
         try:
             result = self.receive(env)
         except Exception as exc:
@@ -517,20 +566,61 @@ class Actor(Generic[M]):
                 self.break_with(exc)
             else:
                 env.fail(exc)
+            handled = True
         else:
             if result is not DEFERRED:
                 env.resolve(result)
+            handled = True
         finally:
             with self._mutex:
                 self._busy = False
                 self._processed += 1
-                more = bool(self._fifo)
+                more = not self._hand_locked() and bool(self._fifo)
             if more:
                 self._wake_task()
+            if outer:
+                _turns.after = None
+                if not handled and after:  # a BaseException: the claimed turns go back
+                    _run_claimed([], after)
         self._signal()
+        if outer and after:
+            _run_claimed(after, [])
+
+    def _hand_locked(self) -> bool:
+        # Under the mutex, the turn free: hand it to the FIFO head's waiting sender (True), or
+        # leave the head to the task (a waiter that left is not asked again).
+        fifo = self._fifo
+        if not fifo or self._state is not ActorState.RUNNING:
+            return False
+        head = fifo[0]
+        waiter = head.waiter
+        if waiter is None:
+            return False
+        if waiter.hand(functools.partial(self._turn, head)):
+            fifo.popleft()
+            self._busy = True
+            return True
+        head.waiter = None
+        return False
+
+    def _give_back(self, env: Envelope[M]) -> None:
+        # A claimed turn that will not run on this thread: back to the FIFO head, for the task
+        # (which fails it if the actor stopped meanwhile).
+        with self._mutex:
+            self._busy = False
+            env.waiter = None
+            self._fifo.appendleft(env)
+        self._wake_task()
+        if self._state is not ActorState.RUNNING and self._task is None:
+            with self._mutex:
+                left = list(self._fifo)
+                self._fifo.clear()
+            closed = ActorClosedError("actor stopped before replying", actor=self.name)
+            for e in left:
+                e.fail(closed)
 
     async def _run(self) -> None:
-        # Runs on the loop what queued while the actor was busy, in FIFO order.
+        # Runs on the loop, in FIFO order, what queued with nobody to hand the turn to.
         wake = self._wake
         assert wake is not None
         while True:
@@ -538,7 +628,7 @@ class Actor(Generic[M]):
             wake.clear()
             while True:
                 with self._mutex:
-                    if self._busy or not self._fifo:
+                    if self._busy or not self._fifo or self._hand_locked():
                         break
                     env = self._fifo.popleft()
                     running = self._state is ActorState.RUNNING
@@ -554,6 +644,23 @@ class Actor(Generic[M]):
                 # Drop the envelope now: an idle actor must not keep the last reply (and
                 # any tensors riding beside it) alive while it waits.
                 del env
+
+
+def _run_claimed(
+    claimed: list[tuple[Actor[Any], Envelope[Any]]], back: list[tuple[Actor[Any], Envelope[Any]]]
+) -> None:
+    # The turns a thread claimed inside its turn, in claim order, each as an outer turn; if
+    # one raises past its handler (a BaseException), the rest go back to their tasks, as
+    # ``back`` does at once.
+    i = 0
+    try:
+        while i < len(claimed):
+            actor, env = claimed[i]
+            i += 1
+            actor._turn(env)
+    finally:
+        for actor, env in (*claimed[i:], *back):
+            actor._give_back(env)
 
 
 def _arm(env: Envelope[Any], loop: asyncio.AbstractEventLoop, actor: str, timeout: float) -> None:

@@ -33,7 +33,7 @@ from typing import TYPE_CHECKING, Any, final
 
 import torch
 
-from kvactors.actors.actor import DEFERRED, Actor, Envelope, unreachable
+from kvactors.actors.actor import DEFERRED, Actor, Envelope, Waiter, unreachable
 from kvactors.actors.stream import Work
 from kvactors.devices.base import Backend
 from kvactors.devices.cpu import completes_on_launch
@@ -248,21 +248,25 @@ class GatherActor(Actor[GatherRequest]):
         # every backend kernel wraps, and the plan ticket's tensors). No separate keepalive.
         work = Work(kernel, on_enqueued=None if msg.complete else on_enqueued)
         try:
-            self._send(msg.stream_handle, _Callback(on_done), launch, work)
+            self._send(msg.stream_handle, _Callback(on_done), launch, work, env.waiter)
         except Exception as exc:
             on_done(exc, None)
         return DEFERRED
 
-    def _send(self, handle: int, reply: _Callback, launch: Launch, work: Work) -> None:
+    def _send(
+        self, handle: int, reply: _Callback, launch: Launch, work: Work, waiter: Waiter | None
+    ) -> None:
+        # The caller waiting for the transfer waits for this Launch too: a busy stream may
+        # hand it the Launch's turn (see kvactors.actors.actor).
         stream = self._streams.get(handle)
         try:
-            stream.ask_into(reply, launch, work)
+            stream.ask_into(reply, launch, work, waiter=waiter)
         except ActorClosedError:
             if self._streams.peek(handle) is stream:
                 raise
             # The directory retired that idle actor between the lookup and the send (it
             # refused the message, nothing ran): the handle's new actor takes it.
-            self._streams.get(handle).ask_into(reply, launch, work)
+            self._streams.get(handle).ask_into(reply, launch, work, waiter=waiter)
 
     def _finish(self, tid: int, ok: bool, nbytes: int) -> list[int]:
         with self._ledger_lock:
