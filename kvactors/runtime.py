@@ -5,9 +5,10 @@ A :class:`Runtime` owns a private asyncio loop running in its own daemon thread,
 (``Transfer``, ``Fence`` and ``Ping`` to the GatherActor, ``Sync`` and the records to a
 StreamActor, the IPC messages to the IPCOwnerActor), whoever calls and on every device: there
 is one route. A blocking call sends from the calling thread and sleeps on a
-:class:`~kvactors._bridge.ReplyLock` until the reply is settled; when the actor is idle and
-takes turns on any thread, the calling thread runs the turn itself (see
-:mod:`kvactors.actors.actor`), else the loop runs it in mailbox order. Asyncio callers use the
+:class:`~kvactors._bridge.ReplyLock` until the reply is settled; when the actor takes turns
+on any thread, the calling thread runs the turn itself, at once if the actor is idle, else
+when the turn before its message ends and is handed to it (see :mod:`kvactors.actors.actor`);
+else the loop runs it in mailbox order. Asyncio callers use the
 ``a*`` twins: they queue the message from their own thread (never running a turn, so their
 loop never waits for device work) and await the reply, under asyncio or any other backend
 anyio runs (trio): see :mod:`kvactors._awaitable`.

@@ -14,10 +14,14 @@ Plans are validated once: a :class:`~kvactors.plan_cache.PlanCache` reuses the p
 request whose operands' metadata has not changed and validates anything else.
 
 Threads. The actor takes turns on any thread (``turns_anywhere``): a blocking caller that
-finds it idle validates, plans and sends the ``Launch`` on its own thread, and the
-StreamActor, idle too, launches there (see :mod:`kvactors.actors.stream`); a busy actor's
-messages are handled on the loop, in order. Completions arrive from whichever thread saw the
-work complete, so the block ledger, the counters and the fences are kept under one lock.
+finds it idle, or to whom the turn is handed when the turn before its message ends, validates,
+plans and sends the ``Launch`` on its own thread (see :mod:`kvactors.actors.actor`). The turn
+ends once the ``Launch`` holds its place at the stream; the StreamActor's turn runs after it,
+on the same thread (or, the stream busy, on the caller's thread when that turn is handed to
+it). The ledger entry is made before the ``Launch`` is sent, so a fence taken after the turn
+waits for the copy. Messages nobody waits for on a thread (``a*`` calls) are handled on the
+loop, in order. Completions arrive from whichever thread saw the work complete, so the block
+ledger, the counters and the fences are kept under one lock.
 
 Stopping gives running transfers the stop timeout; a transfer still running then is failed
 with :class:`~kvactors.errors.TransferAbandonedError` (it may still land), never with the

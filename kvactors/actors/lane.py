@@ -11,9 +11,10 @@ when a marker completed does the reaper drop the lease and report back, so opera
 the device work that uses them even when the caller has long forgotten them (rule 3). The
 event loop never blocks.
 
-A StreamActor whose turn runs on a sender's thread while the lane has no job queued or running
-launches there instead of submitting (the stream order is the same: nothing is ahead of it);
-its marker still goes to the reaper, behind every earlier one.
+A StreamActor whose turn runs on a sender's thread (the sender claimed it, or it was handed
+the turn) while the lane has no job queued or running launches there instead of submitting
+(the stream order is the same: nothing is ahead of it); its marker still goes to the reaper,
+behind every earlier one.
 """
 
 from __future__ import annotations

@@ -82,7 +82,7 @@ class _Held(Backend):
     def launch(self, stream: StreamLike, fn: Callable[[], None]) -> None:
         self.launched.append(threading.current_thread().name)
         self._pass("launch")
-        super().launch(stream, fn)
+        super().launch(stream, fn)  # type: ignore[safe-super]  # the device's backend, next in the MRO
 
 
 class _HeldCpu(_Held, CpuBackend):
@@ -110,7 +110,7 @@ class _Rig:
     rt: Runtime
     backend: _Held
     fake: FakeVendor | None
-    layers: list[torch.Tensor]
+    layers: list[Any]
     outcomes: dict[str, BaseException | None] = dataclasses.field(default_factory=dict)
     threads: dict[str, threading.Thread] = dataclasses.field(default_factory=dict)
 
@@ -184,7 +184,11 @@ def _queue_behind_a(rig: _Rig, at: str) -> None:
     assert rig.backend.entered.wait(_WAIT), "A never reached its turn"
     for n, name in enumerate(("B", "C"), 1):
         rig.call(name, (6 + 2 * n, 7 + 2 * n))
-        rig.until(lambda n=n: rig.depth(at) == n, name)
+
+        def queued(n: int = n) -> bool:
+            return rig.depth(at) == n
+
+        rig.until(queued, name)
 
 
 @pytest.mark.parametrize("kind", KINDS)
