@@ -29,10 +29,11 @@ class ReplyLock:
     thread's :class:`~kvactors.actors.actor.Waiter`.
 
     It has the shape of a future (``done``/``set_result``/``set_exception``); the first settle
-    wins, from any thread. While the caller sleeps in :meth:`wait`, an actor may hand it a turn
-    (:meth:`hand`): the caller wakes, runs the turn on its own thread, and sleeps again. A
-    caller that leaves (a result, or its deadline) refuses later hand-offs, atomically with its
-    check for one: a turn handed to it is always run.
+    wins, from any thread. Once a message of the caller queued behind a busy actor
+    (:meth:`enlist`), an actor may hand it a turn while it sleeps in :meth:`wait` (:meth:`hand`):
+    the caller wakes, runs the turn on its own thread, and sleeps again. A caller that leaves
+    (a result, or its deadline) refuses later hand-offs, atomically with its check for one: a
+    turn handed to it is always run.
     """
 
     __slots__ = ("_done", "_exc", "_gone", "_lock", "_mutex", "_turn", "_value")
@@ -40,34 +41,43 @@ class ReplyLock:
     def __init__(self) -> None:
         self._lock = threading.Lock()
         self._lock.acquire()
-        self._mutex = threading.Lock()  # the settle, and the hand-off against the caller leaving
         self._done = False
-        self._gone = False
-        self._turn: Callable[[], None] | None = None
         self._value: Any = None
         self._exc: BaseException | None = None
+        # Made by ``enlist``: guards the hand-off against the caller leaving.
+        self._mutex: threading.Lock | None = None
+        self._gone = False
+        self._turn: Callable[[], None] | None = None
 
     def done(self) -> bool:
         return self._done
 
     def set_result(self, value: Any) -> None:
-        self._settle(value, None)
+        if not self._done:
+            self._value = value
+            self._done = True
+            with contextlib.suppress(RuntimeError):  # a racing settle released it first
+                self._lock.release()
 
     def set_exception(self, exc: BaseException) -> None:
-        self._settle(None, exc)
-
-    def _settle(self, value: Any, exc: BaseException | None) -> None:
-        with self._mutex:
-            if self._done:
-                return
-            self._value, self._exc = value, exc
+        if not self._done:
+            self._exc = exc
             self._done = True
-        with contextlib.suppress(RuntimeError):  # a hand-off released it already
-            self._lock.release()
+            with contextlib.suppress(RuntimeError):  # a racing settle released it first
+                self._lock.release()
+
+    def enlist(self) -> None:
+        """A message of the caller queued (called on the caller's thread, before it waits):
+        from now on a turn may be handed over."""
+        if self._mutex is None:
+            self._mutex = threading.Lock()
 
     def hand(self, turn: Callable[[], None]) -> bool:
         """Give the sleeping caller ``turn`` to run; ``False`` if it left already."""
-        with self._mutex:
+        mutex = self._mutex
+        if mutex is None:
+            return False
+        with mutex:
             if self._gone:
                 return False
             self._turn = turn
@@ -75,36 +85,34 @@ class ReplyLock:
             self._lock.release()
         return True
 
-    def _take(self, leave: bool) -> Callable[[], None] | None:
-        # The turn handed over, if any; with ``leave``, refuse every later one if none was.
-        with self._mutex:
-            turn, self._turn = self._turn, None
-            if leave and turn is None:
-                self._gone = True
-            return turn
-
     def wait(self, timeout: float, what: str) -> Any:
         """Sleep until the reply is settled (running the turns handed over meanwhile); raise
         it, or :class:`~kvactors.errors.DeadlineExceededError` past ``timeout`` seconds."""
-        end: float | None = None
-        while True:
-            if self._done or (end is not None and time.monotonic() >= end):
-                turn = self._take(leave=True)
-                if turn is None:
-                    break
-            else:
-                turn = self._take(leave=False)
-                if turn is None:
-                    if end is None:
-                        end = time.monotonic() + timeout
-                    self._lock.acquire(timeout=max(0.0, end - time.monotonic()))
-                    continue
-            turn()
-        if not self._done:
-            raise DeadlineExceededError(actor="runtime", message_type=what, timeout=timeout)
+        mutex = self._mutex
+        if mutex is None:  # nothing of the caller queued: no turn can be handed over
+            if not self._done and not self._lock.acquire(timeout=timeout):
+                raise DeadlineExceededError(actor="runtime", message_type=what, timeout=timeout)
+        else:
+            self._wait_turns(mutex, timeout)
+            if not self._done:
+                raise DeadlineExceededError(actor="runtime", message_type=what, timeout=timeout)
         if self._exc is not None:
             raise self._exc
         return self._value
+
+    def _wait_turns(self, mutex: threading.Lock, timeout: float) -> None:
+        end = time.monotonic() + timeout
+        while True:
+            leave = self._done or time.monotonic() >= end
+            with mutex:
+                turn, self._turn = self._turn, None
+                if turn is None and leave:
+                    self._gone = True
+                    return
+            if turn is not None:
+                turn()
+            else:
+                self._lock.acquire(timeout=max(0.0, end - time.monotonic()))
 
 
 class FutureSlot:

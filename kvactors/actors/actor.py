@@ -133,6 +133,11 @@ class Waiter(Protocol):
     """A blocking sender's thread, as an actor sees it: it sleeps until its reply is settled,
     and meanwhile takes the turns handed to it (see the module docstring)."""
 
+    def enlist(self) -> None:
+        """A message of this sender queued (called on the sender's thread, under the actor's
+        lock, before the sender waits): turns may be handed to it from now on."""
+        ...
+
     def hand(self, turn: Callable[[], None], /) -> bool:
         """Give the sleeping thread ``turn`` to run; ``False`` (nothing changed) if it no
         longer waits. Called under the actor's lock: it only records and wakes."""
@@ -411,8 +416,12 @@ class Actor(Generic[M]):
             ):
                 self._busy = True
             else:
-                if not self.turns_anywhere:
-                    env.waiter = None
+                waiter = env.waiter
+                if waiter is not None:
+                    if self.turns_anywhere:
+                        waiter.enlist()
+                    else:
+                        env.waiter = None
                 self._fifo.append(env)
                 here = False
         if here:
