@@ -102,17 +102,26 @@ class ReplyLock:
 
     def _wait_turns(self, mutex: threading.Lock, timeout: float) -> None:
         end = time.monotonic() + timeout
-        while True:
-            leave = self._done or time.monotonic() >= end
+        try:
+            while True:
+                leave = self._done or time.monotonic() >= end
+                with mutex:
+                    turn, self._turn = self._turn, None
+                    if turn is None and leave:
+                        self._gone = True
+                        return
+                if turn is not None:
+                    turn()
+                else:
+                    self._lock.acquire(timeout=max(0.0, end - time.monotonic()))
+        finally:
+            # Left by an exception (a turn's BaseException): refuse later hand-offs, and run
+            # one handed over meanwhile, so that no actor waits for a caller that is gone.
             with mutex:
+                self._gone = True
                 turn, self._turn = self._turn, None
-                if turn is None and leave:
-                    self._gone = True
-                    return
             if turn is not None:
                 turn()
-            else:
-                self._lock.acquire(timeout=max(0.0, end - time.monotonic()))
 
 
 class FutureSlot:
