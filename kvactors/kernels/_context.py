@@ -138,7 +138,6 @@ class KernelContext:
         "_plane_views",
         "_plane_voids",
         "_stacked",
-        "_stacked_void",
         "_unit_views",
         "_units",
         "bpo",
@@ -181,7 +180,6 @@ class KernelContext:
             tuple[list[tuple[np.ndarray[Any, np.dtype[np.void]], int]] | None] | None
         ) = None
         self._unit_views: list[tuple[torch.Tensor, int, range]] | None = None
-        self._stacked_void: tuple[np.ndarray[Any, np.dtype[np.void]] | None] | None = None
 
     @property
     def stacked(self) -> torch.Tensor | None:
@@ -198,14 +196,6 @@ class KernelContext:
         if self._units is None:
             self._units = [raw(t) for t in self._given]
         return self._units
-
-    def stacked_void(self) -> np.ndarray[Any, np.dtype[np.void]] | None:
-        """:attr:`stacked` as the numpy ``[L, P, B, S, H]`` array of ``HS`` runs
-        (:func:`~kvactors.kernels._views.void_view`); CPU and numpy only; built once per call."""
-        if self._stacked_void is None:
-            assert self.stacked is not None
-            self._stacked_void = (void_view(self.stacked),)
-        return self._stacked_void[0]
 
     def plane_views(self) -> list[tuple[torch.Tensor, int]]:
         """``(rows, i)`` per (paged tensor, plane): the plane as ``[NB, BS*NH*HS]`` rows and

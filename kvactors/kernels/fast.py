@@ -44,6 +44,7 @@ import torch
 from kvactors.errors import TransferValidationError
 from kvactors.kernels._context import KernelContext, ScratchCache
 from kvactors.kernels._moves import gather_segment, numpy_usable, scatter_segment
+from kvactors.kernels._planes import planes_scatter_binder
 from kvactors.kernels._staged import single_kernel, staged_segment
 from kvactors.kernels._views import object_view, raw
 from kvactors.layouts import Direction
@@ -122,7 +123,7 @@ def run_fast(
     if not use_staging and not plan.on_host:
         raise TransferValidationError("device tensors need the staged path", field="staged")
     if not use_staging:
-        bind = _host_binder(plan, units[0], objs)
+        bind = _host_binder(plan, paged, objs)
         if bind is not None:
             bind(plan)(paged, objs)
             return
@@ -191,7 +192,7 @@ def reused_kernel(
 
 def _binder(plan: TransferPlan, paged: Any, objects: Sequence[torch.Tensor]) -> Binder:
     if plan.on_host and plan.segments:
-        bind = _host_binder(plan, _first(paged), objects)
+        bind = _host_binder(plan, paged, objects)
         if bind is not None:
             return bind
 
@@ -240,23 +241,32 @@ def _first(paged: Any) -> torch.Tensor:
     return first if isinstance(first, torch.Tensor) else first[0]  # type: ignore[no-any-return]
 
 
-def _host_binder(
-    plan: TransferPlan, unit0: torch.Tensor, objects: Sequence[torch.Tensor]
-) -> Binder | None:
-    """The binder of a host plan's one-call path, or ``None`` when none applies (a partial
-    segment, no stacked view, a scatter without rows or numpy). A small gather takes the
-    stacked path first (one torch call less than the rows path's view plus index_select); a
-    big one the rows path first (one ``memcpy`` per block plane copies faster)."""
+def _host_binder(plan: TransferPlan, paged: Any, objects: Sequence[torch.Tensor]) -> Binder | None:
+    """The binder of a host plan's one-call path, or ``None`` when none applies (a gather
+    with a partial segment or no stacked view; a scatter without numpy). A small gather
+    takes the stacked path first (one torch call less than the rows path's view plus
+    index_select); a big one the rows path first (one ``memcpy`` per block plane copies
+    faster). A scatter takes the rows path (integer rows, the GIL released) where the block
+    planes are tight and every segment full, else the block-plane rows of
+    :mod:`kvactors.kernels._planes`."""
+    unit0 = _first(paged)
     bpo = plan.request.chunk_size // plan.request.shape.bs
-    if any(seg.count != bpo for seg in plan.segments):
-        return None
+    full = all(seg.count == bpo for seg in plan.segments)
     gather = plan.direction is Direction.D2H
-    stacked = gather and plan.stacked is not None
+    if not gather:
+        if not numpy_usable():
+            return None
+        if full and plan.rows is not None:
+            return _rows_binder(plan, unit0, objects)
+        return planes_scatter_binder(plan, paged, objects)
+    if not full:
+        return None
+    stacked = plan.stacked is not None
     if stacked and not (plan.rows is not None and plan.nbytes >= _ROWS_FIRST_BYTES):
         bind = _stacked_binder(plan, unit0, objects)
         if bind is not None:
             return bind
-    if plan.rows is not None and (gather or numpy_usable()):
+    if plan.rows is not None:
         return _rows_binder(plan, unit0, objects)
     return _stacked_binder(plan, unit0, objects) if stacked else None
 
