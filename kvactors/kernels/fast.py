@@ -243,10 +243,11 @@ def _first(paged: Any) -> torch.Tensor:
 
 def _host_binder(plan: TransferPlan, paged: Any, objects: Sequence[torch.Tensor]) -> Binder | None:
     """The binder of a host plan's one-call path, or ``None`` when none applies (a gather
-    with a partial segment or no stacked view; a scatter without numpy). A small gather
+    without a stacked view; a scatter without numpy). A small gather
     takes the stacked path first (one torch call less than the rows path's view plus
     index_select); a big one the rows path first (one ``memcpy`` per block plane copies
-    faster). A scatter takes the rows path (integer rows, the GIL released) where the block
+    faster); one with a partial segment (a skipped prefix, a short last chunk) the stacked
+    path. A scatter takes the rows path (integer rows, the GIL released) where the block
     planes are tight and every segment full, else the block-plane rows of
     :mod:`kvactors.kernels._planes`."""
     unit0 = _first(paged)
@@ -259,9 +260,9 @@ def _host_binder(plan: TransferPlan, paged: Any, objects: Sequence[torch.Tensor]
         if full and plan.rows is not None:
             return _rows_binder(plan, unit0, objects)
         return planes_scatter_binder(plan, paged, objects)
-    if not full:
-        return None
     stacked = plan.stacked is not None
+    if not full:
+        return _stacked_binder(plan, unit0, objects) if stacked else None
     if stacked and not (plan.rows is not None and plan.nbytes >= _ROWS_FIRST_BYTES):
         bind = _stacked_binder(plan, unit0, objects)
         if bind is not None:
@@ -387,6 +388,7 @@ def _stacked_geometry(
             out = out.unsqueeze(0)
         if out.shape[dim] != bpo:
             return None
+        out = out.narrow(dim, seg.slot0, seg.count)
         offset = out.storage_offset() - obj.storage_offset()
         outs.append((seg.obj, (out.shape, out.stride(), offset)))
     return (src.shape, src.stride(), src.storage_offset()), dim, tuple(outs)
