@@ -375,6 +375,39 @@ def test_reused_kernel_matches_the_reference(
         assert memo.binder is not None
 
 
+_ONE_CALL = [
+    (fmt, alloc, direction)
+    for fmt in (KVFormat.NL_X_NB_NH_BS_CS, KVFormat.NL_X_NB_BS_NH_CS, HND, NHD, MLA)
+    for direction in (0, 1)
+    # A gather needs a stacked view for its one-call path; a scatter takes one per tensor.
+    for alloc in (("stacked", "gapped", "padded") + (("separate",) if direction == 0 else ()))
+]
+
+
+@pytest.mark.parametrize(("fmt", "alloc", "direction"), _ONE_CALL)
+@pytest.mark.parametrize(("ids", "skip"), [([5, 0, 7, 2, 3, 6], 0), ([5, 0, 7, 2, 3, 6], 1),
+                                           ([5, 0, 7, 2, 3], 0)])  # fmt: skip
+def test_host_calls_take_the_one_call_paths(
+    fmt: KVFormat,
+    alloc: str,
+    direction: int,
+    ids: list[int],
+    skip: int,
+    monkeypatch: pytest.MonkeyPatch,
+) -> None:
+    """Whole chunks, a skipped prefix block or a short last chunk: a host scatter, and a host
+    gather over a stacked view, run as one call per chunk (and paged tensor), never through
+    the per-segment paths of ``_moves`` (the cost an engine's small chunks pay per segment),
+    and move exactly the reference's bytes."""
+
+    def per_segment(*_: Any, **__: Any) -> None:
+        raise AssertionError("a per-segment path ran")
+
+    monkeypatch.setattr(fast, "gather_segment", per_segment)
+    monkeypatch.setattr(fast, "scatter_segment", per_segment)
+    both(mk(fmt, alloc=alloc), direction, ids, skip)
+
+
 def test_index_tensor_keeps_its_buffer() -> None:
     """The int64 index tensor built over an ``array`` buffer owns it: its values survive the
     caller dropping everything else."""
