@@ -23,16 +23,20 @@ those index tensors.
 from __future__ import annotations
 
 import collections
-from typing import TYPE_CHECKING, Any
+from typing import TYPE_CHECKING
 
 import torch
 
-from kvactors.kernels._views import canonical_unit, object_view, raw, stacked_view, void_view
+from kvactors.kernels._views import (
+    canonical_unit,
+    object_view,
+    raw,
+    stacked_view,
+    unit_planes,
+)
 
 if TYPE_CHECKING:
     from collections.abc import Callable, Hashable, Sequence
-
-    import numpy as np
 
     from kvactors.plans import Segment, TransferPlan
 
@@ -136,7 +140,6 @@ class KernelContext:
         "_given",
         "_memo",
         "_plane_views",
-        "_plane_voids",
         "_stacked",
         "_unit_views",
         "_units",
@@ -176,9 +179,6 @@ class KernelContext:
             else first.as_strided((g.nrows, g.piece), (g.row_stride, 1), g.storage_offset)
         )
         self._plane_views: list[tuple[torch.Tensor, int]] | None = None
-        self._plane_voids: (
-            tuple[list[tuple[np.ndarray[Any, np.dtype[np.void]], int]] | None] | None
-        ) = None
         self._unit_views: list[tuple[torch.Tensor, int, range]] | None = None
 
     @property
@@ -211,29 +211,6 @@ class KernelContext:
                     views.append((rows, p * self.nl + layer))
             self._plane_views = views
         return self._plane_views
-
-    def plane_voids(self) -> list[tuple[np.ndarray[Any, np.dtype[np.void]], int]] | None:
-        """:meth:`plane_views` as numpy arrays of whole block planes (one ``void`` item per
-        block), or ``None`` when a plane is not contiguous (numpy's ``take`` would copy it
-        first); CPU and numpy only; built once per call."""
-        if self._plane_voids is None:
-            voids: list[tuple[np.ndarray[Any, np.dtype[np.void]], int]] | None = []
-            for u, t in enumerate(self.units):
-                # One numpy array per paged tensor, [P', B] of whole block planes: a numpy
-                # call per plane is cheap, building a view per plane is not (64 per layer set).
-                layer, planes = self.unit_planes(u)
-                cu = canonical_unit(self.plan.spec, t)
-                rows = cu.as_strided(
-                    (cu.size(0), cu.size(1), cu[0, 0].numel()), (cu.stride(0), cu.stride(1), 1)
-                )
-                a = void_view(rows)
-                if a is None or not all(a[k].flags.c_contiguous for k in range(len(planes))):
-                    voids = None
-                    break
-                assert voids is not None
-                voids.extend((a[k], p * self.nl + layer) for k, p in enumerate(planes))
-            self._plane_voids = (voids,)
-        return self._plane_voids[0]
 
     def unit_views(self) -> list[tuple[torch.Tensor, int, range]]:
         """``(view, layer, planes)`` per paged tensor, the view ``[P', B, S, H, D]``."""
@@ -299,6 +276,4 @@ class KernelContext:
 
     def unit_planes(self, u: int) -> tuple[int, range]:
         """Layer and planes (as indices into ``P``) held by paged tensor ``u``."""
-        if self.plan.spec.is_kv_list:
-            return u % self.nl, range(u // self.nl, u // self.nl + 1)
-        return u, range(self.planes)
+        return unit_planes(self.plan.spec, self.nl, u)

@@ -2,19 +2,17 @@
 
 Theory of operation. Each function moves the blocks of one segment between the paged memory
 and a chunk-shaped target (the host chunk itself, or a device staging buffer on the staged
-path). They serve what the one-call host paths of :mod:`kvactors.kernels.fast` and
-:mod:`kvactors.kernels._planes` do not: gathers with a partial segment or without a stacked
-view, scatters without numpy or with an ``HS`` axis that is not contiguous, and the staged
-device path. The gather paths, in order of preference (measured in performance.md and
+path). They serve what the one-call host paths of :mod:`kvactors.kernels.fast`,
+:mod:`kvactors.kernels._units` and :mod:`kvactors.kernels._planes` do not: the staged device
+path, scatters without numpy or with an ``HS`` axis that is not contiguous, and a host plan
+no binder took. The gather paths, in order of preference (measured in performance.md and
 bench_transfer):
 
 * rows: the paged memory is one stacked allocation and every block plane is one contiguous
   token-major run: ONE ``index_select`` over a ``[rows, BS*NH*HS]`` view whose output is the
   contiguous chunk itself, which torch serves with one ``memcpy`` per block plane.
 * planes: block planes are contiguous but the layers are separate allocations: the same, one
-  call per (layer, plane); on the host through numpy's ``take`` with whole block planes as
-  single items into the chunk's contiguous slots (a numpy call costs a fraction of a torch
-  call, which matters at 64 calls per chunk).
+  call per (layer, plane).
 * stacked: one strided view covers all layers but blocks are not token-major (HND): one
   ``index_select`` on the view in physical order, writing a permuted view of the chunk (the
   transpose is fused; torch copies ``HS`` runs, 0.9x of a C ``memcpy`` loop over the same
@@ -34,7 +32,7 @@ from typing import TYPE_CHECKING
 
 import torch
 
-from kvactors.kernels._views import block_runs, physical_order, void_view
+from kvactors.kernels._views import block_runs, physical_order
 
 if TYPE_CHECKING:
     from kvactors.kernels._context import KernelContext
@@ -58,9 +56,7 @@ def numpy_usable() -> bool:
     return _NUMPY
 
 
-def gather_segment(
-    ctx: KernelContext, seg: Segment, target: torch.Tensor, *, use_numpy: bool
-) -> None:
+def gather_segment(ctx: KernelContext, seg: Segment, target: torch.Tensor) -> None:
     """Copy the segment's blocks from the paged memory into ``target`` (raw, chunk-shaped)."""
     n, j0 = seg.count, seg.slot0
     if ctx.rows is not None:
@@ -74,8 +70,6 @@ def gather_segment(
         return
     if ctx.plan.tight:
         tv = ctx.plane_rows(target)[:, j0 : j0 + n]
-        if use_numpy and _planes_take(ctx, seg, tv):
-            return
         ids = ctx.ids(seg)
         for plane, i in ctx.plane_views():
             torch.index_select(plane, 0, ids, out=tv[i])
@@ -114,19 +108,3 @@ def scatter_segment(
         else:
             for k, b, r in block_runs(block_ids):
                 cu.narrow(1, b, r).copy_(src.narrow(1, k, r))
-
-
-def _planes_take(ctx: KernelContext, seg: Segment, tv: torch.Tensor) -> bool:
-    """The planes host gather through numpy (module docstring): per (paged tensor, plane) one
-    ``take`` of whole block planes into the chunk's slots ``tv[i]`` (contiguous). ``False``
-    (nothing moved) when a plane is not contiguous."""
-    voids = ctx.plane_voids()
-    if voids is None:
-        return False
-    ids_np = ctx.ids(seg, _CPU).numpy()
-    out = void_view(tv)
-    assert out is not None  # chunk slots are contiguous
-    for plane_np, i in voids:
-        # mode="clip": the plan validated every id; the default "raise" buffers the output.
-        plane_np.take(ids_np, axis=0, out=out[i], mode="clip")
-    return True

@@ -4,7 +4,8 @@ Theory of operation. The paged memory of one storage (the stacked ``[L, P, B, S,
 view when the plan found one, else each paged tensor's ``[P', B, S, H, D]``) is seen as
 *rows*: row ``r`` is the block plane ``[S, H]`` starting ``r * g`` elements into the view,
 ``g`` the greatest common divisor of its layer, plane and block strides, and each item is
-one ``HS`` run (a numpy ``void`` of ``D * itemsize`` bytes, :func:`void_view`). The block
+one ``HS`` run (a numpy ``void`` of ``D * itemsize`` bytes, so numpy moves a run per item
+instead of walking its elements). The block
 plane of ``(plane p, layer l, block b)`` is row ``base[p, l] + b * block_rows``, so the
 rows of one segment are one small integer array ``[P, L, n]``, built once per plan.
 
@@ -26,7 +27,7 @@ from typing import TYPE_CHECKING, Any
 
 import torch
 
-from kvactors.kernels._views import canonical_unit, raw, stacked_view
+from kvactors.kernels._views import canonical_unit, raw, stacked_view, unit_planes
 from kvactors.plans import paged_units
 
 if TYPE_CHECKING:
@@ -78,7 +79,7 @@ def planes_scatter_binder(
             if geo is None:
                 return None
             rows_geo, base, block_rows = geo  # base [1, P']
-            layer, prange = _unit_planes(plan, u)
+            layer, prange = unit_planes(plan.spec, plan.request.shape.nl, u)
             sel = (slice(prange.start, prange.stop), layer)
             targets.append((u, rows_geo, base[0].copy(), block_rows, sel))
     item = np.dtype(f"V{shape.hs * plan.itemsize}")
@@ -202,10 +203,3 @@ def _rows_geometry(
     geo = ((span // g + 1, s, h, d), (g, ss, sh, 1), view.storage_offset())
     base = np.add.outer(np.arange(nl) * (sl // g), np.arange(planes) * (sp // g))
     return geo, base, sb // g
-
-
-def _unit_planes(plan: TransferPlan, u: int) -> tuple[int, range]:
-    nl = plan.request.shape.nl
-    if plan.spec.is_kv_list:
-        return u % nl, range(u // nl, u // nl + 1)
-    return u, range(plan.spec.planes)
