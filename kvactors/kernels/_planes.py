@@ -133,10 +133,20 @@ def _whole_kernel(
     as_raw: bool,
     steps: tuple[tuple[int, Any], ...],
 ) -> Kernel:
+    if as_raw:
+
+        def scatter_raw(paged: Any, objs: Sequence[torch.Tensor]) -> None:
+            rows = _void_rows(_first(paged), geo, item, True)
+            for obj, index in steps:
+                rows[index] = raw(objs[obj]).numpy().view(item).reshape(obj_shape)
+
+        return scatter_raw
+
     def scatter(paged: Any, objs: Sequence[torch.Tensor]) -> None:
-        rows = _void_rows(_first(paged), geo, item, as_raw)
+        # A chunk's last axis is contiguous and holds whole HS runs: viewed as items in place.
+        rows = _void_rows(_first(paged), geo, item, False)
         for obj, index in steps:
-            rows[index] = _host_array(objs[obj], as_raw).reshape(-1).view(item).reshape(obj_shape)
+            rows[index] = objs[obj].numpy().view(item).reshape(obj_shape)
 
     return scatter
 
@@ -162,7 +172,7 @@ def _kernel(
         for obj, u, sel, index in steps:
             chunk = chunks.get(obj)
             if chunk is None:
-                chunk = _host_array(objs[obj], as_raw).reshape(-1).view(item)
+                chunk = _host_array(objs[obj], as_raw).view(item)
                 chunk = chunks[obj] = chunk.reshape(obj_shape)
             rows[u][index] = chunk[sel]
 
