@@ -88,7 +88,7 @@ def planes_scatter_binder(
     as_raw = any(o.dtype not in _NUMPY_DTYPES for o in objects)
     segs = plan.segments
     bpo = plan.request.chunk_size // shape.bs
-    if len(targets) == 1 and all(seg.count == bpo for seg in segs):
+    if plan.stacked is not None and all(seg.count == bpo for seg in segs):
         # The common case (one stacked view, whole chunks): every segment's rows in one op.
         _, geo, base, block_rows, _ = targets[0]
         objs_order = tuple(seg.obj for seg in segs)
