@@ -12,7 +12,6 @@ from torch.profiler import ProfilerActivity, profile
 
 from kvactors.errors import TransferValidationError
 from kvactors.kernels import _moves, fast
-from kvactors.kernels._views import void_view
 from kvactors.kernels.fast import ScratchCache, run_fast
 from kvactors.kernels.reference import run_reference
 from kvactors.layouts import KVFormat
@@ -88,22 +87,6 @@ def test_numpy_free_gather_matches(
     monkeypatch.setattr(_moves, "_NUMPY", False)
     both(mk(fmt, alloc=alloc), 1, [5, 0, 7, 2, 3, 6])
     both(mk(fmt, alloc=alloc), 1, [5, 6, 7, 1], skip=2)
-
-
-def test_void_view_items_are_last_axis_runs() -> None:
-    t = torch.arange(2 * 3 * 4, dtype=torch.int16).view(2, 3, 4)
-    v = void_view(t.permute(1, 0, 2))  # strided outer axes, contiguous last axis
-    assert v is not None
-    assert v.shape == (3, 2)
-    assert v.dtype.itemsize == 8
-    assert v[2, 1].tobytes() == t[1, 2].numpy().tobytes()
-    assert void_view(t.transpose(1, 2)) is None  # last axis not contiguous
-    odd = t[:, :, :1].as_strided((2, 3, 1), (12, 4, 7))  # size-1 last axis, odd stride
-    w = void_view(odd)
-    assert w is not None
-    assert w[1, 2].tobytes() == t[1, 2, :1].numpy().tobytes()
-    w[1, 2] = w[0, 0]  # writes go to the tensor
-    assert t[1, 2, 0] == t[0, 0, 0]
 
 
 def test_reference_matches_lmcache_oracle_for_nhd() -> None:
@@ -373,6 +356,39 @@ def test_reused_kernel_matches_the_reference(
             assert same_bytes(back_a, back_b)
             assert same_bytes(objs_a, objs_b)
         assert memo.binder is not None
+
+
+_ONE_CALL = [
+    (fmt, alloc, direction)
+    for fmt in (KVFormat.NL_X_NB_NH_BS_CS, KVFormat.NL_X_NB_BS_NH_CS, HND, NHD, MLA)
+    for direction in (0, 1)
+    for alloc in ("stacked", "gapped", "padded", "separate")
+]
+
+
+@pytest.mark.parametrize(("fmt", "alloc", "direction"), _ONE_CALL)
+@pytest.mark.parametrize(("ids", "skip"), [([5, 0, 7, 2, 3, 6], 0), ([5, 0, 7, 2, 3, 6], 1),
+                                           ([5, 0, 7, 2, 3], 0)])  # fmt: skip
+def test_host_calls_take_the_one_call_paths(
+    fmt: KVFormat,
+    alloc: str,
+    direction: int,
+    ids: list[int],
+    skip: int,
+    monkeypatch: pytest.MonkeyPatch,
+) -> None:
+    """Whole chunks, a skipped prefix block or a short last chunk, layers in one allocation or
+    in separate ones: a host gather or scatter runs as one call per chunk (and paged tensor
+    when the layers are separate), never through the per-segment paths of ``_moves`` (the
+    cost an engine's small chunks pay per segment), and moves exactly the reference's
+    bytes."""
+
+    def per_segment(*_: Any, **__: Any) -> None:
+        raise AssertionError("a per-segment path ran")
+
+    monkeypatch.setattr(fast, "gather_segment", per_segment)
+    monkeypatch.setattr(fast, "scatter_segment", per_segment)
+    both(mk(fmt, alloc=alloc), direction, ids, skip)
 
 
 def test_index_tensor_keeps_its_buffer() -> None:

@@ -23,16 +23,20 @@ those index tensors.
 from __future__ import annotations
 
 import collections
-from typing import TYPE_CHECKING, Any
+from typing import TYPE_CHECKING
 
 import torch
 
-from kvactors.kernels._views import canonical_unit, object_view, raw, stacked_view, void_view
+from kvactors.kernels._views import (
+    canonical_unit,
+    object_view,
+    raw,
+    stacked_view,
+    unit_planes,
+)
 
 if TYPE_CHECKING:
     from collections.abc import Callable, Hashable, Sequence
-
-    import numpy as np
 
     from kvactors.plans import Segment, TransferPlan
 
@@ -136,9 +140,7 @@ class KernelContext:
         "_given",
         "_memo",
         "_plane_views",
-        "_plane_voids",
         "_stacked",
-        "_stacked_void",
         "_unit_views",
         "_units",
         "bpo",
@@ -177,11 +179,7 @@ class KernelContext:
             else first.as_strided((g.nrows, g.piece), (g.row_stride, 1), g.storage_offset)
         )
         self._plane_views: list[tuple[torch.Tensor, int]] | None = None
-        self._plane_voids: (
-            tuple[list[tuple[np.ndarray[Any, np.dtype[np.void]], int]] | None] | None
-        ) = None
         self._unit_views: list[tuple[torch.Tensor, int, range]] | None = None
-        self._stacked_void: tuple[np.ndarray[Any, np.dtype[np.void]] | None] | None = None
 
     @property
     def stacked(self) -> torch.Tensor | None:
@@ -199,14 +197,6 @@ class KernelContext:
             self._units = [raw(t) for t in self._given]
         return self._units
 
-    def stacked_void(self) -> np.ndarray[Any, np.dtype[np.void]] | None:
-        """:attr:`stacked` as the numpy ``[L, P, B, S, H]`` array of ``HS`` runs
-        (:func:`~kvactors.kernels._views.void_view`); CPU and numpy only; built once per call."""
-        if self._stacked_void is None:
-            assert self.stacked is not None
-            self._stacked_void = (void_view(self.stacked),)
-        return self._stacked_void[0]
-
     def plane_views(self) -> list[tuple[torch.Tensor, int]]:
         """``(rows, i)`` per (paged tensor, plane): the plane as ``[NB, BS*NH*HS]`` rows and
         its row ``i`` in :meth:`plane_rows`. Only for tight plans; built once per call."""
@@ -221,29 +211,6 @@ class KernelContext:
                     views.append((rows, p * self.nl + layer))
             self._plane_views = views
         return self._plane_views
-
-    def plane_voids(self) -> list[tuple[np.ndarray[Any, np.dtype[np.void]], int]] | None:
-        """:meth:`plane_views` as numpy arrays of whole block planes (one ``void`` item per
-        block), or ``None`` when a plane is not contiguous (numpy's ``take`` would copy it
-        first); CPU and numpy only; built once per call."""
-        if self._plane_voids is None:
-            voids: list[tuple[np.ndarray[Any, np.dtype[np.void]], int]] | None = []
-            for u, t in enumerate(self.units):
-                # One numpy array per paged tensor, [P', B] of whole block planes: a numpy
-                # call per plane is cheap, building a view per plane is not (64 per layer set).
-                layer, planes = self.unit_planes(u)
-                cu = canonical_unit(self.plan.spec, t)
-                rows = cu.as_strided(
-                    (cu.size(0), cu.size(1), cu[0, 0].numel()), (cu.stride(0), cu.stride(1), 1)
-                )
-                a = void_view(rows)
-                if a is None or not all(a[k].flags.c_contiguous for k in range(len(planes))):
-                    voids = None
-                    break
-                assert voids is not None
-                voids.extend((a[k], p * self.nl + layer) for k, p in enumerate(planes))
-            self._plane_voids = (voids,)
-        return self._plane_voids[0]
 
     def unit_views(self) -> list[tuple[torch.Tensor, int, range]]:
         """``(view, layer, planes)`` per paged tensor, the view ``[P', B, S, H, D]``."""
@@ -309,6 +276,4 @@ class KernelContext:
 
     def unit_planes(self, u: int) -> tuple[int, range]:
         """Layer and planes (as indices into ``P``) held by paged tensor ``u``."""
-        if self.plan.spec.is_kv_list:
-            return u % self.nl, range(u // self.nl, u // self.nl + 1)
-        return u, range(self.planes)
+        return unit_planes(self.plan.spec, self.nl, u)

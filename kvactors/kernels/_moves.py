@@ -2,30 +2,25 @@
 
 Theory of operation. Each function moves the blocks of one segment between the paged memory
 and a chunk-shaped target (the host chunk itself, or a device staging buffer on the staged
-path). The paths, in order of preference (measured in performance.md and bench_transfer):
+path). They serve what the one-call host paths of :mod:`kvactors.kernels.fast`,
+:mod:`kvactors.kernels._units` and :mod:`kvactors.kernels._planes` do not: the staged device
+path, scatters without numpy or with an ``HS`` axis that is not contiguous, and a host plan
+no binder took. The gather paths, in order of preference (measured in performance.md and
+bench_transfer):
 
 * rows: the paged memory is one stacked allocation and every block plane is one contiguous
-  token-major run. Gather is ONE ``index_select`` over a ``[rows, BS*NH*HS]`` view whose
-  output is the contiguous chunk itself, which torch serves with one ``memcpy`` per block
-  plane. Scatter is the mirror image through numpy fancy assignment (torch's ``index_copy_``
-  runs at half speed) on rows seen as single opaque items (``void_view``), so numpy moves one
-  block plane per item instead of walking its elements; numpy releases the GIL for it.
+  token-major run: ONE ``index_select`` over a ``[rows, BS*NH*HS]`` view whose output is the
+  contiguous chunk itself, which torch serves with one ``memcpy`` per block plane.
 * planes: block planes are contiguous but the layers are separate allocations: the same, one
-  call per (layer, plane). On the host both directions go through numpy with whole block
-  planes as single items (``take`` into the chunk's contiguous slots for a gather, fancy
-  assignment for a scatter): one move per block plane, and a numpy call costs a fraction of
-  a torch call, which matters at 64 calls per chunk.
-* stacked: one strided view covers all layers but blocks are not token-major (HND). Gather
-  is one ``index_select`` on the view in physical order, writing a permuted view of the chunk
-  (the transpose is fused; torch copies ``HS`` runs, 0.9x of a C ``memcpy`` loop over the same
-  runs). A host scatter is ONE numpy fancy assignment per segment between ``void_view``s of
-  the stacked memory (``[L, P, B, S, H]``, items whole ``HS`` runs) and of the chunk, indexed
-  by broadcast ``(plane, layer, block id)`` arrays in the chunk's order: numpy then walks the
-  chunk sequentially, token-major, which is the fast order of the C loop (per run of
-  consecutive block ids, or in the paged memory's order, it is 10-20 % slower, and torch's
-  ``copy_`` / ``index_copy_`` slower still). Without numpy (and on the staged device path)
-  scatter is one ``copy_`` per run of consecutive block ids.
+  call per (layer, plane).
+* stacked: one strided view covers all layers but blocks are not token-major (HND): one
+  ``index_select`` on the view in physical order, writing a permuted view of the chunk (the
+  transpose is fused; torch copies ``HS`` runs, 0.9x of a C ``memcpy`` loop over the same
+  runs).
 * units: anything else, one call per paged tensor (physical order again).
+
+A scatter here is one ``copy_`` per run of consecutive block ids over the stacked view, else
+per paged tensor (numpy's fancy assignment on the host, ``index_copy_`` on a device).
 
 No path allocates anything chunk-sized: outputs are views of the target, inputs views of the
 paged memory; the only temporaries are index tensors of at most ``P*NL*bpo`` integers.
@@ -37,7 +32,7 @@ from typing import TYPE_CHECKING
 
 import torch
 
-from kvactors.kernels._views import block_runs, physical_order, void_view
+from kvactors.kernels._views import block_runs, physical_order
 
 if TYPE_CHECKING:
     from kvactors.kernels._context import KernelContext
@@ -61,9 +56,7 @@ def numpy_usable() -> bool:
     return _NUMPY
 
 
-def gather_segment(
-    ctx: KernelContext, seg: Segment, target: torch.Tensor, *, use_numpy: bool
-) -> None:
+def gather_segment(ctx: KernelContext, seg: Segment, target: torch.Tensor) -> None:
     """Copy the segment's blocks from the paged memory into ``target`` (raw, chunk-shaped)."""
     n, j0 = seg.count, seg.slot0
     if ctx.rows is not None:
@@ -77,8 +70,6 @@ def gather_segment(
         return
     if ctx.plan.tight:
         tv = ctx.plane_rows(target)[:, j0 : j0 + n]
-        if use_numpy and _planes_take(ctx, seg, tv):
-            return
         ids = ctx.ids(seg)
         for plane, i in ctx.plane_views():
             torch.index_select(plane, 0, ids, out=tv[i])
@@ -102,32 +93,6 @@ def scatter_segment(
     """Copy the segment's rows of ``source`` (raw, chunk-shaped) into the paged blocks."""
     block_ids = ctx.plan.request.block_ids[seg.start : seg.stop]
     n, j0 = seg.count, seg.slot0
-    if use_numpy and ctx.rows is not None:
-        rows = void_view(ctx.rows)
-        assert rows is not None  # rows are unit-stride by construction
-        idx = ctx.row_index(seg, _CPU)
-        if n == ctx.bpo:
-            rows[idx.view(-1).numpy()] = void_view(source.view(idx.numel(), -1))
-        else:
-            sv = ctx.plane_rows(source)
-            for i in range(idx.size(0)):
-                rows[idx[i].numpy()] = void_view(sv[i, j0 : j0 + n])
-        return
-    if use_numpy and _stacked_scatter(ctx, seg, source):
-        return
-    if use_numpy and ctx.plan.tight and ctx.stacked is None:
-        sv = ctx.plane_rows(source)[:, j0 : j0 + n]
-        ids_np = ctx.ids(seg, _CPU).numpy()
-        voids = ctx.plane_voids()
-        if voids is not None:
-            sv_np = void_view(sv)
-            assert sv_np is not None  # chunk slots are contiguous
-            for plane_np, i in voids:
-                plane_np[ids_np] = sv_np[i]
-        else:
-            for plane, i in ctx.plane_views():
-                plane.numpy()[ids_np] = sv[i].numpy()
-        return
     ov = ctx.target_view(source).permute(1, 0, 2, 3, 4, 5)[:, :, j0 : j0 + n]
     if ctx.stacked is not None:
         for k, b, r in block_runs(block_ids):
@@ -143,38 +108,3 @@ def scatter_segment(
         else:
             for k, b, r in block_runs(block_ids):
                 cu.narrow(1, b, r).copy_(src.narrow(1, k, r))
-
-
-def _planes_take(ctx: KernelContext, seg: Segment, tv: torch.Tensor) -> bool:
-    """The planes host gather through numpy (module docstring): per (paged tensor, plane) one
-    ``take`` of whole block planes into the chunk's slots ``tv[i]`` (contiguous). ``False``
-    (nothing moved) when a plane is not contiguous."""
-    voids = ctx.plane_voids()
-    if voids is None:
-        return False
-    ids_np = ctx.ids(seg, _CPU).numpy()
-    out = void_view(tv)
-    assert out is not None  # chunk slots are contiguous
-    for plane_np, i in voids:
-        # mode="clip": the plan validated every id; the default "raise" buffers the output.
-        plane_np.take(ids_np, axis=0, out=out[i], mode="clip")
-    return True
-
-
-def _stacked_scatter(ctx: KernelContext, seg: Segment, chunk: torch.Tensor) -> bool:
-    """The stacked host scatter through numpy (module docstring); ``False`` when it does not
-    apply (no stacked view, or an ``HS`` axis that is not contiguous), nothing moved then."""
-    if ctx.stacked is None:
-        return False
-    paged = ctx.stacked_void()
-    if paged is None:
-        return False
-    ov = ctx.target_view(chunk)[:, :, seg.slot0 : seg.slot0 + seg.count]
-    obj = void_view(ov)  # [P, L, n, S, H]
-    assert obj is not None  # chunks are contiguous
-    # Advanced indices on the paged axes (L, P, B), broadcast to the chunk's (P, L, n) order.
-    layers = torch.arange(ctx.nl).view(1, -1, 1).numpy()
-    planes = torch.arange(ctx.planes).view(-1, 1, 1).numpy()
-    blocks = ctx.ids(seg, _CPU).view(1, 1, -1).numpy()
-    paged[layers, planes, blocks] = obj
-    return True

@@ -2,36 +2,38 @@
 
 Theory of operation. Every fast path works on *canonical* views: a paged tensor seen as
 ``[P, B, S, H, D]`` (K/V lists and MLA get size-1 axes), the stacked paged memory as
-``[L, P, B, S, H, D]`` and a host chunk as ``[P, L, J, S, H, D]`` (``J`` = block slot). All
-views are reinterpreted as a same-width integer dtype first: a transfer is a byte move, integer
-kernels exist for every width on every device, and numpy (used for CPU scatters) has no
-bfloat16. Before an ``index_select`` the paged side is permuted into its physical order
-(largest stride first) and the object side is permuted the same way: torch's ``index_select``
-is only fast when its source is in physical order (a transposed source makes it copy the whole
-tensor per call, performance.md section 2).
+``[L, P, B, S, H, D]`` and a host chunk as ``[P, L, J, S, H, D]`` (``J`` = block slot). Where
+a dtype may lack a kernel (numpy has no bfloat16, torch no fp8 ``index_select``) views are
+reinterpreted as the same-width integer dtype first (:func:`raw`): a transfer is a byte move.
+Before an ``index_select`` the paged side is permuted into its physical order (largest stride
+first) and the object side is permuted the same way: torch's ``index_select`` is only fast
+when its source is in physical order (a transposed source makes it copy the whole tensor per
+call, performance.md section 2).
 """
 
 from __future__ import annotations
 
-from typing import TYPE_CHECKING, Any
+import array
+from typing import TYPE_CHECKING
 
 import torch
 
 from kvactors.layouts import FormatSpec, PagedKind
 
 if TYPE_CHECKING:
-    import numpy as np
+    from collections.abc import Sequence
 
     from kvactors.plans import StackedView
 
 __all__ = (
     "block_runs",
     "canonical_unit",
+    "index_tensor",
     "object_view",
     "physical_order",
     "raw",
     "stacked_view",
-    "void_view",
+    "unit_planes",
 )
 
 _RAW = {1: torch.uint8, 2: torch.int16, 4: torch.int32, 8: torch.int64}
@@ -87,23 +89,21 @@ def block_runs(ids: tuple[int, ...] | list[int]) -> list[tuple[int, int, int]]:
     return runs
 
 
+def unit_planes(spec: FormatSpec, nl: int, u: int) -> tuple[int, range]:
+    """Layer and planes (as indices into ``P``) held by paged tensor ``u``."""
+    if spec.is_kv_list:
+        return u % nl, range(u // nl, u // nl + 1)
+    return u, range(spec.planes)
+
+
+def index_tensor(ids: Sequence[int]) -> torch.Tensor:
+    """An int64 CPU tensor of ``ids``, built over an ``array`` buffer (the tensor keeps it):
+    cheaper than ``torch.tensor(ids)``."""
+    if not ids:  # frombuffer refuses an empty buffer
+        return torch.empty(0, dtype=torch.int64)
+    return torch.frombuffer(array.array("q", ids), dtype=torch.int64)
+
+
 def is_kv_list(spec: FormatSpec) -> bool:
     """Whether each paged tensor holds one plane of one layer."""
     return spec.kind is PagedKind.KV_LIST
-
-
-def void_view(t: torch.Tensor) -> np.ndarray[Any, np.dtype[np.void]] | None:
-    """A CPU tensor ``[..., D]`` as a numpy array ``[...]`` whose items are its last axis as
-    one opaque ``D*itemsize``-byte run (no copy), or ``None`` when that axis is not contiguous.
-
-    numpy copies such items with one ``memcpy``-like move each and releases the GIL, so a
-    strided copy of ``[..., D]`` runs at the speed of its runs, not of its elements."""
-    if t.dim() == 0:
-        return None
-    d = t.size(-1)
-    if t.stride(-1) != 1:
-        if d > 1:
-            return None
-        t = t.as_strided(t.size(), (*t.stride()[:-1], 1), t.storage_offset())
-    a = t.numpy()
-    return a.view(f"V{d * a.itemsize}")[..., 0]

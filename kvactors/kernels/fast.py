@@ -35,7 +35,6 @@ function of a plan that builds only that plan's index tensors and its kernel).
 
 from __future__ import annotations
 
-import array
 import threading
 from typing import TYPE_CHECKING, Any
 
@@ -44,8 +43,10 @@ import torch
 from kvactors.errors import TransferValidationError
 from kvactors.kernels._context import KernelContext, ScratchCache
 from kvactors.kernels._moves import gather_segment, numpy_usable, scatter_segment
+from kvactors.kernels._planes import planes_scatter_binder
 from kvactors.kernels._staged import single_kernel, staged_segment
-from kvactors.kernels._views import object_view, raw
+from kvactors.kernels._units import units_gather_binder
+from kvactors.kernels._views import index_tensor, object_view, raw
 from kvactors.layouts import Direction
 from kvactors.plans import paged_units
 
@@ -122,7 +123,7 @@ def run_fast(
     if not use_staging and not plan.on_host:
         raise TransferValidationError("device tensors need the staged path", field="staged")
     if not use_staging:
-        bind = _host_binder(plan, units[0], objs)
+        bind = _host_binder(plan, paged, objs)
         if bind is not None:
             bind(plan)(paged, objs)
             return
@@ -147,7 +148,7 @@ def _run_general(
         np_ok = numpy_usable()
         for seg in plan.segments:
             if d2h:
-                gather_segment(ctx, seg, raw_objs[seg.obj], use_numpy=np_ok)
+                gather_segment(ctx, seg, raw_objs[seg.obj])
             else:
                 scatter_segment(ctx, seg, raw_objs[seg.obj], use_numpy=np_ok)
         return
@@ -191,7 +192,7 @@ def reused_kernel(
 
 def _binder(plan: TransferPlan, paged: Any, objects: Sequence[torch.Tensor]) -> Binder:
     if plan.on_host and plan.segments:
-        bind = _host_binder(plan, _first(paged), objects)
+        bind = _host_binder(plan, paged, objects)
         if bind is not None:
             return bind
 
@@ -223,14 +224,6 @@ def _in_inference_mode(
     return bind_inference
 
 
-def index_tensor(ids: Sequence[int]) -> torch.Tensor:
-    """An int64 CPU tensor of ``ids``, built over an ``array`` buffer (the tensor keeps it):
-    cheaper than ``torch.tensor(ids)``."""
-    if not ids:  # frombuffer refuses an empty buffer
-        return torch.empty(0, dtype=torch.int64)
-    return torch.frombuffer(array.array("q", ids), dtype=torch.int64)
-
-
 def _first(paged: Any) -> torch.Tensor:
     """The first paged tensor of a matched structure: one tensor, a list of layers, or K/V
     lists (nested or flat)."""
@@ -240,25 +233,38 @@ def _first(paged: Any) -> torch.Tensor:
     return first if isinstance(first, torch.Tensor) else first[0]  # type: ignore[no-any-return]
 
 
-def _host_binder(
-    plan: TransferPlan, unit0: torch.Tensor, objects: Sequence[torch.Tensor]
-) -> Binder | None:
-    """The binder of a host plan's one-call path, or ``None`` when none applies (a partial
-    segment, no stacked view, a scatter without rows or numpy). A small gather takes the
-    stacked path first (one torch call less than the rows path's view plus index_select); a
-    big one the rows path first (one ``memcpy`` per block plane copies faster)."""
+def _host_binder(plan: TransferPlan, paged: Any, objects: Sequence[torch.Tensor]) -> Binder | None:
+    """The binder of a host plan's one-call path, or ``None`` when none applies (a scatter
+    without numpy, an ``HS`` axis that is not contiguous). A gather over a stacked view:
+    a small one takes the stacked path first (one torch call less than the rows path's view
+    plus index_select), a big one the rows path first (one ``memcpy`` per block plane copies
+    faster), one with a partial segment (a skipped prefix, a short last chunk) the stacked
+    path; a gather without a stacked view takes one call per object and paged tensor
+    (:mod:`kvactors.kernels._units`). A scatter takes the rows path (integer rows, the GIL
+    released) where the block planes are tight and every segment full, else the block-plane
+    rows of :mod:`kvactors.kernels._planes`."""
+    unit0 = _first(paged)
     bpo = plan.request.chunk_size // plan.request.shape.bs
-    if any(seg.count != bpo for seg in plan.segments):
-        return None
+    full = all(seg.count == bpo for seg in plan.segments)
     gather = plan.direction is Direction.D2H
-    stacked = gather and plan.stacked is not None
-    if stacked and not (plan.rows is not None and plan.nbytes >= _ROWS_FIRST_BYTES):
+    if not gather:
+        if not numpy_usable():
+            return None
+        if full and plan.rows is not None:
+            return _rows_binder(plan, unit0, objects)
+        return planes_scatter_binder(plan, paged, objects)
+    stacked = plan.stacked is not None
+    if not stacked:
+        return units_gather_binder(plan, paged, objects)
+    if not full:
+        return _stacked_binder(plan, unit0, objects)
+    if not (plan.rows is not None and plan.nbytes >= _ROWS_FIRST_BYTES):
         bind = _stacked_binder(plan, unit0, objects)
         if bind is not None:
             return bind
-    if plan.rows is not None and (gather or numpy_usable()):
+    if plan.rows is not None:
         return _rows_binder(plan, unit0, objects)
-    return _stacked_binder(plan, unit0, objects) if stacked else None
+    return _stacked_binder(plan, unit0, objects)
 
 
 def _rows_binder(
@@ -377,6 +383,7 @@ def _stacked_geometry(
             out = out.unsqueeze(0)
         if out.shape[dim] != bpo:
             return None
+        out = out.narrow(dim, seg.slot0, seg.count)
         offset = out.storage_offset() - obj.storage_offset()
         outs.append((seg.obj, (out.shape, out.stride(), offset)))
     return (src.shape, src.stride(), src.storage_offset()), dim, tuple(outs)
@@ -424,7 +431,7 @@ def _run_staged(
         obj = objs[seg.obj]
         staging = scratch.get(ctx.device, obj.shape, obj.dtype)
         if d2h:
-            gather_segment(ctx, seg, staging, use_numpy=False)
+            gather_segment(ctx, seg, staging)
             copy(_region(ctx, obj, seg), _region(ctx, staging, seg))
         else:
             copy(_region(ctx, staging, seg), _region(ctx, obj, seg))
