@@ -92,7 +92,7 @@ def fake_vendor(kind: str, **knobs: Any) -> Iterator[FakeVendor]:
 
     Args:
         kind: ``"mlu"`` or ``"musa"``.
-        **knobs: fields of :class:`FakeKnobs` (``seed``, ``delay``, ``jitter``,
+        **knobs: fields of :class:`FakeKnobs` (``seed``, ``delay``, ``jitter``, ``lazy``,
             ``devices``, ``available``, ``strided_d2h_bug``, ``pageable_async``,
             ``pool_size``, ``vendor_constructor``, ``ipc``, ``event_ipc``, ``musart``,
             ``uuid``).

@@ -318,7 +318,7 @@ class FakeEvent:
         marker = self._state.marker
         if marker is None:
             return
-        marker.done.wait()
+        marker.wait()
         if marker.error is not None:
             raise FakeDeviceError(f"event observed a stream error: {marker.error}")
 
