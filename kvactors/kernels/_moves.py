@@ -1,34 +1,10 @@
 """One segment's gather (paged -> chunk) and scatter (chunk -> paged), fastest path first.
 
-Theory of operation. Each function moves the blocks of one segment between the paged memory
-and a chunk-shaped target (the host chunk itself, or a device staging buffer on the staged
-path). The paths, in order of preference (measured in performance.md and bench_transfer):
-
-* rows: the paged memory is one stacked allocation and every block plane is one contiguous
-  token-major run. Gather is ONE ``index_select`` over a ``[rows, BS*NH*HS]`` view whose
-  output is the contiguous chunk itself, which torch serves with one ``memcpy`` per block
-  plane. Scatter is the mirror image through numpy fancy assignment (torch's ``index_copy_``
-  runs at half speed) on rows seen as single opaque items (``void_view``), so numpy moves one
-  block plane per item instead of walking its elements; numpy releases the GIL for it.
-* planes: block planes are contiguous but the layers are separate allocations: the same, one
-  call per (layer, plane). On the host both directions go through numpy with whole block
-  planes as single items (``take`` into the chunk's contiguous slots for a gather, fancy
-  assignment for a scatter): one move per block plane, and a numpy call costs a fraction of
-  a torch call, which matters at 64 calls per chunk.
-* stacked: one strided view covers all layers but blocks are not token-major (HND). Gather
-  is one ``index_select`` on the view in physical order, writing a permuted view of the chunk
-  (the transpose is fused; torch copies ``HS`` runs, 0.9x of a C ``memcpy`` loop over the same
-  runs). A host scatter is ONE numpy fancy assignment per segment between ``void_view``s of
-  the stacked memory (``[L, P, B, S, H]``, items whole ``HS`` runs) and of the chunk, indexed
-  by broadcast ``(plane, layer, block id)`` arrays in the chunk's order: numpy then walks the
-  chunk sequentially, token-major, which is the fast order of the C loop (per run of
-  consecutive block ids, or in the paged memory's order, it is 10-20 % slower, and torch's
-  ``copy_`` / ``index_copy_`` slower still). Without numpy (and on the staged device path)
-  scatter is one ``copy_`` per run of consecutive block ids.
-* units: anything else, one call per paged tensor (physical order again).
-
-No path allocates anything chunk-sized: outputs are views of the target, inputs views of the
-paged memory; the only temporaries are index tensors of at most ``P*NL*bpo`` integers.
+Paths, in order of preference: ``rows`` (one stacked allocation, block planes contiguous:
+one ``index_select`` or numpy row assignment), ``planes`` (contiguous planes, separate layers:
+one call per layer and plane), ``stacked`` (one strided view over all layers, HND included:
+one ``index_select``, or one numpy assignment for a host scatter) and ``units`` (one call per
+paged tensor). Nothing chunk-sized is allocated: only index tensors.
 """
 
 from __future__ import annotations

@@ -55,6 +55,7 @@ from tests.scenarios._kv import (
 
 STREAMS = (0, 17)
 N_REQ = 3
+_DRAIN_S = 5.0  # seconds the final drain may take (milliseconds when every rule holds)
 D2H, H2D = Direction.D2H, Direction.H2D
 
 
@@ -354,7 +355,10 @@ class Interpreter:
         if not self.closed:
             # Drain: the device runs everything; every reply, fence and close arrives.
             futs = [s.fut for s in self.stores] + [s.fut for s in self.scatters]
+            loop = asyncio.get_running_loop()
+            deadline = loop.time() + _DRAIN_S  # a lost reply or fence fails, never hangs
             while not all(f.done() for f in futs) or not all(t.done() for t in self.tasks):
+                assert loop.time() < deadline, "a reply, fence or close never arrived"
                 self.backend.release()
                 await asyncio.wait([*futs, *self.tasks], timeout=0.01)
             await self.dev.stop(timeout=5.0)

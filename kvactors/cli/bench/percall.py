@@ -1,42 +1,13 @@
 """Per-call benchmark: what one transfer call costs against the single torch call of the same bytes.
 
-Theory of operation. On an accelerator the copy is asynchronous, so the host time of a call,
-not memory bandwidth, bounds throughput; on CPU that per-call cost shows as the gap between a
-kvactors call and the one torch call that produces the same bytes on identical operands
-(``torch.index_select`` of the stacked pool into the chunk's permuted view for a gather,
-``index_copy_`` of the permuted chunk into the stacked pool for a scatter). Per case (a model
-size, a layout, a direction, 1 chunk of 256 tokens, bf16) the contenders are timed call by
-call with their order rotated every repetition, in one run:
-
-* ``torch``: the single torch call;
-* ``runtime``: :meth:`kvactors.runtime.Runtime.transfer` (blocking facade);
-* ``op``: LMCache's DeviceOps call of the ``kvactors_cpu`` plugin with LMCache's own argument
-  types (``kvactors.baselines`` entry point ``kvactors_op``, shipped by the adapter);
-* ``lmcache``: LMCache's torch path on the same operands (entry point ``lmcache_torch``).
-
-Every single-caller case of the small model runs three times: with the same block ids on
-every call (``ids=same``: a plan validated once is reused), with other ids on every call
-(``ids=fresh``: more id sets than the plan cache holds, as LMCache's traffic brings other
-blocks of the same KV cache on most calls; the torch call then builds its index tensor from
-the call's id list, as any caller holding a list must), and with other ids and another chunk
-buffer on every call (``ids=bufs``: views at other offsets of one host pool, more than the
-plan cache holds, as a store into buffers of LMCache's host pool brings).
-
-With ``callers=4`` every contender runs in 4 threads at once, each thread on its own chunk
-(and, for scatters, its own block ids); the figure is the per-call latency and the aggregate
-calls per second. Ratios are medians of the same run (``p50`` contender / ``p50`` torch);
-``p99`` is reported next to ``p50``, and the text table shows p99/p50 of the LMCache op next
-to the torch call's own (a stall of the machine hits every contender alike). Also measured:
-warm planning (a repeated request) and ``Runtime.ping``. kvactors never imports lmcache: the
-last two contenders are plugins.
-
-What runs between two timed calls decides what is still in the CPU caches. By default
-(``before=contenders``) that is the other contenders' calls: the pool and the chunks stay in
-the last-level cache, and each contender's code is warm when the contender before it ran the
-same code. ``before=memory`` copies 16 MiB of other memory before every single-caller call
-(untimed), as an engine's forward pass between two transfers would: the operands then come
-from memory, for every contender alike (the 4-caller cases are not changed).
-
+On an accelerator the copy is asynchronous, so the host time of a call bounds throughput. Per
+case (model, layout, direction, one chunk of 256 bf16 tokens) the contenders run call by call,
+order rotated every repetition: ``torch`` (one ``index_select`` / ``index_copy_``),
+``runtime`` (``Runtime.transfer``), ``op`` (LMCache's op of ``kvactors_cpu``) and ``lmcache``
+(LMCache's torch path; both through ``kvactors.baselines`` entry points). Small-model single
+callers also run with other block ids on every call (``ids=fresh``) and with other chunk
+buffers too (``ids=bufs``); ``callers=4`` runs every contender in 4 threads at once.
+``before=memory`` copies 16 MiB of other memory before each single-caller call.
 Run ``python -m kvactors.cli.bench.percall --help`` (``kvactors bench`` runs it too).
 """
 
