@@ -1,20 +1,11 @@
 """One FIFO worker thread per fake stream: the engine of the fakes' asynchrony.
 
-Theory of operation. Every piece of "device work" (a copy, a kernel, an event record, a
-wait on another stream's event) is a closure appended to the stream's queue and run later,
-in order, on the stream's own daemon thread, after an optional seeded delay (``delay`` plus
-``jitter * U[0,1)`` seconds). The submitting thread returns at once, exactly as a kernel
-launch does, so code that reads results before waiting for the stream sees stale bytes.
-
-Errors are sticky as on real drivers: once a work item raises, later work items on the
-stream are skipped (their outputs keep stale bytes), markers complete carrying the error,
-and the next ``synchronize`` raises it and clears it. Barriers (``wait_event``) always run;
-they block the worker until the awaited marker completed, which is how cross-stream order
-is expressed. ``stop`` lets the queue drain and joins the thread.
-
-A *lazy* worker (knob ``lazy``) runs an item only once something waits for it: a
-``synchronize`` of the stream, a wait on a marker behind it (an event's ``synchronize``, another
-stream's barrier). Code that reads before it waits then sees stale bytes every time.
+Device work is a closure queued on the stream and run later, in order, on the stream's thread
+(after an optional seeded ``delay`` + ``jitter``); the submitter returns at once. Errors are
+sticky: later work is skipped, markers carry the error and the next ``synchronize`` raises it.
+Barriers (``wait_event``) block the worker until the awaited marker completed. A *lazy*
+worker (knob ``lazy``) runs an item only once something waits for it (a ``synchronize``, a
+wait on a marker behind it), so reading before waiting sees stale bytes every time.
 """
 
 from __future__ import annotations

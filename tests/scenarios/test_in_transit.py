@@ -1,13 +1,9 @@
 """Program order across entry points: an ``a*`` call admitted before a blocking ``transfer``
 is ordered before it, on every device.
 
-The earlier message is held inside its own turn (the backend's ``prepare_transfer`` blocks on
-a gate while the GatherActor handles it, on the loop, before it reached the stream), and the
-gate opens only once the later call either returned (it overtook: the rule is broken) or
-queued its message behind the held one (public statistics show the GatherActor's mailbox
-depth; the rule holds). No sleeps, no timeouts that decide the outcome: each case fails on the
-data (the program-order result against the overtaken one) when ``Actor._deliver`` lets a
-sender claim the turn of an actor with a queued message.
+The earlier message is held inside its turn (``prepare_transfer`` blocks on a gate), and the
+gate opens once the later call either returned (it overtook: broken) or queued behind it
+(public statistics show the mailbox depth). No sleeps; each case fails on the data.
 """
 
 from __future__ import annotations

@@ -1,24 +1,13 @@
 """Random interleavings of store, retrieve, preempt, fence, IPC close and shutdown.
 
-Theory of operation. Hypothesis picks a program: a list of engine operations over three
-requests that own paged KV blocks, two streams (handles 0 and 17), IPC contexts, and explicit
-device steps. The interpreter runs it against the real actors (:class:`DeviceActors`) on a
-:class:`_Observed`, a ManualBackend whose device runs launched
-work only when the program says ``release`` and which reports a device error for chosen
-launches. After every submission the interpreter waits (on the backend's condition variable,
-never on time) until the launch reached the device and its completion marker was recorded
-and queried, so every program runs the same way every time.
-
-The engine follows the rules a serving engine must follow, and only those: it fences blocks
-before reusing them (preempt), loads retrieved chunks into fresh blocks and reads them only
-after the scatter answered, and closes IPC contexts through the IPCOwnerActor. The invariants:
-
-* no committed chunk differs from the KV its blocks held when the store was submitted;
-* no scatter answers before its data is in the blocks (so no block is read before it landed);
-* a fence answers only after every earlier transfer on its blocks completed;
-* no IPC owner is closed while a store into its view is still running;
-* nothing is left pending after shutdown (graceful or in the middle of the program);
-* every injected device failure is reported as a failure; no operand is freed under the device.
+Hypothesis picks a program over three requests, two streams (0 and 17), IPC contexts and
+explicit device steps; the interpreter runs it against the real actors on a ManualBackend
+whose device runs work only on ``release`` (waits are on its condition variable, never on
+time). The engine follows a serving engine's rules (fence before reuse, read a load only after
+its scatter answered, close IPC contexts through the IPCOwnerActor). Invariants: committed
+chunks hold the KV of store time; no scatter or fence answers early; no IPC owner closes under
+a store; nothing is left pending after shutdown; injected failures are reported; no operand is
+freed under the device.
 """
 
 from __future__ import annotations
