@@ -86,13 +86,11 @@ def _runtime_rows(env: DeviceEnv, w: BenchWorkload, reps: int, seed: int) -> lis
     oshape = (2, nl, w.chunk_tokens, nh * hs)
     objects = [torch.zeros(oshape, dtype=dtype) for _ in range(w.chunks_per_call)]
     raw_host = torch.zeros((w.chunks_per_call, *oshape), dtype=dtype)
-    # Every buffer written once: a fresh zeroed allocation maps the kernel's shared zero page,
-    # and copying out of it runs at cache speed (a raw copy of it measured 2x a real one).
+    # Every buffer written once (an untouched allocation reads as the shared zero page).
     for t in (backing, raw_host, *objects):
         t.fill_(1)
-    # The raw copy moves the same bytes between the same kinds of memory: a contiguous region
-    # of the paged pool itself (a separate chunk-sized buffer can sit on huge pages the
-    # 0.5 GiB pool does not get, and copied 2x as fast as the pool allows).
+    # The raw copy moves the same bytes between the same kinds of memory: a region of the pool
+    # itself (a separate buffer may get huge pages the pool does not).
     raw_dev = backing.view(-1)[: raw_host.numel()].view(raw_host.shape)
     ids = tuple(random.Random(seed).sample(range(nb), w.chunk_tokens // bs * w.chunks_per_call))
     shape = ShapeDesc(
