@@ -166,7 +166,7 @@ def vendor(request: pytest.FixtureRequest) -> Iterator[tuple[str, FakeVendor, An
     from kvactors.devices.mlu import MluBackend
     from kvactors.runtime import Runtime
 
-    with fake_vendor(kind, seed=7, jitter=0.0002) as fake:
+    with fake_vendor(kind, lazy=True) as fake:
         # LMCache 0.5.7 resolves vLLM-MLU's legacy layout answer itself, so format 1 reaching
         # the plugin is real NHD memory (as these operands are): declared resolved on MLU.
         backend = MluBackend(layout_source="resolved") if kind == "mlu" else kind
