@@ -197,7 +197,7 @@ async def test_store_fence_then_blocking_reuse_keeps_the_stored_kv(kind: str) ->
         paged = rig.device(_kv.paged(4))
         stored = _chunk(-1.0)
         store = rt.atransfer(_kv.request(Direction.D2H, IDS), paged, stored)
-        fence = rt.afence(IDS)
+        fence = rt.afence(IDS, timeout=_WAIT)
         reuse = _kv.request(Direction.H2D, IDS)
         rig.after_held(lambda: rt.transfer(reuse, paged, _chunk(9.0)))
         await store
