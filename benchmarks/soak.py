@@ -1,23 +1,11 @@
 """Soak: 10,000 transfers with preemptions (fences + block reuse) and injected stream faults.
 
-An asyncio engine keeps up to ``--inflight`` stores and retrieves in flight through one
-:class:`kvactors.runtime.Runtime`, preempts random blocks (``afence`` then overwrite, as a
-serving engine reuses freed blocks), and every ``--fault-every`` transfers injects a stream
-error on the fake device: the transfer queued behind it must fail, the next synchronize must
-report the error once, and the stream must recover. Every store is checked bit-exact against
-the KV its blocks held when it was submitted. Chunks come from a fixed pool, as LMCache's
-pinned staging buffers do, so memory should stay flat.
-
-It reports RSS and open fds after a warm-up and at the end, and the throughput, and exits
-non-zero when RSS grew by more than 10 % + 20 MB, fds grew, a store was corrupted, or an
-injected fault was not reported as a failure.
-
-Usage::
+Stores and retrieves in flight through one :class:`kvactors.runtime.Runtime`, random
+preemptions (``afence`` then overwrite) and, on the fake devices, a stream fault every
+``--fault-every`` transfers; every store is checked bit-exact. Exits non-zero when RSS grew by
+more than 10 % + 20 MB, fds grew, a store was corrupted or a fault went unreported. Usage::
 
     python benchmarks/soak.py [--device musa|mlu|cpu] [--transfers 10000] [--seed 0]
-
-``musa``/``mlu`` run on the fake vendor modules of :mod:`kvactors.testing` (asynchronous
-streams); ``cpu`` is the real CPU backend (no fault injection there: its copies cannot fail).
 """
 
 from __future__ import annotations

@@ -1,18 +1,10 @@
 """The runtime's observer hook: calls reported from inside, at mailbox admission.
 
-Theory of operation. A :class:`~kvactors.runtime.Runtime` keeps a :class:`Observers` hub. When
-observers are attached, each facade ask (``transfer``, ``fence``, ``ping``, ``synchronize``,
-the IPC calls, and their ``a*`` twins) becomes a :class:`Call` carrying the runtime's own
-message (its ``transfer_id`` is the one the actors see). ``call_started`` runs on the sending
-thread right before the message is offered to the actor's mailbox, so ``Call.seq`` is the
-admission order of each thread's calls; ``call_finished`` runs when the reply is settled (on
-the caller's thread for blocking calls, on the settling thread for ``a*`` calls), also for
-calls the mailbox refused. The route is the same with or without observers; nothing wraps or
-replaces the runtime's methods.
-
-With no observer attached the runtime pays one truth test per call. Observers must be quick
-and must not call back into the runtime from ``call_started``; an
-observer that raises is logged and skipped, never allowed to fail the call.
+With observers attached each facade ask becomes a :class:`Call` carrying the runtime's own
+message: ``call_started`` runs on the sending thread right before the mailbox offer,
+``call_finished`` when the reply settles (also for refused calls). The route is the same with
+or without observers. Observers must be quick and must not call back into the runtime; one
+that raises is logged and skipped.
 """
 
 from __future__ import annotations

@@ -1,20 +1,10 @@
 """KV-cache layouts kvactors can move: formats, directions, shape descriptors (pure data).
 
-Theory of operation. LMCache names an engine's paged KV layout with an ``EngineKVFormat``
-number; kvactors keeps the same numbers for the formats it supports, so a conversion is an
-``int()``. Every format is described by data, never by branching code: which paged structure
-carries it (one cross-layer tensor, one tensor per layer, or K and V lists), the axis letters
-of one paged tensor, and the shape of the host chunk ("object"). The axis letters are
-
-* ``L`` layer, ``P`` K/V plane (0 = K, 1 = V), ``B`` block, ``S`` token slot inside a block,
-  ``H`` KV head, ``D`` element inside a head (MLA: the latent width; fused K/V formats: the
-  packed width ``2*head_size``, all K elements then all V elements).
-
-A host chunk is always token-major (``obj[p, l, t, h*HS + d]``; one-plane formats, MLA and
-fused K/V, ``obj[l, t, h*HS + d]``), so every format maps paged element ``(l, p, b, s, h, d)``
-to object element ``(p, l, j*BS + s, h, d)`` where ``j`` is the block's slot in the chunk
-(one-plane formats have no ``p``). Formats outside :data:`FORMAT_SPECS` are rejected, never
-copied "best effort". This module imports neither torch nor asyncio.
+Formats keep LMCache's ``EngineKVFormat`` numbers and are described by data (:data:`FORMAT_SPECS`):
+the paged structure, the axis letters of one paged tensor (``L`` layer, ``P`` K/V plane, ``B``
+block, ``S`` slot, ``H`` head, ``D`` element) and the token-major host chunk shape. Paged
+element ``(l, p, b, s, h, d)`` maps to chunk element ``(p, l, j*BS + s, h, d)``, ``j`` the
+block's slot. Other formats are rejected. No torch, no asyncio.
 """
 
 from __future__ import annotations

@@ -1,19 +1,10 @@
 """Metrics: statistics snapshots as samples, call timings, and optional Prometheus export.
 
-Three layers, each usable alone:
-
-* :func:`samples` turns a :class:`~kvactors.actors.group.DeviceStatistics` snapshot (from
-  :meth:`Runtime.statistics() <kvactors.runtime.Runtime.statistics>`) into flat
-  :class:`Sample` rows: bytes moved, transfers by result, transfers in flight, IPC owners,
-  pending records, and per actor its state, mailbox depth, peak, capacity, processed, failed.
-* :class:`CallMetrics` is an observer (:func:`kvactors.observe.observe`, the runtime's hook)
-  that counts calls, errors and seconds per operation, from mailbox admission to the settled
-  reply. The time lanes spend blocked in stream syncs comes from the runtime
-  (``kvactors_stream_sync_seconds_total``); the time ``synchronize`` and ``fence`` calls wait
-  is measured per call (``kvactors_sync_wait_seconds_total``).
-* :func:`register_prometheus` exposes both through ``prometheus_client`` when it is
-  installed (``pip install kvactors[metrics]``); values are read at scrape time, nothing is
-  copied in the background. :func:`render_text` writes the Prometheus text format without it.
+:func:`samples` flattens a :class:`~kvactors.actors.group.DeviceStatistics` snapshot into
+:class:`Sample` rows; :class:`CallMetrics` is an observer counting calls, errors and seconds
+per operation (admission to settled reply); :func:`register_prometheus` exposes both through
+``prometheus_client`` (``kvactors[metrics]``), read at scrape time, and :func:`render_text`
+writes the text format without it.
 """
 
 from __future__ import annotations

@@ -1,14 +1,9 @@
 """Observe a :class:`~kvactors.runtime.Runtime`'s calls (tracing, metrics) through its hook.
 
-Theory of operation. The runtime reports its own calls: ``Runtime(observer=...)`` or
-:meth:`Runtime.add_observer <kvactors.runtime.Runtime.add_observer>` attach a
-:class:`RuntimeObserver`, and the runtime calls ``call_started`` at mailbox admission (on its
-loop thread, so :attr:`Call.seq` is the order the actors handle messages in) and
-``call_finished`` when the reply is settled. A :class:`Call` carries the runtime's own message,
-``transfer_id`` included; nothing outside the runtime builds or guesses it, and no method of
-the runtime is wrapped or replaced (see :mod:`kvactors._observer`).
-
-:func:`observe` is the attach function under its documented name.
+``Runtime(observer=...)`` or :meth:`Runtime.add_observer <kvactors.runtime.Runtime.add_observer>`
+attach a :class:`RuntimeObserver`: ``call_started`` at mailbox admission, ``call_finished``
+when the reply settles, each with a :class:`Call` carrying the runtime's own message (see
+:mod:`kvactors._observer`). :func:`observe` is the attach function under its documented name.
 """
 
 from __future__ import annotations

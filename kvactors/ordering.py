@@ -1,17 +1,9 @@
 """Pure ordering core: block fences and publication order (no asyncio, no devices).
 
-Theory of operation. Two rules of kvactors are bookkeeping, not I/O, so they live here where
-plain synchronous tests (and hypothesis) can drive them through every interleaving:
-
-* Fence before reuse. :class:`BlockLedger` remembers which in-flight transfers touch which
-  engine block ids. A fence taken on some blocks snapshots the transfers in flight on them
-  *at that moment*; it is released when the last of those finishes. Transfers started after the
-  fence never delay it, so a fence cannot starve behind new traffic.
-* Submission order of records. :class:`PublishOrder` numbers records when they are submitted
-  and lets them be published in any order (different streams finish at different times), but
-  drains only the longest published prefix, so a reader always sees records in submission
-  order and never a later record before an earlier one. A record whose stream failed is
-  withdrawn so it cannot block the records behind it.
+:class:`BlockLedger` (fence before reuse): a fence snapshots the transfers in flight on its
+blocks and is released when the last of them finishes; later transfers never delay it.
+:class:`PublishOrder`: records are published in any order but drained only as the longest
+published prefix, so readers see submission order; a failed record is withdrawn.
 """
 
 from __future__ import annotations

@@ -1,19 +1,10 @@
 """Validated plans, reused while their operands' metadata has not changed (pure, thread-safe).
 
-:func:`~kvactors.plans.plan_transfer` reads metadata only, so its answer is a function of the
-request and of every operand's metadata: data pointer, storage offset, storage, shape, stride,
-dtype, device, and the operand structure (a list of layers, ``[[K...], [V...]]``, one tensor).
-:class:`PlanCache` keeps one entry per request-without-block-ids and per operands' *layout*:
-every one of those facts except the block ids and the chunks' data pointers, encoded into one
-``bytes`` key (the request as msgpack, so ``True`` or ``1.0`` never pass for ``1``). An entry
-holds a plan validated in full; a lookup of the same key rebinds it to the call's block ids
-and chunks (:func:`~kvactors.plans.rebind_block_ids`: exact ints, in range, no repeat among an
-H2D transfer's copied positions; ``plan_transfer`` reads no chunk's address), so other block
-ids into other chunk buffers (LMCache's traffic) validate only the ids. Anything else is a
-miss, validated in full; failed validations are never cached. No plan depends on data, so
-writes to the operands change nothing.
-
-The cache is bounded (the entries validated longest ago go first); a hit takes no lock.
+:class:`PlanCache` keys an entry by the request without its block ids plus every operand's
+metadata except the chunks' addresses (one ``bytes`` key); a hit rebinds the validated plan to
+the call's block ids and chunks (:func:`~kvactors.plans.rebind_block_ids` checks only the
+ids), anything else validates in full. Failed validations are never cached; the cache is
+bounded (oldest first) and a hit takes no lock.
 """
 
 from __future__ import annotations

@@ -1,30 +1,10 @@
 """Transfer requests and plans: validate everything, then describe the copy (pure).
 
-Theory of operation. :func:`plan_transfer` is the only gate between a request and memory. It
-reads metadata only (types, shapes, strides, dtypes, devices, storage offsets), never tensor
-data, and it raises before anything is copied, so a rejected request leaves every buffer as it
-was ("fail closed"). The checks run in LMCache's order (contract section 3.1), and the
-exception families are LMCache's: ``ValueError`` (:class:`TransferValidationError`) for bad
-values, ``TypeError`` (:class:`OperandTypeError`) for operands of the wrong structure:
-
-1. chunk size positive; ``bs`` positive and dividing the chunk size;
-2. ``skip_blocks`` non-negative; direction 0 or 1; the format supported;
-3. the dtype: ``shape.dtype`` when given, else the first paged tensor's, else the first
-   object's, else from ``element_size`` (1 -> uint8, 4 -> float32; 2 bytes is ambiguous and
-   rejected, never guessed as fp16);
-4. the paged structure (per format; an odd flat K/V list is a ``ValueError``);
-5. the objects' structure;
-6. the shape descriptor against the format and the tensor counts; every paged tensor (dtype,
-   device, shape, block stride, no self-overlap); every object (CPU, dtype, contiguous,
-   shape); the block ids (ints, in ``[0, nb)``; on H2D no duplicates among the copied
-   positions, whose write order would otherwise be undefined).
-
-The result, :class:`TransferPlan`, holds no tensors: the segment mapping of contract 3.2 (which
-object rows take which block ids), the blocks touched, the byte count, and cached layout facts
-the kernels use (whether the paged tensors are views of one allocation with uniform layer and
-plane strides, so that one strided view covers every layer; whether each block plane is one
-contiguous run). The kernels re-derive views from the same tensors and check the plan's
-fingerprint (data pointers) first, so a plan cannot be replayed on other tensors.
+:func:`plan_transfer` is the only gate between a request and memory: it reads metadata only
+and raises before anything is copied, in LMCache's order and exception families
+(``ValueError`` for bad values, ``TypeError`` for operands of the wrong structure). The
+:class:`TransferPlan` holds no tensors: the segment mapping, the blocks touched, the bytes, and
+layout facts the kernels use; kernels check its fingerprint (data pointers) before running.
 """
 
 from __future__ import annotations

@@ -1,14 +1,8 @@
 """The LMCache plugin names kvactors ships: the one place they are spelled.
 
-Theory of operation. LMCache finds device plugins through the entry-point group
-:data:`ENTRY_POINT_GROUP`; each entry point's name must equal its spec's ``backend_name``
-(LMCache selects by that name, ``LMCACHE_DEVICE_BACKEND=<name>``). The adapter's specs
-(``kvactors_lmcache.spec``) return these constants, ``kvactors doctor`` reads them, and
-``tests/test_plugins.py`` checks that ``pyproject.toml``'s entry points (the one place
-Python cannot import from) list exactly these names.
-
-This module is data only: it imports nothing, so every floor may read it, and knowing the
-names does not import the adapter or lmcache.
+Each entry point of :data:`ENTRY_POINT_GROUP` is named after its spec's ``backend_name``
+(``LMCACHE_DEVICE_BACKEND=<name>``); the adapter's specs and ``kvactors doctor`` read these
+constants and ``tests/test_plugins.py`` checks them against ``pyproject.toml``. Data only.
 """
 
 from __future__ import annotations

@@ -1,20 +1,11 @@
 """Record a runtime's messages to a file, and replay them to reproduce a run.
 
-Theory of operation. :class:`TraceRecorder` is an observer (:func:`kvactors.observe.observe`):
-for every transfer, fence, ping and synchronize the runtime admits into a mailbox it appends
-a ``call`` entry (the runtime's admission sequence number, seconds since the
-recording began, the wire message encoded with :func:`kvactors.protocols.codec.encode`, the
-stream handle, and for transfers the *shapes* and dtype of the operands, never their data),
-and when the call returns a ``done`` entry (duration, error). The file is a header followed by
-length-prefixed msgpack entries (4-byte little-endian length each), written under a lock and
-flushed per entry, so a crashed run still leaves a readable prefix.
-
-:func:`replay` re-sends the recorded messages to a fresh runtime with synthetic operands of
-the recorded shapes (zero-filled; one paged structure and one set of host chunks per distinct
-shape, reused). It keeps the recorded overlap: call ``i`` is submitted only after every call
-that had finished before ``i`` started in the recording has finished in the replay, so
-transfers that were in flight together are in flight together again, and a fence recorded
-after a store is queued after it. Outcomes (ok or the error type) are compared per call.
+:class:`TraceRecorder` is an observer: per admitted call a ``call`` entry (admission sequence,
+time, the encoded wire message, stream handle, operand shapes and dtype, never data) and a
+``done`` entry (duration, error), as length-prefixed msgpack flushed per entry. :func:`replay`
+re-sends them to a fresh runtime with zero-filled operands of the recorded shapes, keeping the
+recorded overlap (call ``i`` waits for the calls that had finished before it started), and
+compares outcomes per call.
 """
 
 from __future__ import annotations

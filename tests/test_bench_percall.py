@@ -62,36 +62,3 @@ def test_percall_command_writes_json(tmp_path: Path) -> None:
     data = json.loads(out.read_text())
     report = msgspec.convert(data, type=dict)
     assert report["rows"][0]["layout"] == "nhd"
-
-
-def test_before_memory_copies_other_memory_before_each_call_untimed() -> None:
-    """``before="memory"``: the spill copy runs before each single-caller call, outside its
-    time; the report and its table say which condition ran; an unknown one is refused."""
-    import torch
-
-    from kvactors.cli.bench import percall
-    from kvactors.errors import InvalidSettingError
-
-    src, dst = torch.arange(64, dtype=torch.uint8), torch.zeros(64, dtype=torch.uint8)
-    seen: list[bool] = []
-
-    def call() -> None:  # the spill already ran when a timed call starts
-        seen.append(bool(torch.equal(dst, src)))
-        dst.zero_()
-
-    times = percall._one_caller({"torch": call, "runtime": call}, 3, (src, dst))
-    assert seen[4:] == [True] * 6  # after the 4 warm-up calls: every timed call
-    assert [len(v) for v in times.values()] == [3, 3]
-    report = run_percall_bench(
-        models=("small",),
-        layouts=("mla",),
-        directions=("gather",),
-        callers=(1,),
-        reps=2,
-        quick=True,
-        before="memory",
-    )
-    assert report.before == "memory"
-    assert "16 MiB of other memory" in format_percall(report)
-    with pytest.raises(InvalidSettingError, match="before"):
-        run_percall_bench(models=("small",), reps=1, before="cold")

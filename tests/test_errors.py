@@ -1,13 +1,8 @@
 """errors.py's promise, kept: every exception kvactors raises on purpose is a kvactors error.
 
-A source scan (AST) over ``kvactors/`` and the LMCache adapter ``adapters/kvactors_lmcache/``
-(the public fakes in ``kvactors/testing`` imitate vendor errors and are excluded): every
-``raise Name(...)`` names a class of ``kvactors.errors``, or a factory annotated to return one
-(``def refuse(...) -> OperandTypeError``, which mypy holds to it); ``AssertionError`` marks an
-invariant (``unreachable``), ``SystemExit`` a ``__main__`` exit. Re-raising a caught or stored
-exception (``raise``, ``raise exc``) is not a new raise. The adapter's errors keep their
-builtin bases, so LMCache callers catching ``ValueError``/``TypeError``/``NotImplementedError``
-still catch them.
+An AST scan over ``kvactors/`` (the fakes excluded) and the adapter: every ``raise Name(...)``
+names a class of ``kvactors.errors`` or a factory annotated to return one; ``AssertionError``
+marks an invariant, ``SystemExit`` a ``__main__`` exit; bare re-raises are not new raises.
 """
 
 from __future__ import annotations

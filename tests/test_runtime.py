@@ -237,7 +237,7 @@ async def test_rule4_fence_waits_for_earlier_transfers_on_its_blocks() -> None:
             Transfer(transfer_id=1, request=_request(fmt, Direction.D2H, [3, 7], "bfloat16")),
             TransferOperands(paged, objs),
         )
-        fence = dev.gather.ask_nowait(Fence(block_ids=(7, 11)))
+        fence = dev.gather.ask_nowait(Fence(block_ids=(7, 11)), timeout=10)
         other = await dev.gather.ask_nowait(
             Fence(block_ids=(11,))
         )  # blocks nobody touches: at once
@@ -259,7 +259,7 @@ async def test_async_api_from_another_loop() -> None:
         objs = _objects(fmt, 1, torch.bfloat16)
         done = await rt.atransfer(_request(fmt, Direction.D2H, [2, 4], "bfloat16"), paged, objs)
         assert done.blocks == 2
-        assert (await rt.afence([2, 4])).waited_for == 0
+        assert (await rt.afence([2, 4], timeout=10)).waited_for == 0
         assert (await rt.aping(5)).seq == 5
 
 

@@ -1,23 +1,10 @@
 """Map LMCache's transfer arguments onto kvactors' own request and operand types.
 
-Theory of operation. LMCache hands the op native enums (``EngineKVFormat``,
-``TransferDirection``), a ``PageBufferShapeDesc`` with a dynamic ``dtype`` attribute,
-engine block ids as a list (tensor mode) or a device tensor (pointer mode), and the paged
-operand in the per-format structure LMCache normalised it to. kvactors speaks plain ints and
-frozen structs: :class:`kvactors.plans.TransferRequest` with a
-:class:`kvactors.layouts.ShapeDesc`. Everything here is pure and raises before any memory is
-touched: ``TypeError`` for operand structure (raw pointers included), ``ValueError`` for
-values; kvactors' own validation runs again inside the runtime.
-
-The enum numbers are LMCache's, so the mapping is by value (``int(...)``); LMCache's native
-enums are never imported here. Two LMCache formats differ from a kvactors format only by a
-size-1 axis between heads and tokens (RBLN's ``NL_X_NB_TWO_NH_ONE_BS_HS``, new in LMCache
-0.5.7, and ``NL_X_TWO_NB_NH_ONE_BS_HS``): the same bytes and strides, so :func:`normalize_format`
-drops that axis with a view and kvactors moves them as the HND format they are. The formats
-kvactors does not move (blocked-scale pages, token-folded pools, MLA plane tuples, and any
-format newer than this adapter) are refused before anything is touched, with a message naming
-the format and the engine that produces it (from LMCache's format registry); docs/formats.md
-lists which formats each device serves.
+LMCache's enums map by value (``int(...)``; never imported here) onto a
+:class:`kvactors.plans.TransferRequest` with a :class:`kvactors.layouts.ShapeDesc`; pure, and
+raises before memory is touched (``TypeError`` for structure and raw pointers, ``ValueError``
+for values). :func:`normalize_format` views the two formats with a size-1 axis as HND; formats
+kvactors does not move are refused naming the format and its engine (docs/formats.md).
 """
 
 from __future__ import annotations

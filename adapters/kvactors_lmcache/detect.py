@@ -1,21 +1,14 @@
 """Ask LMCache's own device detection what it selects here; print it as one JSON object.
 
-Run as a script in a fresh interpreter (``kvactors doctor`` does, with the caller's
-environment): LMCache detects the device once, at ``import lmcache``, and caches the result
-for the life of the process, so only a fresh process answers for a given environment.
+Run in a fresh interpreter (``kvactors doctor`` does; LMCache caches its detection per
+process)::
 
     python .../kvactors_lmcache/detect.py [--fake mlu|musa]
 
-Theory of operation. Nothing here re-implements LMCache's rules: the script imports lmcache
-(which runs detection and may raise, e.g. ``Multiple LMCache backends are available``),
-then reads LMCache's own answers: ``_detect_device()`` for the selected backend, its backend
-registry for every registered spec (asking each ``is_available()`` as LMCache does), the
-MP transfer mode through ``worker_transfer._resolve_mode`` and the selected spec's
-``default_mp_transfer_mode()``. When the import raises, the error is reported and the
-registry is still read from the modules that loaded (``_device_detect`` survives a failed
-package import in ``sys.modules``). ``--fake KIND`` installs kvactors' fake vendor module
-first, to answer as on a host with one such device. Private LMCache names are read
-defensively: a missing one becomes an ``unknown`` field, never a crash.
+It imports lmcache and reads LMCache's own answers (the selected backend, every registered
+spec's ``is_available()``, the MP transfer mode), reporting an import error and still reading
+the registry. ``--fake KIND`` installs kvactors' fake vendor first. Missing private names
+become ``unknown`` fields.
 """
 
 from __future__ import annotations

@@ -1,18 +1,10 @@
 """The MUSA handle (LMCache-driven) path, as far as LMCache 0.5.6 lets a plugin go.
 
-Theory of operation. On the handle path the *server* copies: the worker ships IPC handles
-(``DeviceIPCWrapper``), the server opens them in a ``BaseCacheContext`` and calls the
-process-global ops with **raw device pointers** (``get_kernel_group_kv_pointers`` and the
-``data_ptr()`` of its temp buffers). LMCache 0.5.6's IPC wire serialises only wrapper classes
-defined in ``lmcache.v1.platform.devices`` (``ipc_wire.WRAPPER_TYPES``), so kvactors cannot ship
-its own wrapper: it reuses LMCache's ``MusaIPCWrapper`` and ``MUSACacheContext``.
-
-kvactors never reinterprets an unknown address. The cache context made here registers, in a
-process-local :class:`PointerRegistry`, the exact tensors whose addresses it will hand to the
-ops (the opened KV layers and every temp kernel-group buffer). The MUSA ops accept a pointer
-operand only if every pointer resolves to a registered tensor; anything else is refused with
-``TypeError``. ``close()`` unregisters first (no new transfer can resolve a pointer into the
-context), then runs LMCache's close order: stream sync, drop KV views, close IPC owners.
+On this path LMCache's server calls the ops with raw device pointers, and its IPC wire ships
+only LMCache's own wrappers, so kvactors reuses ``MusaIPCWrapper`` and ``MUSACacheContext``.
+The context made here registers the exact tensors behind those pointers in a process-local
+:class:`PointerRegistry`; the MUSA ops accept pointers only when every one resolves there
+(else ``TypeError``). ``close()`` unregisters first, then syncs, drops views, closes owners.
 """
 
 from __future__ import annotations

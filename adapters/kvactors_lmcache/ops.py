@@ -1,28 +1,12 @@
 """LMCache ``DeviceOps`` subclasses that route transfers into the kvactors runtime.
 
-Theory of operation. LMCache's engine-driven worker calls ``multi_layer_block_kv_transfer``
-from its own threads (the caller thread for retrieve, up to 4 commit threads for async
-stores), resolved per KV tensor device type. Each call is converted (``convert``) into a
-:class:`kvactors.plans.TransferRequest` and handed to the process-wide runtime of that
-(backend, device index), whose facade is thread-safe. On accelerators the calling thread's
-*current* stream handle goes with the request, so the copy is ordered after the work the
-caller already queued there (LMCache's async store waits an event on its copy stream first),
-and the call returns once the copies are enqueued in order on that stream, as LMCache's own
-MLU/MUSA ops do (LMCache synchronizes before it reads or reuses host chunks); the runtime owns
-the operands and fences wait until the device completed. ``complete_on_return=True`` (or
-``KVACTORS_LMCACHE_COMPLETE_ON_RETURN=1``) makes accelerator calls wait for completion
-instead. On CPU the handle is 0 and the call is complete on return, as LMCache requires (it
-never synchronizes a CPU device).
-
-Tensor mode only: ``lmcache_objects_ptrs`` carries a string annotation containing
-``Tensor``, which is how LMCache 0.5.6 picks the tensor calling convention. Raw pointers are
-refused with a ``TypeError`` before anything is touched.
-
-Completions and events are published sync-then-publish by the runtime's StreamActor: a
-record becomes drainable only after every earlier piece of work on its stream completed.
-Records go to this ops instance's *home* runtime (the device current when it was first
-needed); drains return records in submission order. Nothing here retains a paged or object
-tensor after returning.
+Each ``multi_layer_block_kv_transfer`` (from any LMCache thread) is converted into a
+:class:`kvactors.plans.TransferRequest` for the process-wide runtime of its device. On
+accelerators the caller's current stream handle goes with it and the call returns once the
+copies are enqueued on that stream, as LMCache's own MLU/MUSA ops do
+(``complete_on_return=True`` or ``KVACTORS_LMCACHE_COMPLETE_ON_RETURN=1`` waits instead); on
+CPU it is complete on return. Tensor mode only (raw pointers are a ``TypeError``). Completions
+and events are published sync-then-publish by the runtime's StreamActor.
 """
 
 from __future__ import annotations

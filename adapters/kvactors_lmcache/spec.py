@@ -1,37 +1,13 @@
 """LMCache ``DeviceSpec`` plugins backed by the kvactors runtime (LMCache 0.5.6 and 0.5.7).
 
-Theory of operation. LMCache imports this module through the ``lmcache.device_plugins``
-entry points *while ``lmcache.v1.platform`` is still initialising*, so at module level it
-imports only ``lmcache.v1.platform.base.*`` and the leaf ``transfer_mode`` module. Everything
-device-specific (the ops class, kvactors' backends, vendor modules, LMCache's MUSA handle
-stack) is imported lazily inside properties and methods. ``is_available()`` never raises:
-every probe error reads as "unavailable".
-
-Three specs, one per entry point (the entry-point name equals ``backend_name``):
-
-* ``kvactors_mlu`` (device_type ``mlu``) and ``kvactors_musa`` (device_type ``musa``).
-* ``kvactors_cpu`` (device_type ``cpu``): test-only, available only with
-  ``KVACTORS_LMCACHE_CPU=1``. ``cpu`` comes first in LMCache's registry order, so an available
-  CPU spec would hijack ``torch_dev`` and beat accelerator plugins; it defaults to unavailable.
-
-Coexistence. LMCache's detection raises when two *available* specs share a device type and
-``LMCACHE_DEVICE_BACKEND`` is unset, and it prefers nothing: so an accelerator spec here
-reports available only where it cannot make detection ambiguous or change what LMCache would
-pick on its own (design.md, "Adapter"):
-
-1. selected by name: ``LMCACHE_DEVICE_BACKEND`` equals its ``backend_name``; or
-2. it is the only spec LMCache registered for its device type (LMCache 0.5.6 has no MLU
-   backend; 0.5.7 ships a built-in ``mlu``; every version has a built-in ``musa``).
-
-Rule 2 reads LMCache's own backend registry (``_device_detect._build_device_registry``),
-which is complete and cached before LMCache asks any spec ``is_available()``; it never runs
-device detection, so there is no recursion. Where the registry cannot be read, the answer is
-"not the only one" (fail closed: kvactors then runs only when selected by name). And in every
-case kvactors' own probe must find the device.
-
-All three default to the engine-driven MP path. The MUSA handle (lmcache-driven) path is
-opt-in through ``LMCACHE_MUSA_HANDLE_TRANSFER=1`` and limited by LMCache (see
-``docs/lmcache-adapter.md``).
+LMCache imports this module while ``lmcache.v1.platform`` is still initialising, so only
+``lmcache.v1.platform.base.*`` and ``transfer_mode`` are imported at module level; the rest is
+lazy, and ``is_available()`` never raises. Specs: ``kvactors_mlu``, ``kvactors_musa`` and
+``kvactors_cpu`` (test-only: available only with ``KVACTORS_LMCACHE_CPU=1``). An accelerator
+spec is available only when selected by name (``LMCACHE_DEVICE_BACKEND``) or when it is the
+only spec LMCache registered for its device type (read from LMCache's registry; unreadable
+means no), and kvactors' probe finds the device. The MUSA handle path is opt-in
+(``LMCACHE_MUSA_HANDLE_TRANSFER=1``, ``docs/lmcache-adapter.md``).
 """
 
 from __future__ import annotations

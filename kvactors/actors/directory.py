@@ -1,23 +1,11 @@
 """The directory of a device's StreamActors, one per stream handle, made on first use and
 retired when idle.
 
-Theory of operation. Handle 0 is the device's default stream and its actor lives as long as
-the runtime. A nonzero handle borrows a caller's stream; its actor (a lane thread, a reaper
-thread and a wrapper of the caller's stream) is made on the first message for that handle.
-Once such an actor holds nothing (its ``on_idle`` hook fires on the loop), the directory puts
-it on an idle list, least recently used first. An idle actor that gets a message is simply
-used again; otherwise it is retired, stopped and forgotten, when more than ``max_idle`` actors
-are idle, or ``idle_seconds`` after it went idle. Retiring an idle actor changes no order: all
-its work ran and all its records are published, and a later message for the same handle
-makes a new actor on the same caller stream. Any thread may look an actor up (a sender running
-the GatherActor's turn does); retiring claims the actor with ``close_if_idle``, atomically with
-sends, so a sender that raced it finds the actor closed and :meth:`StreamDirectory.get` again
-makes a new one. So however many short-lived caller streams come
-and go, at most ``max_idle`` borrowed-stream actors (and their threads and wrappers) outlive
-their work, plus the ones with work in flight.
-
-Listeners added with :meth:`StreamDirectory.on_retire` hear the handle of every retired actor
-(the GatherActor drops its staging buffers for that stream then).
+Handle 0 (the default stream) lives as long as the runtime. A borrowed caller stream gets an
+actor on its first message; once idle it joins an LRU list and is retired (``close_if_idle``,
+atomic with sends) when more than ``max_idle`` are idle or ``idle_seconds`` passed. Retiring
+changes no order; a later message makes a new actor. :meth:`StreamDirectory.on_retire`
+listeners hear each retired handle.
 """
 
 from __future__ import annotations

@@ -1,26 +1,11 @@
 """IPCOwnerActor: receiver-side owners of IPC-opened memory, closed only after a stream sync.
 
-Theory of operation. Opening a handle yields an owner (a MUSA ``open_tensor`` owner, a CPU
-shared-memory mapping) and a view onto it; the actor keeps both in the handle's context. A
-view is only valid while its owner is open, and a device stream may still be reading or
-writing through it after the host moved on. So closing a context is a fixed sequence (rule 2,
-close after sync): synchronize every stream that may have used the context's views (a
-``Sync`` barrier on each StreamActor, answered only after all earlier work on that stream ran)
--> drop every view the actor holds -> close each owner, each in its own ``finally`` so one
-failure cannot leak the rest -> forget the context. If any barrier failed or timed out, a copy
-may still use the views: nothing is released, the context stays open (``owners_kept`` counts
-its owners) and the close fails with an :class:`~kvactors.errors.IPCError` that says so; a
-later close of the context syncs again and releases them. The same holds when the actor stops.
-
-Which streams? The actor cannot see which stream a view went to (views leave with the caller
-and come back inside transfers on any stream), so it synchronizes *every* stream this device's
-directory knows, plus the handles the caller names (a caller stream kvactors has not seen yet
-is borrowed and synchronized too). Closing is rare; a barrier on an idle stream is cheap.
-
-A second ``CloseContext`` for a context whose close is in flight waits for that close and gets
-the same answer (never a premature "closed 0" while the owners are still open); one for a
-context already closed, or never opened, answers "closed 0" at once. Nothing is ever sent
-across processes but the handle, which carries a name and tensor metadata, never a pointer.
+Closing a context (rule 2): a ``Sync`` barrier on every stream this device's directory knows
+plus the handles the caller names, then drop the views, then close each owner (each in its
+own ``finally``). If a barrier failed or timed out nothing is released: the context stays
+open, ``owners_kept`` counts its owners, the close raises :class:`~kvactors.errors.IPCError`
+and a later close tries again. A second close of a context being closed gets the first one's
+answer; only the handle (a name and metadata, never a pointer) crosses processes.
 """
 
 from __future__ import annotations

@@ -1,20 +1,10 @@
 """Lane threads: where device work runs, off the event loop.
 
-Theory of operation. Every stream gets one lane: a FIFO worker thread that binds the device
-and the stream once (vendors keep both in thread-local storage) and then runs jobs in the order
-they were submitted, which is the StreamActor's mailbox order. Jobs launch device work and
-return; on CPU the work is done when ``launch`` returns, on an accelerator it is only enqueued.
-
-A launched job's completion marker and its *lease* (the callable and the tensors it reads and
-writes) go to the lane's reaper, a second thread that waits for markers in FIFO order. Only
-when a marker completed does the reaper drop the lease and report back, so operands outlive
-the device work that uses them even when the caller has long forgotten them (rule 3). The
-event loop never blocks.
-
-A StreamActor whose turn runs on a sender's thread (the sender claimed it, or it was handed
-the turn) while the lane has no job queued or running launches there instead of submitting
-(the stream order is the same: nothing is ahead of it); its marker still goes to the reaper,
-behind every earlier one.
+One lane per stream: a FIFO thread that binds device and stream once and runs jobs in the
+StreamActor's mailbox order. A launched job's marker and *lease* (callable and tensors) go to
+the lane's reaper thread, which drops the lease and reports only once the marker completed
+(rule 3). A StreamActor turn on a sender's thread launches there when the lane holds nothing;
+its marker still queues behind every earlier one.
 """
 
 from __future__ import annotations

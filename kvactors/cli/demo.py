@@ -1,28 +1,11 @@
 """``kvactors demo``: a simulated serving workload through the runtime, verified bit for bit.
 
-Theory of operation. A small "engine" (one asyncio task on the caller's loop) admits requests
-into a paged KV pool (NHD, one tensor per layer) on the chosen device. For each request it
-looks up the longest cached prefix of its chunks in a host store, retrieves the hits
-(scatter, host -> device) through :class:`~kvactors.runtime.Runtime`, "computes" the rest by
-writing their KV into fresh blocks, and stores the new chunks (gather, device -> host)
-*without waiting*: the store is in flight while the engine goes on, and a chunk becomes
-visible to lookups only once its store completed and verified ("publish after commit").
-
-Requests finish, or are preempted at random and requeued. Either way their blocks go back to
-the free list only after ``fence(blocks)``, and the engine immediately overwrites them with
-a poison pattern, as the next prefill would. That is the race LMCache users hit (a store
-still reading blocks that were reused, field-lessons 1.6-1.8): if the fence did not wait for
-the stores in flight, stored chunks would contain poison, and so would later restores.
-
-Every restored block is read back from device memory and compared bit for bit with the KV
-the chunk must hold (a pure function of its key, :mod:`kvactors.cli._workload`), with
-:func:`kvactors.validate.compare_kv`; every stored chunk is checked the same way before it is
-published. The demo succeeds only when all of it matched and no transfer failed.
-
-The engine submits each store itself (``Runtime.atransfer`` queues its message when it is
-called) and only then hands the reply future to a task that waits for it and verifies the
-chunks, so a later fence is queued after those stores and the mailbox order makes it wait for
-them, whatever the task scheduler does.
+A small engine (one asyncio task) admits requests into a paged KV pool, retrieves cached
+prefix chunks (scatter), writes the rest and stores new chunks (gather) without waiting; a
+chunk is visible to lookups only once its store completed and verified. Finished or preempted
+requests free their blocks only after ``fence(blocks)``, then overwrite them with poison, so a
+fence that did not wait would show as poison in stored chunks. Every restored block and stored
+chunk is compared with the KV its key defines (:mod:`kvactors.cli._workload`).
 """
 
 from __future__ import annotations

@@ -1,14 +1,9 @@
 """``kvactors doctor``: what can run here, what LMCache would select, and what to do about it.
 
-Theory of operation. kvactors never imports lmcache (importing it runs LMCache's device
-detection, loads every plugin, and can raise), and it does not re-implement LMCache's selection
-rules either: when lmcache is importable, the doctor runs LMCache's own detection in a fresh
-subprocess with the same environment (``kvactors_lmcache/detect.py``, found without importing
-the adapter) and reports its answer: the selected backend, or the error ``import lmcache``
-raises, every registered backend with its ``is_available()``, and the MP transfer mode.
-Everything else is read without side effects: packages through ``importlib.metadata`` and
-``importlib.util.find_spec``, kvactors' backends through their probes (which never raise).
-Where lmcache is not installed there is nothing to select: the plugin is inactive.
+kvactors never imports lmcache: when it is importable, the doctor runs LMCache's own detection
+in a fresh subprocess with the same environment (``kvactors_lmcache/detect.py``) and reports
+its answer. Everything else is read without side effects: package metadata, ``find_spec`` and
+the backends' probes.
 """
 
 from __future__ import annotations

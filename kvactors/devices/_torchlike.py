@@ -1,22 +1,11 @@
 """The stream, event and copy verbs shared by every torch.cuda-shaped backend.
 
-Theory of operation. torch_mlu, torch_musa and torch.cuda expose the same stream/event API,
-differing in the native-handle attribute (``mlu_stream``, ``musa_stream``, ``cuda_stream``),
-in how the module is reached, and in copy hazards. :class:`TorchLikeBackend` implements the
-Backend stream verbs once on a :class:`~kvactors.devices._vendor.VendorModule`:
-
-* ``bind_thread`` sets the device and the current stream *inside* the lane thread: both are
-  thread-local in every vendor runtime, so setting them on the event loop would not reach
-  the lane (device-apis.md 11b).
-* handle 0 is ``default_stream(index)``, never ``ExternalStream(0)`` (which returns a pool
-  stream); a nonzero handle is borrowed with ``ExternalStream`` and never destroyed.
-* ``launch`` runs the callable under ``stream(s)``, so every kernel it issues is ordered on
-  ``s``; ``record_marker`` records an event; ``synchronize`` blocks the lane.
-* ``copy_`` is asynchronous except, with ``blocking_strided_d2h``, a device-to-host copy into a
-  non-contiguous destination or with a dtype change, which blocks (torch_mlu returns wrong
-  data from the asynchronous form even after a sync; torch_musa's form is unverified).
-
-Vendor ``RuntimeError``s become :class:`~kvactors.errors.DeviceOpError`.
+:class:`TorchLikeBackend` implements the stream verbs once on a
+:class:`~kvactors.devices._vendor.VendorModule`: ``bind_thread`` sets device and stream inside
+the lane thread (both thread-local); handle 0 is ``default_stream(index)``, a nonzero handle
+is borrowed with ``ExternalStream``; ``launch`` runs under ``stream(s)``; ``copy_`` blocks for
+strided or converting D2H when ``blocking_strided_d2h``. Vendor ``RuntimeError``s become
+:class:`~kvactors.errors.DeviceOpError`.
 """
 
 from __future__ import annotations

@@ -1,24 +1,12 @@
 """The backend protocol: the device edge of kvactors.
 
-Theory of operation. A backend wraps one device kind (``cpu``, ``mlu``, ``musa``, ``cuda``)
-behind the few verbs the actors need. StreamActor calls the stream verbs on its own lane
-thread, never on the event loop: ``bind_thread`` once when the lane starts (vendors keep the
-current device and stream in thread-local storage), then ``launch`` to put device work on a
-stream (asynchronous on accelerators, immediate on CPU), ``synchronize`` to wait for a stream,
-and ``record_marker`` for a completion marker. ``copy_`` is the copy-policy hook the kernels go
-through (MLU turns strided device-to-host copies into blocking ones). ``probe`` never raises;
-``require`` raises :class:`~kvactors.errors.BackendUnavailableError` with the probe's reason.
-
-Two transfer hooks let a device add its own rules without touching the actors: GatherActor
-calls ``prepare_transfer`` before planning (device layout rules; metadata only, may refuse)
-and ``transfer_kernel`` once the plan exists (the callable the lane runs: kvactors' torch
-kernel, or an opted-in native transfer that may decline first, :mod:`kvactors.devices.native`).
-
-Streams and markers are opaque to the runtime: it only hands them back to the backend that
-made them. Raw pointers never leave the process: ``ipc_export`` returns a wire-safe
-:class:`IPCHandle` and ``ipc_open`` returns an :class:`IPCOwner` that IPCOwnerActor keeps
-until the stream that used its views has been synchronized. IPCHandle is a wire type, defined
-in :mod:`kvactors.protocols.ipc` and re-exported here.
+A backend wraps one device kind behind the verbs the actors need: ``bind_thread``, ``launch``,
+``synchronize`` and ``record_marker`` for streams, ``copy_`` (the copy-policy hook),
+``prepare_transfer`` (device layout rules before planning) and ``transfer_kernel`` (what the
+lane runs). ``probe`` never raises; ``require`` raises
+:class:`~kvactors.errors.BackendUnavailableError`. Streams and markers are opaque to the
+runtime; across processes only an :class:`IPCHandle` travels, and ``ipc_open`` returns an
+:class:`IPCOwner` kept until the streams that used it were synchronized.
 """
 
 from __future__ import annotations

@@ -1,13 +1,9 @@
 """The CUDA backend (torch.cuda): the same stream protocol, testable on an NVIDIA GPU.
 
-Theory of operation. torch.cuda has the API shape torch_mlu and torch_musa copy, so this
-backend runs the shared stream verbs (:class:`~kvactors.devices._torchlike.TorchLikeBackend`)
-on real asynchronous hardware: streams carry ``.cuda_stream``, handle 0 is
-``torch.cuda.default_stream(index)`` (the legacy default stream, whose handle is 0 as on
-MUSA), and nonzero handles are borrowed with ``ExternalStream``. Strided device-to-host
-copies are correct asynchronously on CUDA, so the blocking policy is off by default.
-Raw-pointer views use the generic storage + ``set_`` route; IPC is not offered (kvactors'
-cross-process paths are the CPU and MUSA ones).
+The shared stream verbs (:class:`~kvactors.devices._torchlike.TorchLikeBackend`) on real
+asynchronous hardware: handle 0 is the legacy default stream, nonzero handles are borrowed
+with ``ExternalStream``, strided D2H copies stay asynchronous (correct on CUDA). Raw-pointer
+views use storage + ``set_``; no IPC.
 """
 
 from __future__ import annotations

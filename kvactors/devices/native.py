@@ -1,25 +1,13 @@
 """Native transfer kernels: the extension point for vendor fast paths (MUSA, MLU).
 
-Theory of operation. kvactors' own kernels are torch tensor ops and run everywhere. A vendor
-(or an operator) may provide a native transfer for a device kind, registered in the Python
-entry-point group :data:`ENTRY_POINT_GROUP` under the backend kind (``musa`` or ``mlu``)::
-
-    [project.entry-points."kvactors.native_kernels"]
-    musa = "my_musa_kernels:KvTransfer"      # a zero-argument factory (class or function)
-
-or handed to the backend directly (``MusaBackend(native=...)``). A native runs only when its
-opt-in variable is on (MUSA: LMCache's ``LMCACHE_MUSA_NATIVE_KV_TRANSFER=1``; MLU:
-``KVACTORS_MLU_NATIVE_KV_TRANSFER=1``) and the backend's eligibility check accepts the plan
-(MUSA: formats 1 and 3, contiguous paged tensors, whole blocks per chunk, no D2H skip).
-
-The two-level flow: the planner validated the request first (nothing native sees is
-unchecked); on the stream's lane thread, with the device and the stream current, the
-backend calls ``native.transfer(plan, paged, objects)``. It either enqueues the whole copy on
-the current stream and returns True, or declines (returns False or raises
-:class:`~kvactors.errors.UnsupportedOperationError`) *before enqueueing anything*, and
-kvactors' torch kernel runs instead. Any other exception fails the transfer (it is reported,
-never retried on a possibly half-written destination). The backend counts native and
-fallback runs (``native_transfers``, ``native_declined``).
+A native transfer is a zero-argument factory registered in the entry-point group
+:data:`ENTRY_POINT_GROUP` under the backend kind (or passed as ``MusaBackend(native=...)``).
+It runs only when opted in (MUSA ``LMCACHE_MUSA_NATIVE_KV_TRANSFER=1``, MLU
+``KVACTORS_MLU_NATIVE_KV_TRANSFER=1``) and the backend finds the plan eligible, on the lane
+thread after validation: ``transfer(plan, paged, objects)`` enqueues the whole copy and
+returns True, or declines before enqueueing anything (False or
+:class:`~kvactors.errors.UnsupportedOperationError`) and kvactors' torch kernel runs. Any other
+exception fails the transfer.
 """
 
 from __future__ import annotations

@@ -1,23 +1,10 @@
 """Per-call views for the fast kernels, built once from a plan and its operands.
 
-Theory of operation. A :class:`KernelContext` turns a plan (metadata) plus the operands it was
-made for into the strided views every fast path needs: the paged tensors as same-width integer
-views, the stacked ``[L, P, B, S, H, D]`` view when the plan found one, and the "rows" view
-(every block plane of every layer one row of ``BS*NH*HS`` elements) when the plan found the
-stacked memory tight. Building these costs a few microseconds and allocates nothing but the
-tiny index tensors; only the views a path uses are built (the per-tensor integer views only
-when a per-layer path needs them).
-
-The index tensors (block ids, row numbers) depend on the plan alone, so a caller that reuses
-a plan can pass an *indices* dict kept with it: the tensors are built on the first call and
-read from it afterwards (they are never written by a kernel, so sharing them between calls
-and threads is safe). On an accelerator the staged path attaches the stream's
-:class:`ScratchCache` instead (``indices``): there the index tensors are keyed by their
-content, so a repeated request finds them on the device whether or not its plan was reused,
-and nothing is uploaded or synchronised on a warm call.
-
-:class:`ScratchCache` holds one stream's reusable device buffers: the staging buffers and
-those index tensors.
+A :class:`KernelContext` turns a plan and its operands into the views a path needs (integer
+views of the paged tensors, the stacked ``[L, P, B, S, H, D]`` view, the rows view), building
+only what the path uses. Index tensors depend on the plan alone and may be kept with it; on an
+accelerator they are keyed by content in the stream's :class:`ScratchCache`, which also holds
+the staging buffers.
 """
 
 from __future__ import annotations

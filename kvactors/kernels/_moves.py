@@ -1,29 +1,13 @@
 """One segment's gather (paged -> chunk) and scatter (chunk -> paged), fastest path first.
 
-Theory of operation. Each function moves the blocks of one segment between the paged memory
-and a chunk-shaped target (the host chunk itself, or a device staging buffer on the staged
-path). They serve what the one-call host paths of :mod:`kvactors.kernels.fast`,
-:mod:`kvactors.kernels._units` and :mod:`kvactors.kernels._planes` do not: the staged device
-path, scatters without numpy or with an ``HS`` axis that is not contiguous, and a host plan
-no binder took. The gather paths, in order of preference (measured in performance.md and
-bench_transfer):
-
-* rows: the paged memory is one stacked allocation and every block plane is one contiguous
-  token-major run: ONE ``index_select`` over a ``[rows, BS*NH*HS]`` view whose output is the
-  contiguous chunk itself, which torch serves with one ``memcpy`` per block plane.
-* planes: block planes are contiguous but the layers are separate allocations: the same, one
-  call per (layer, plane).
-* stacked: one strided view covers all layers but blocks are not token-major (HND): one
-  ``index_select`` on the view in physical order, writing a permuted view of the chunk (the
-  transpose is fused; torch copies ``HS`` runs, 0.9x of a C ``memcpy`` loop over the same
-  runs).
-* units: anything else, one call per paged tensor (physical order again).
-
-A scatter here is one ``copy_`` per run of consecutive block ids over the stacked view, else
-per paged tensor (numpy's fancy assignment on the host, ``index_copy_`` on a device).
-
-No path allocates anything chunk-sized: outputs are views of the target, inputs views of the
-paged memory; the only temporaries are index tensors of at most ``P*NL*bpo`` integers.
+Each function moves one segment's blocks between paged memory and a chunk-shaped target (the
+host chunk, or a device staging buffer). They serve what the one-call host paths of
+:mod:`kvactors.kernels.fast`, ``_units`` and ``_planes`` do not: the staged device path,
+scatters without numpy, and host plans no binder took. Gather paths, in order of preference:
+``rows`` (one stacked allocation, block planes contiguous: one ``index_select``), ``planes``
+(separate layers: one call per layer and plane), ``stacked`` (one strided view over all layers,
+HND included: one ``index_select`` with the transpose fused) and ``units`` (one call per paged
+tensor). Nothing chunk-sized is allocated: only index tensors.
 """
 
 from __future__ import annotations

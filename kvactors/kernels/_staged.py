@@ -1,27 +1,11 @@
 """The staged device path's moves: one kernel and one host<->device copy per segment.
 
-Theory of operation. On an accelerator torch cannot index across devices, so a segment
-(the blocks of one host chunk) moves in two steps through a device staging buffer shaped
-like the segment's part of the chunk, ``[P, L, n, S, H, D]`` and contiguous:
-
-* gather: ONE ``index_select`` from the paged memory into the staging buffer, then ONE
-  copy staging -> host chunk (asynchronous when the chunk region is contiguous, which it
-  is for every full segment);
-* scatter: ONE copy host chunk -> staging, then ONE ``index_copy_`` from the staging buffer
-  into the paged memory.
-
-This holds when the plan found one view over all paged tensors: the rows view (block
-planes are contiguous token-major runs: one row per block plane, index ``[P*L, n]`` row
-numbers) or the stacked ``[L, P, B, S, H, D]`` view (any strides, HND included: the kernel
-runs on both sides permuted into the paged memory's physical order, which fuses the
-transpose). Other plans (separately allocated layers) take the per-tensor paths of
-:mod:`kvactors.kernels._moves`, one kernel per paged tensor.
-
-The index tensors (block ids, row numbers) live on the device, uploaded once per distinct
-content and kept in the :class:`~kvactors.kernels._context.ScratchCache` of the stream
-(``KernelContext.ids`` / ``row_index`` read it), so a repeated request uploads nothing and
-never waits for the device. The staging buffers come from the same cache. Everything is
-issued in order on the caller's current stream, which is what makes sharing them safe.
+Torch cannot index across devices, so a segment moves through a contiguous device staging
+buffer ``[P, L, n, S, H, D]``: a gather is one ``index_select`` into it and one copy to the
+host chunk; a scatter the mirror image. This needs one view over all paged tensors (rows or
+stacked); other plans take :mod:`kvactors.kernels._moves` per tensor. Index tensors and
+staging buffers come from the stream's :class:`~kvactors.kernels._context.ScratchCache`, safe
+to share because everything is issued in order on the caller's current stream.
 """
 
 from __future__ import annotations

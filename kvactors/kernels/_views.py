@@ -1,14 +1,9 @@
 """View builders shared by the fast kernels (metadata only: no data is read or written here).
 
-Theory of operation. Every fast path works on *canonical* views: a paged tensor seen as
-``[P, B, S, H, D]`` (K/V lists and MLA get size-1 axes), the stacked paged memory as
-``[L, P, B, S, H, D]`` and a host chunk as ``[P, L, J, S, H, D]`` (``J`` = block slot). Where
-a dtype may lack a kernel (numpy has no bfloat16, torch no fp8 ``index_select``) views are
-reinterpreted as the same-width integer dtype first (:func:`raw`): a transfer is a byte move.
-Before an ``index_select`` the paged side is permuted into its physical order (largest stride
-first) and the object side is permuted the same way: torch's ``index_select`` is only fast
-when its source is in physical order (a transposed source makes it copy the whole tensor per
-call, performance.md section 2).
+Fast paths work on canonical views reinterpreted as same-width integers: a paged tensor
+``[P, B, S, H, D]``, the stacked memory ``[L, P, B, S, H, D]``, a host chunk
+``[P, L, J, S, H, D]``. Before an ``index_select`` both sides are permuted into the paged
+memory's physical order, the order in which torch's ``index_select`` is fast.
 """
 
 from __future__ import annotations

@@ -1,36 +1,12 @@
 """The fast transfer kernels: few large torch calls per chunk, nothing chunk-sized allocated.
 
-Theory of operation. :func:`run_fast` executes a validated :class:`~kvactors.plans.TransferPlan`
-one segment (object) at a time. It has two shapes:
-
-* Host path (paged tensors on the CPU): blocks move straight between the paged memory and the
-  host chunk. A plan with nothing but full segments takes a one-call path per object: the
-  stacked gather (one ``index_select`` over the stacked view permuted into its physical
-  order) or the rows path (one ``index_select``, or one numpy assignment of 2-D integer rows,
-  between a rows view of the stacked memory and the chunk, where the block planes are
-  tight); anything else the per-segment paths of :mod:`kvactors.kernels._moves`.
-* Staged path (paged tensors on an accelerator): torch cannot index across devices, so a
-  gather first collects the segment's blocks on the device into a staging buffer laid out like
-  the chunk, then moves it with ONE ``copy(host_chunk, staging)`` through the backend's copy
-  policy; a scatter does ``copy(staging, host_chunk)`` first and then the device-side block
-  copies. Where one view covers every layer that is ONE ``index_select`` / ``index_copy_``
-  per segment (:mod:`kvactors.kernels._staged`); separately allocated layers take one per
-  layer. The staging buffers and the device index tensors come from a :class:`ScratchCache`
-  and are reused for every segment and every call (a call with new block ids uploads its
-  indices once, in one copy): reuse is safe because all the work of one call is issued in
-  order on the caller's current stream, so a later gather into the buffer is ordered after
-  the copy that drains it. That also means one cache must serve one stream: GatherActor
-  keeps one per stream handle, and the default (``scratch=None``) is one cache per calling
-  thread.
-
-On the staged path the copy hook receives same-width integer views of the operands.
-The staged path can be forced on CPU tensors (``staged=True``) so it is tested without
-hardware.
-
-A plan the runtime's plan cache matched runs :func:`reused_kernel`: which path applies and
-the geometry of its views depend on neither the block ids nor the chunks' addresses, so they
-are decided once per cache entry and kept in its :class:`KernelMemo` as a *binder* (a
-function of a plan that builds only that plan's index tensors and its kernel).
+:func:`run_fast` executes a validated plan one segment (object) at a time. Host path (paged
+memory on the CPU): blocks move straight between paged memory and chunk, one call per object
+where the plan allows (stacked or rows view), else :mod:`kvactors.kernels._moves`. Staged path
+(paged memory on an accelerator, or ``staged=True``): a device staging buffer and one
+host<->device copy per segment (:mod:`kvactors.kernels._staged`); its buffers come from one
+stream's :class:`ScratchCache`. A plan the plan cache matched runs :func:`reused_kernel`, whose
+path and view geometry are decided once per cache entry (:class:`KernelMemo`).
 """
 
 from __future__ import annotations

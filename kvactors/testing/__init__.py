@@ -1,27 +1,20 @@
 """Public fakes for testing kvactors (and code built on it) without vendor hardware.
 
 :func:`fake_vendor` installs an asynchronous fake of ``torch_mlu`` (``torch.mlu``) or
-``torch_musa`` (``torch.musa``): one worker thread per stream, thread-local current device
-and stream, events (also interprocess), ``ExternalStream(0)`` returning a pool stream,
-device-memory IPC, host pinning, seeded per-op delay and jitter, sticky injected errors and
-a knob reproducing torch_mlu's asynchronous strided device-to-host bug. Device memory is CPU
-memory; device tensors are :class:`FakeDeviceTensor` instances whose device work really
-runs later, on the stream's thread, so a missing synchronize or wait yields stale bytes.
+``torch_musa`` (``torch.musa``): a worker thread per stream, thread-local current device and
+stream, events (also interprocess), ``ExternalStream(0)`` as a pool stream, device-memory IPC,
+host pinning, sticky injected errors, torch_mlu's async strided D2H bug, and timing knobs
+(``lazy``: device work runs only once something waits for it; ``delay``/``jitter``). Device
+tensors (:class:`FakeDeviceTensor`) live in CPU memory and their work runs later on the
+stream's thread, so a missing synchronize or wait reads stale bytes.
 
-Vendor code runs as written: the first fake installed in a process claims torch's private
-device name (as torch_mlu / torch_musa do on import; ``KVACTORS_FAKE_VENDOR=mlu|musa`` pins
-which kind may), so ``torch.device("mlu:0")``, ``tensor.to("mlu:0")``, ``tensor.mlu()``,
-``torch.empty(..., device="mlu")`` and ``t.device.type == "mlu"`` behave as on a card. torch
-allows one such name per process: a fake of the other kind in the same process falls back to
-:class:`FakeDevice` objects (see ``kvactors.testing._device``).
+The first fake installed in a process claims torch's private device name
+(``KVACTORS_FAKE_VENDOR=mlu|musa`` pins which kind may), so ``torch.device("mlu:0")``,
+``tensor.to("mlu:0")`` and ``t.device.type`` behave as on a card; a fake of the other kind
+falls back to :class:`FakeDevice`. Every fake counts its device operations
+(``fake.counters()``, ``with fake.counting() as ops``). Example::
 
-Every fake counts the device operations it performs (kernel launches, host<->device copies,
-host synchronisations, device allocations): ``fake.counters()`` is an :class:`OpCounts`
-snapshot and ``with fake.counting() as ops: ...`` gives ``ops.counts`` for one call.
-
-Example::
-
-    with fake_vendor("musa", jitter=0.001, seed=3) as fake:
+    with fake_vendor("musa", lazy=True) as fake:
         import torch_musa
         dev = fake.to_device(torch.arange(8.0))
         host = torch.empty(8).pin_memory()
@@ -29,11 +22,9 @@ Example::
         torch_musa.current_stream().synchronize()
         assert torch.equal(host, torch.arange(8.0))
 
-The pytest plugin :mod:`kvactors.testing.pytest_plugin` provides fixtures ``fake_mlu`` and
-``fake_musa``. The vendor fakes depend on nothing else in kvactors.
-
-:func:`check_backend` (loaded on first access: it runs the Runtime) is the conformance suite
-behind ``kvactors selftest``, for vendors' CI: ``check_backend("musa").ok``.
+Fixtures ``fake_mlu`` and ``fake_musa``: :mod:`kvactors.testing.pytest_plugin`.
+:func:`check_backend` (loaded on first access) is the conformance suite behind
+``kvactors selftest``: ``check_backend("musa").ok``.
 """
 
 from __future__ import annotations
@@ -92,7 +83,7 @@ def fake_vendor(kind: str, **knobs: Any) -> Iterator[FakeVendor]:
 
     Args:
         kind: ``"mlu"`` or ``"musa"``.
-        **knobs: fields of :class:`FakeKnobs` (``seed``, ``delay``, ``jitter``,
+        **knobs: fields of :class:`FakeKnobs` (``seed``, ``delay``, ``jitter``, ``lazy``,
             ``devices``, ``available``, ``strided_d2h_bug``, ``pageable_async``,
             ``pool_size``, ``vendor_constructor``, ``ipc``, ``event_ipc``, ``musart``,
             ``uuid``).

@@ -1,25 +1,11 @@
 """Module objects shaped like torch_mlu / torch_musa, and their installation.
 
-Theory of operation. The real packages differ in shape: ``torch.mlu`` is the *submodule*
-``torch_mlu.mlu`` (with the C extension at ``torch_mlu._MLUC``), while ``torch.musa`` *is*
-the ``torch_musa`` package (C extension ``torch_musa._MUSAC``, IPC at ``torch_musa.ipc``).
-Installation puts those module objects in ``sys.modules`` and on ``torch``, and patches the
-few torch entry points real vendors also extend, so that fake device names are understood:
-tensor factories (``torch.empty(..., device=dev)``),
-``torch._C._construct_storage_from_data_pointer`` (only inside live fake device memory),
-``Tensor.pin_memory``/``Tensor.is_pinned`` (torch_musa patches these too) and, for MLU,
-``UntypedStorage._share_mlu_``/``_new_shared_mlu``.
-Every patch is undone on exit, in reverse order, so fakes can nest (one of each kind).
-
-Pinned host memory. Once the private device is named, torch 2.5 and later answer
-``Tensor.is_pinned`` for host tensors by asking the private backend's hooks, which real vendors
-register in C++ (``RegisterPrivateUse1HooksInterface``); torch 2.4.1 and 2.5.1 offer no Python
-way to register them (torch 2.13 has ``torch._C._acc``), and without them torch 2.5 raises.
-The fakes are that backend: each installed fake answers for the memory it pinned, and at the
-end of the chain, with the name taken, the answer is False (no live fake pinned it), which is
-torch 2.13's own answer with a fake installed. Tensor factories with ``pin_memory=True``
-and ``Tensor.pin_memory`` never reach torch's pinned allocator (the fakes pin in their own
-registry), so no other torch entry point needs those hooks.
+``torch.mlu`` is the submodule ``torch_mlu.mlu``; ``torch.musa`` is the ``torch_musa``
+package. Installation puts them in ``sys.modules`` and on ``torch`` and patches the torch
+entry points real vendors extend (tensor factories, storage from data pointer, pinning, MLU
+storage sharing); every patch is undone on exit, in reverse order, so fakes nest. With the
+private device name taken, the fakes answer ``is_pinned`` for the memory they pinned (torch
+2.4/2.5 offer no Python hook registration) and False otherwise.
 """
 
 from __future__ import annotations

@@ -1,13 +1,9 @@
 """Operands for :mod:`kvactors.testing.check`: device memory in and out, KV cases, the oracle.
 
-Theory of operation. The conformance suite moves real bytes through the Runtime and compares
-them with :func:`kvactors.kernels.reference.run_reference` run on CPU copies of the same
-operands. :class:`DeviceIO` is the only place that knows how test data reaches device memory
-and comes back: on a real device with torch's own ``.to()`` (after a vendor synchronize), on
-the fake vendor through the :class:`~kvactors.testing.FakeVendor` helpers (``to_device``,
-``peek``). :meth:`DeviceIO.read_unordered` reads device memory without waiting for any
-stream, which is what an ordering check needs: it sees stale bytes when a rule was broken.
-:class:`KVCase` builds one deterministic paged cache and its host chunks for any format.
+:class:`DeviceIO` moves test data to and from device memory (torch's ``.to()`` on a card, the
+fake's helpers on the fakes); :meth:`DeviceIO.read_unordered` reads without waiting for any
+stream, as ordering checks need. :class:`KVCase` builds one deterministic paged cache and its
+chunks for any format; the reference kernel on CPU copies is the oracle.
 """
 
 from __future__ import annotations

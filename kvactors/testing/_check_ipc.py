@@ -1,14 +1,9 @@
 """The exporter process of the cross-process IPC check in :mod:`kvactors.testing.check`.
 
-Theory of operation. Device-memory IPC is meant for two processes (CUDA-like drivers refuse
-to open a handle in the process that exported it), so on a real device the check spawns an
-exporter: it allocates a zeroed buffer (device memory, or shared memory on ``cpu``), exports
-it with the backend's ``ipc_export`` and sends the wire-safe
-:class:`~kvactors.devices.base.IPCHandle` (msgspec JSON; never a pointer) to the parent.
-The parent opens it through the Runtime, queues writes on its stream and closes the context;
-then it asks the exporter to read its buffer *without waiting for the parent's streams*
-(another process's work is invisible to our syncs): if the close returned before the writes
-completed, the exporter sees stale bytes. The exporter frees its buffer only after that.
+It allocates a zeroed buffer, exports it with the backend's ``ipc_export`` and sends the
+wire-safe :class:`~kvactors.devices.base.IPCHandle` (never a pointer) to the parent, which
+opens it, queues writes and closes the context; the exporter then reads without waiting for
+the parent's streams, so a close that returned early shows as stale bytes.
 """
 
 from __future__ import annotations

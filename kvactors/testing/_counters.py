@@ -1,25 +1,10 @@
 """Device-operation counters of a fake vendor: what one call cost the "device" and the host.
 
-Theory of operation. Every fake entry point that would cost something on a real card bumps
-one field of the vendor's :class:`OpTally` as it happens, on whatever thread does it:
-
-* ``launches``: kernels enqueued on a stream (tensor ops producing or mutating device memory,
-  ``index_select``, ``copy_`` within a device, ``fill_``...). Device-to-device ``copy_`` is a
-  kernel here (``d2d`` counts it again as a copy).
-* ``h2d`` / ``d2h`` / ``d2d``: ``copy_`` calls by direction (one DMA each); a host tensor
-  (not 0-dim) passed to a device kernel counts as an implicit H2D upload plus a sync, and
-  ``torch.tensor(data, device=dev)`` as one too.
-* ``syncs``: the host waited for the device: ``Stream.synchronize``, ``Event.synchronize``,
-  ``synchronize()`` (once per call), a blocking copy (``non_blocking=False`` or pageable
-  memory) and host reads of device tensors (``.cpu()``, ``.item()``...).
-* ``allocations`` / ``alloc_bytes``: fresh device memory (factories, op outputs,
-  ``Tensor.to`` a device); test helpers that *declare* memory (``adopt``) do not count.
-
-:class:`OpCounts` is an immutable snapshot; subtracting two gives what happened between
-them. ``FakeVendor.counting()`` wraps that in a context manager. Counts are vendor-wide, so
-measure one call at a time (other threads' device work in the window is counted too). The
-counter also reports which host threads did the counted operations (``OpCounter.threads``):
-how many threads one call ran its device work on.
+Fake entry points bump :class:`OpTally` fields as they happen: ``launches`` (kernels),
+``h2d`` / ``d2h`` / ``d2d`` (copies; a host tensor passed to a kernel is an implicit upload
+plus a sync), ``syncs`` (the host waited), ``allocations`` / ``alloc_bytes``. :class:`OpCounts`
+is an immutable snapshot (subtract two for a window); counts are vendor-wide, so measure one
+call at a time. ``OpCounter.threads`` names the host threads that did the counted operations.
 """
 
 from __future__ import annotations

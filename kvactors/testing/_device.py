@@ -1,19 +1,9 @@
 """Fake device identity, the process's vendor device name, and the fake vendor error type.
 
-Theory of operation. torch can register exactly one private device name per process
-(``torch.utils.rename_privateuse1_backend``, irreversible), so ``torch.device("mlu")`` and
-``torch.device("musa")`` cannot both parse in one process. Real machines have one vendor
-too, so the fakes do what the vendor packages do on import: the first fake installed in a
-process *claims* the private device name (:func:`claim_device_name`), and from then on its
-devices are genuine ``torch.device("mlu", 0)`` objects, so vendor code that builds torch
-devices, parses ``"mlu:0"`` or compares ``t.device.type`` runs as written. The environment
-variable ``KVACTORS_FAKE_VENDOR=mlu|musa`` pins which kind may claim it (test runs use it to
-run the MLU and MUSA fake suites in separate processes).
-
-A fake of the other kind in the same process cannot have torch devices; it falls back to
-:class:`FakeDevice`, a small value object with the attributes backend code reads
-(``type``, ``index``) and torch's string form (``"mlu:0"``). Code that only reads those
-attributes still works; code that calls ``torch.device(...)`` on it does not.
+torch registers one private device name per process, so the first fake installed claims it
+(:func:`claim_device_name`; ``KVACTORS_FAKE_VENDOR=mlu|musa`` pins which kind may) and its
+devices are genuine ``torch.device`` objects. A fake of the other kind falls back to
+:class:`FakeDevice` (``type``, ``index``, ``"mlu:0"``).
 """
 
 from __future__ import annotations

@@ -1,15 +1,10 @@
 """Fake device-memory IPC: ``torch.musa.ipc`` and the MLU storage-sharing shims.
 
-Theory of operation. Exporting shares a whole storage: the 8-item ``shared_storage_info``
-mirrors ``UntypedStorage._share_musa_()`` (device index, storage handle bytes, storage size,
-storage offset, ref-counter handle, ref-counter offset, event handle, event_sync_required).
-The storage handle is a random key into the vendor's registry, which holds only a weak
-reference to the producer's storage: the producer must keep its tensor alive, and opening a
-handle whose producer memory is gone fails, as on hardware. The export records an
-interprocess event on the producer's current stream; opening makes the opener's current
-stream wait on it (``event_sync_required``). Receivers get an owner whose ``tensor`` is a
-non-owning view, valid until ``close()`` (idempotent). Everything happens in one process:
-the fakes model the protocol, not a second address space.
+Exporting shares a whole storage (the 8-item ``shared_storage_info`` of
+``UntypedStorage._share_musa_()``); the handle keys a registry holding only a weak reference,
+so the producer must keep its tensor alive. The export records an interprocess event that the
+opener's current stream waits on. Receivers get an owner whose ``tensor`` is a non-owning view
+until ``close()``. One process: the fakes model the protocol, not a second address space.
 """
 
 from __future__ import annotations

@@ -1,13 +1,9 @@
 """Fake device memory and host pinning bookkeeping.
 
-Theory of operation. Fake "device memory" is ordinary CPU memory, so pointers are real
-addresses and ``torch._C._construct_storage_from_data_pointer`` gives genuinely aliasing
-views. The fake records every allocation it makes as a device range (with a weak reference
-to the storage, so freed ranges drop out): a pointer view request for a fake device succeeds
-only inside a live device range, which makes "treating a host address as device memory"
-(or the reverse) fail loudly, as it would on hardware. Pinned host ranges are tracked the
-same way (``Tensor.pin_memory`` copies, ``musaHostRegister`` ranges); copy emulation asks
-whether a host tensor is pinned to decide whether a ``non_blocking`` copy may stay async.
+Fake device memory is CPU memory; every allocation is recorded as a device range (weakly), so
+a pointer view of a fake device succeeds only inside a live device range and mixing host and
+device addresses fails loudly. Pinned host ranges are tracked the same way and decide whether
+a ``non_blocking`` copy stays asynchronous.
 """
 
 from __future__ import annotations

@@ -1,13 +1,8 @@
 """What the fake's tensors, streams and events use of the vendor that owns them.
 
-Theory of operation. :class:`~kvactors.testing.vendor.FakeVendor` builds and owns the
-streams, events and device tensors, and they call back into it (the current stream of a
-device, the memory bookkeeping, the operation tally). Typing that back edge with the
-``FakeVendor`` class itself would make the lower modules import the vendor (a cycle, even if
-only for the type checker), so they type their owner with :class:`Owner`, a Protocol of just
-what they use, and ``FakeVendor`` satisfies it structurally. This module imports nothing of
-the fake at run time; ``kvactors.testing._streams`` extends :class:`Owner` with the members
-that name its own classes.
+:class:`Owner` is a Protocol of what they call back into (current stream, memory bookkeeping,
+the operation tally); ``FakeVendor`` satisfies it structurally, so the lower modules never
+import the vendor module.
 """
 
 from __future__ import annotations

@@ -1,30 +1,11 @@
 """Fake vendor streams and events: ``Stream``, ``ExternalStream``, ``StreamContext``, ``Event``.
 
-Theory of operation. A :class:`FakeStream` is a handle (an int, like ``cnrtQueue_t`` or
-``musaStream_t``) plus a :class:`~kvactors.testing._worker.StreamWorker`. The vendor object
-keeps a registry from handles to streams so ``ExternalStream(handle)`` finds the caller's
-stream again; ``ExternalStream(0)`` returns a *pool* stream, exactly as the real C
-constructors do when every keyword is zero (device-apis.md section 2), so code that maps
-handle 0 through ``ExternalStream`` synchronizes the wrong stream here too. The vendor
-builds one subclass per fake with the vendor's handle attribute (``mlu_stream`` or
-``musa_stream``), so code reading the wrong vendor's attribute fails.
-
-There is no implicit ordering between the default stream and side streams (stricter than
-the CUDA legacy stream): a missing ``wait_stream`` shows up as stale bytes.
-
-Events and streams are one concept and share this module. An event is created lazily on its
-first ``record`` or ``ipc_handle`` (binding it to the calling thread's current device, as
-the real ones do). ``record`` enqueues a :class:`~kvactors.testing._worker.Marker` on a
-stream and re-recording replaces it: ``query``/``synchronize``/``wait`` always refer to the
-latest record. ``wait`` enqueues a barrier on the waiting stream. An event never recorded is
-complete, and waiting on it is a no-op, as in CUDA.
-
-Interprocess events export a 64-byte handle keyed into the vendor's registry; importers
-share the exporter's state. The exporter must stay alive: once it is collected, importer
-waits raise (the real driver would read freed memory).
-
-Streams and events reach their vendor through :class:`StreamOwner`, a Protocol of what they
-use of it (the vendor module imports this one, never the other way round).
+A :class:`FakeStream` is a handle plus a :class:`~kvactors.testing._worker.StreamWorker`;
+``ExternalStream(handle)`` finds a registered stream and ``ExternalStream(0)`` returns a pool
+stream, as the real constructors do. No implicit order between default and side streams.
+An event records a marker on a stream (latest record wins; never recorded = complete);
+``wait`` enqueues a barrier. Interprocess events share the exporter's state and fail once the
+exporter is gone.
 """
 
 from __future__ import annotations
@@ -318,7 +299,7 @@ class FakeEvent:
         marker = self._state.marker
         if marker is None:
             return
-        marker.done.wait()
+        marker.wait()
         if marker.error is not None:
             raise FakeDeviceError(f"event observed a stream error: {marker.error}")
 

@@ -1,27 +1,11 @@
 """Fake accelerator tensors whose device work runs asynchronously on fake streams.
 
-Theory of operation. A :class:`FakeDeviceTensor` is a ``torch.Tensor`` subclass over CPU
-memory that reports a :class:`~kvactors.testing.FakeDevice` as ``.device``. Its
-``__torch_function__`` sorts every torch call touching it into one of five kinds:
-
-* metadata (``size``, ``stride``, ``data_ptr``, views such as ``view``/``permute``/basic
-  indexing, ``set_``): run at once, as a device runtime does (no data is read);
-* host reads (``cpu``, ``item``, ``tolist``, ``repr``, ``equal`` ...): synchronize the
-  current stream of the tensor's device, then read, as a device-to-host sync does;
-* ``copy_``: enqueued on the calling thread's current stream; ``non_blocking=False`` or an
-  unpinned host side (unless ``pageable_async``) then synchronizes that stream. With the
-  ``strided_d2h_bug`` knob an async D2H into a non-contiguous or dtype-changing host
-  destination copies a zeroed staging buffer into the destination immediately while the
-  device data lands in the staging later (torch_mlu's bug, device-apis.md section 6.1);
-* other in-place ops and ``out=`` ops: enqueued as a closure on the current stream;
-* other ops producing tensors: output metadata comes from running the op on ``meta``
-  tensors; fresh outputs are allocated at once and filled by an enqueued closure. Ops the
-  meta device cannot describe (data-dependent shapes) synchronize and run at once.
-
-Host tensors passed to enqueued work (other than copy sources and destinations) are
-snapshotted at call time, modelling the implicit synchronous upload a real runtime does.
-Closures run on plain aliases of the same memory, so a reader that forgot to wait for the
-writer's stream observes stale bytes, which is the point.
+A :class:`FakeDeviceTensor` is a ``torch.Tensor`` subclass over CPU memory. Metadata and
+views run at once; host reads (``cpu``, ``item``, ``equal``...) synchronize first; ``copy_``,
+in-place, ``out=`` and tensor-producing ops are enqueued on the current stream (outputs
+allocated at once from ``meta`` shapes). Blocking or pageable copies synchronize; the
+``strided_d2h_bug`` knob reproduces torch_mlu's async strided D2H. A reader that forgot to
+wait sees stale bytes.
 """
 
 from __future__ import annotations

@@ -1,16 +1,11 @@
 """One FIFO worker thread per fake stream: the engine of the fakes' asynchrony.
 
-Theory of operation. Every piece of "device work" (a copy, a kernel, an event record, a
-wait on another stream's event) is a closure appended to the stream's queue and run later,
-in order, on the stream's own daemon thread, after an optional seeded delay (``delay`` plus
-``jitter * U[0,1)`` seconds). The submitting thread returns at once, exactly as a kernel
-launch does, so code that reads results before waiting for the stream sees stale bytes.
-
-Errors are sticky as on real drivers: once a work item raises, later work items on the
-stream are skipped (their outputs keep stale bytes), markers complete carrying the error,
-and the next ``synchronize`` raises it and clears it. Barriers (``wait_event``) always run;
-they block the worker until the awaited marker completed, which is how cross-stream order
-is expressed. ``stop`` lets the queue drain and joins the thread.
+Device work is a closure queued on the stream and run later, in order, on the stream's thread
+(after an optional seeded ``delay`` + ``jitter``); the submitter returns at once. Errors are
+sticky: later work is skipped, markers carry the error and the next ``synchronize`` raises it.
+Barriers (``wait_event``) block the worker until the awaited marker completed. A *lazy*
+worker (knob ``lazy``) runs an item only once something waits for it (a ``synchronize``, a
+wait on a marker behind it), so reading before waiting sees stale bytes every time.
 """
 
 from __future__ import annotations
@@ -34,12 +29,19 @@ _Kind = Literal["work", "marker", "barrier"]
 class Marker:
     """A point in one stream's queue; ``done`` is set once everything before it has run."""
 
-    __slots__ = ("done", "error", "time")
+    __slots__ = ("done", "error", "release", "time")
 
     def __init__(self) -> None:
         self.done = threading.Event()
         self.error: BaseException | None = None
         self.time = 0.0
+        self.release: Callable[[], None] | None = None  # a lazy stream's work up to here
+
+    def wait(self, timeout: float | None = None) -> bool:
+        """Let a lazy stream run up to the marker, then wait for it; False on timeout."""
+        if self.release is not None:
+            self.release()
+        return self.done.wait(timeout)
 
     def complete(self, error: BaseException | None) -> None:
         """Mark the point reached (carrying the stream's sticky error, if any)."""
@@ -51,7 +53,9 @@ class Marker:
 class StreamWorker:
     """The FIFO queue and thread behind one fake stream."""
 
-    def __init__(self, name: str, *, seed: int, delay: float, jitter: float) -> None:
+    def __init__(
+        self, name: str, *, seed: int, delay: float, jitter: float, lazy: bool = False
+    ) -> None:
         self.name = name
         self._queue: collections.deque[tuple[_Kind, Callable[[], object] | Marker]] = (
             collections.deque()
@@ -62,6 +66,8 @@ class StreamWorker:
         self._jitter = jitter
         self.submitted = 0
         self.completed = 0
+        self._taken = 0
+        self._allowed: float = 0 if lazy else float("inf")
         self.error: BaseException | None = None
         self._stopping = False
         self._thread = threading.Thread(target=self._run, name=name, daemon=True)
@@ -78,19 +84,27 @@ class StreamWorker:
 
     def submit_marker(self, marker: Marker) -> None:
         """Enqueue a marker that completes when all earlier work has run."""
-        self._put("marker", marker)
+        position = self._put("marker", marker)
+        marker.release = lambda: self._release(position)
 
     def submit_barrier(self, marker: Marker) -> None:
         """Enqueue a wait: later work runs only after ``marker`` (of any stream) completed."""
         self._put("barrier", marker)
 
-    def _put(self, kind: _Kind, item: Callable[[], object] | Marker) -> None:
+    def _put(self, kind: _Kind, item: Callable[[], object] | Marker) -> int:
         with self._cv:
             if self._stopping:
                 raise FakeDeviceError(f"{self.name}: stream used after the fake was removed")
             self.submitted += 1
             self._queue.append((kind, item))
             self._cv.notify_all()
+            return self.submitted
+
+    def _release(self, upto: float) -> None:
+        with self._cv:
+            if upto > self._allowed:
+                self._allowed = upto
+                self._cv.notify_all()
 
     def idle(self) -> bool:
         """Whether every submitted item has run (``Stream.query``)."""
@@ -101,6 +115,7 @@ class StreamWorker:
         """Block until everything submitted before the call ran; raise the sticky error."""
         with self._cv:
             target = self.submitted
+            self._release(target)
             while self.completed < target and self._thread.is_alive():
                 self._cv.wait(0.1)
             err = self.error
@@ -113,6 +128,7 @@ class StreamWorker:
         """Drain the queue and join the thread (idempotent)."""
         with self._cv:
             self._stopping = True
+            self._allowed = float("inf")
             self._cv.notify_all()
         if self._thread is not threading.current_thread():
             self._thread.join(timeout)
@@ -125,11 +141,12 @@ class StreamWorker:
     def _run(self) -> None:
         while True:
             with self._cv:
-                while not self._queue and not self._stopping:
+                while not (self._queue and self._taken < self._allowed) and not self._stopping:
                     self._cv.wait()
                 if not self._queue:
                     return
                 kind, item = self._queue.popleft()
+                self._taken += 1
             if kind == "work":
                 self._pause()
                 if self.error is None:
@@ -142,7 +159,7 @@ class StreamWorker:
                 item.complete(self.error)
             else:
                 assert isinstance(item, Marker)
-                while not item.done.wait(0.1):
+                while not item.wait(0.1):
                     if self._stopping and not self._queue:
                         break
             with self._cv:

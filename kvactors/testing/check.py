@@ -1,36 +1,12 @@
 """The conformance suite behind ``kvactors selftest``: :func:`check_backend`.
 
-An operator runs it on a real card in one command; a vendor runs it in CI; kvactors' own CI
-runs it on the fake vendor modules. Every check goes through :class:`~kvactors.runtime.Runtime`
-(the path users run) and compares bytes with kvactors' reference kernel on CPU copies:
-
-``probe``
-    the backend is available here (else the report names what is missing, and stops).
-``roundtrip.<FORMAT>.<d2h|h2d>.skip<k>``
-    a gather (device -> host chunks) or scatter (host chunks -> device) of every format with
-    ``skip_blocks`` 0 and 1, bit-exact; a format the backend refuses up front is a skip. At
-    least one format must round trip (``roundtrip.supported``).
-``strided_d2h``
-    a partial-chunk gather, whose device-to-host copies land in non-contiguous host slices
-    (torch_mlu returns wrong data from the asynchronous form), bit-exact.
-``order.publish_after_sync``
-    caller work queued on its own stream, then ``record_completion`` or ``record_event`` on
-    that stream's handle: the record is never drainable before the work completed, and is
-    never lost.
-``order.handle0_default_stream``
-    caller work on the device's default stream, then ``synchronize(0)``: the work is done.
-``order.borrowed_stream``
-    caller work on its own stream, then a transfer on that stream's handle sees its result;
-    the stream still works after the runtime that borrowed it closed.
-``ipc.close_after_sync``
-    a spawned exporter process exports a buffer (on the fake: this process); ``open_ipc``,
-    caller work writing the opened view on its stream, then ``close_ipc_context``: the
-    exporter, reading without waiting for our streams, sees the writes completed before the
-    owner closed; a second close is a no-op. Skipped where the backend has no IPC.
-``throughput``
-    gather and scatter of a larger cache; reports GB/s (a figure, not a pass criterion).
-
-Ordering checks need asynchronous streams; on ``cpu`` (synchronous lanes) they are skips.
+For operators on a card, vendors' CI and kvactors' own CI on the fakes. Every check goes
+through :class:`~kvactors.runtime.Runtime` and compares bytes with the reference kernel:
+``probe``; ``roundtrip.<FORMAT>.<d2h|h2d>.skip<k>`` (every format, skips 0 and 1; at least one
+must round trip); ``strided_d2h``; ``order.publish_after_sync``, ``order.handle0_default_stream``
+and ``order.borrowed_stream`` (skips on ``cpu``, whose lanes are synchronous);
+``ipc.close_after_sync`` (a spawned exporter reads without waiting for our streams); and
+``throughput`` (GB/s, a figure, not a criterion).
 """
 
 from __future__ import annotations

@@ -50,6 +50,9 @@ class FakeKnobs:
         seed: seeds every stream's delay generator (per stream: seed and handle).
         delay: seconds every enqueued work item waits before it runs.
         jitter: extra random wait in ``[0, jitter)`` seconds per work item.
+        lazy: run work only once something waits for it (a stream or device synchronize,
+            an event's synchronize, another stream's wait): reading before waiting always
+            sees stale bytes, so ordering tests need no delays.
         devices: number of fake devices.
         available: ``is_available()``; False also makes ``device_count()`` 0.
         strided_d2h_bug: reproduce torch_mlu's async strided/converting D2H bug.
@@ -66,6 +69,7 @@ class FakeKnobs:
     seed: int = 0
     delay: float = 0.0
     jitter: float = 0.0
+    lazy: bool = False
     devices: int = 1
     available: bool = True
     strided_d2h_bug: bool = False
@@ -249,6 +253,7 @@ class FakeVendor:
                 seed=hash((self.knobs.seed, stream.handle)) & 0xFFFF_FFFF,
                 delay=self.knobs.delay,
                 jitter=self.knobs.jitter,
+                lazy=self.knobs.lazy,
             )
             self._workers.append(worker)
             self._streams[stream.handle] = stream

@@ -103,15 +103,15 @@ def test_mlu_plugin_default_layout_source_follows_the_installed_lmcache(
 
     import lmcache.lmcache_native as native
 
-    import kvactors.runtime as kruntime
     from kvactors.devices.mlu.layouts import LAYOUT_SOURCE_ENV
+    from kvactors.runtime import get_runtime
     from kvactors_lmcache.ops import KvactorsMluOps
 
     monkeypatch.delenv(LAYOUT_SOURCE_ENV, raising=False)
-    monkeypatch.setattr(kruntime, "_runtimes", {})  # the plugin's own default runtime, fresh
     resolves_legacy = importlib.util.find_spec("lmcache.v1.platform.devices.mlu") is not None
     cpu = [torch.randn(2, NB, BS, NH, HS) for _ in range(NL)]  # real NHD memory
     with fake_vendor("mlu") as fake:
+        get_runtime("mlu").close()  # the plugin's own default runtime is made afresh below
         fmt, paged, desc, chunk = _lmcache_request([fake.to_device(t) for t in cpu], "NHD")
         assert int(fmt) == 1
         objs = [torch.full((2, NL, chunk, NH * HS), -1.0) for _ in range(2)]
@@ -130,8 +130,7 @@ def test_mlu_plugin_default_layout_source_follows_the_installed_lmcache(
                 want = torch.stack([t[:, ids].reshape(2, BPC * BS, NH * HS) for t in cpu], dim=1)
                 assert torch.equal(got, want)
         finally:
-            for rt in kruntime._runtimes.values():
-                rt.close()
+            get_runtime("mlu").close()  # closes the one the plugin used (made anew if gone)
 
 
 def test_musa_plugin_refuses_hnd_before_touching_memory() -> None:

@@ -1,21 +1,10 @@
 """Byte for byte against LMCache's own MLU and MUSA ops, on the fake vendors.
 
-LMCache's ``MluDeviceOps`` (0.5.7) and its built-in ``MusaDeviceOps`` run *unmodified* on
-``kvactors.testing.fake_vendor`` (vendor code as written: ``torch.device("musa", 0)``,
-``tensor.new_empty``, ``index_select``, asynchronous copies on the current stream), next to
-kvactors' plugin for the same device type, on identical freshly built operands. For every
-seeded random case (layouts LMCache supports there, bf16/fp16/fp32, skipped prefixes,
-partial last chunks, both directions, several allocations) either
-
-* both succeed and every byte of the chunks and of the paged caches is identical, or
-* LMCache refuses; then kvactors refuses too, before touching anything. The random cases
-  include the layouts LMCache's backend refuses on that device (``REFUSED``): kvactors
-  refuses exactly the same set there (its MLU and MUSA backends take LMCache's format sets,
-  docs/comparison.md), never a silent superset.
-
-What runs is chosen from the importable lmcache: the MLU ops exist from 0.5.7 on. One
-vendor per process (torch names one private device per process): the other vendor's case
-skips here and runs under ``KVACTORS_FAKE_VENDOR=<kind>`` (scripts/test-fakes.sh).
+LMCache's ``MluDeviceOps`` (0.5.7) and ``MusaDeviceOps`` run unmodified on the fakes next to
+kvactors' plugin, on identical operands, over seeded random cases: both succeed with identical
+chunks and caches, or LMCache refuses and kvactors refuses the same cases before touching
+anything (``REFUSED``). One vendor per process: the other vendor's cases run under
+``KVACTORS_FAKE_VENDOR=<kind>`` (scripts/test-fakes.sh).
 """
 
 from __future__ import annotations
@@ -177,7 +166,7 @@ def vendor(request: pytest.FixtureRequest) -> Iterator[tuple[str, FakeVendor, An
     from kvactors.devices.mlu import MluBackend
     from kvactors.runtime import Runtime
 
-    with fake_vendor(kind, seed=7, jitter=0.0002) as fake:
+    with fake_vendor(kind, lazy=True) as fake:
         # LMCache 0.5.7 resolves vLLM-MLU's legacy layout answer itself, so format 1 reaching
         # the plugin is real NHD memory (as these operands are): declared resolved on MLU.
         backend = MluBackend(layout_source="resolved") if kind == "mlu" else kind

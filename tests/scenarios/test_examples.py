@@ -18,15 +18,18 @@ ROOT = pathlib.Path(__file__).resolve().parents[2]
 
 def _run(*args: str, timeout: float = 120) -> str:
     env = {**os.environ, "PYTHONPATH": str(ROOT)}
-    proc = subprocess.run(
-        [sys.executable, *args],
-        cwd=ROOT,
-        env=env,
-        capture_output=True,
-        text=True,
-        timeout=timeout,
-        check=False,
-    )
+    try:
+        proc = subprocess.run(
+            [sys.executable, *args],
+            cwd=ROOT,
+            env=env,
+            capture_output=True,
+            text=True,
+            timeout=timeout,
+            check=False,
+        )
+    except subprocess.TimeoutExpired as exc:  # a fence or reply that never came: fail, not hang
+        pytest.fail(f"{args[0]} did not finish within {timeout:.0f} s: {exc.stdout!r}")
     assert proc.returncode == 0, proc.stdout + proc.stderr
     return proc.stdout
 
@@ -38,7 +41,7 @@ def test_preemption_example_shows_the_race_and_the_fence_ends_it(device: str, se
     args = ["--device", device, "--seed", str(seed), "--require-race"]
     if device != "cpu":
         args += ["--requests", "16"]
-    out = _run("examples/preemption.py", *args)
+    out = _run("examples/preemption.py", *args, timeout=20)  # about 2 s when the rules hold
     line = next(ln for ln in out.splitlines() if "CORRUPTED committed chunks" in ln)
     naive, fenced = (int(x) for x in line.split()[-2:])
     assert naive > 0
@@ -60,6 +63,9 @@ def test_ipc_cross_process_example() -> None:
 
 
 def test_soak_benchmark_small() -> None:
-    out = _run("benchmarks/soak.py", "--transfers", "300", "--warmup", "50", "--fault-every", "100")
+    out = _run(
+        "benchmarks/soak.py", "--transfers", "300", "--warmup", "50", "--fault-every", "100",
+        timeout=40,  # about 3 s when the rules hold
+    )  # fmt: skip
     assert "RESULT: OK" in out
     assert "silent 0" in out

@@ -105,7 +105,7 @@ async def test_device_error_is_reported_as_failure_and_others_complete() -> None
                 )
             )
             await _until(backend, lambda bk, n=i + 1: bk.queued() == n)
-        fence = dev.gather.ask_nowait(Fence(block_ids=(2, 3)))
+        fence = dev.gather.ask_nowait(Fence(block_ids=(2, 3)), timeout=10)
         backend.release()
         results = await asyncio.gather(*asks, return_exceptions=True)
         assert isinstance(results[1], TransferFailedError)
@@ -157,7 +157,7 @@ async def test_cancelled_caller_leaves_operands_owned_until_the_device_finished(
             await task
         gc.collect()
         assert out_ref() is not None, "the chunk was dropped while the device had the copy"
-        fence = dev.gather.ask_nowait(Fence(block_ids=(7,)))
+        fence = dev.gather.ask_nowait(Fence(block_ids=(7,)), timeout=10)
         backend.release()
         assert (await fence).waited_for == 1  # the cancelled transfer still completed
         assert dev.statistics().transfers_ok == 1

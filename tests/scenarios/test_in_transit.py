@@ -1,13 +1,9 @@
 """Program order across entry points: an ``a*`` call admitted before a blocking ``transfer``
 is ordered before it, on every device.
 
-The earlier message is held inside its own turn (the backend's ``prepare_transfer`` blocks on
-a gate while the GatherActor handles it, on the loop, before it reached the stream), and the
-gate opens only once the later call either returned (it overtook: the rule is broken) or
-queued its message behind the held one (public statistics show the GatherActor's mailbox
-depth; the rule holds). No sleeps, no timeouts that decide the outcome: each case fails on the
-data (the program-order result against the overtaken one) when ``Actor._deliver`` lets a
-sender claim the turn of an actor with a queued message.
+The earlier message is held inside its turn (``prepare_transfer`` blocks on a gate), and the
+gate opens once the later call either returned (it overtook: broken) or queued behind it
+(public statistics show the mailbox depth). No sleeps; each case fails on the data.
 """
 
 from __future__ import annotations
@@ -201,7 +197,7 @@ async def test_store_fence_then_blocking_reuse_keeps_the_stored_kv(kind: str) ->
         paged = rig.device(_kv.paged(4))
         stored = _chunk(-1.0)
         store = rt.atransfer(_kv.request(Direction.D2H, IDS), paged, stored)
-        fence = rt.afence(IDS)
+        fence = rt.afence(IDS, timeout=_WAIT)
         reuse = _kv.request(Direction.H2D, IDS)
         rig.after_held(lambda: rt.transfer(reuse, paged, _chunk(9.0)))
         await store

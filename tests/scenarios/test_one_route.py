@@ -79,7 +79,7 @@ def _script(kind: str, observed: bool) -> dict[str, Any]:
             rt.transfer(request(Direction.D2H, IDS), layers, out)
             assert same(out[0], expected_gather(host, IDS)[0])
             rt.transfer(request(Direction.H2D, IDS), layers, objects(1, 2.0))
-            rt.fence(IDS)
+            rt.fence(IDS, timeout=10)
             with pytest.raises(TransferValidationError):
                 rt.transfer(request(Direction.D2H, (99,)), layers, objects(1))
             rt.record_completion(0, "stored", b"1")
@@ -88,7 +88,7 @@ def _script(kind: str, observed: bool) -> dict[str, Any]:
             async def twins() -> None:
                 back = objects(1)
                 store = rt.atransfer(request(Direction.D2H, IDS), layers, back)
-                fence = rt.afence(IDS)
+                fence = rt.afence(IDS, timeout=10)
                 await store
                 await fence
                 assert torch.equal(back[0], torch.full_like(back[0], 2.0))

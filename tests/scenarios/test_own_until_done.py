@@ -1,15 +1,10 @@
 """Rule 3 (own until done) on the path users run: ``Runtime.transfer(..., complete=False)`` on
-the fake MLU and MUSA, whose device work really runs later, on the stream's own thread.
+the fake MLU and MUSA.
 
-The call returns once the copies are enqueued; the caller then drops every reference to its
-operands (LMCache may release a host chunk as soon as the call returned). The device is held
-deterministically: a gate enqueued on the default stream before the transfer keeps the
-stream's thread from reaching the copies until the test opens it, so "the device has not
-finished" is certain while the test looks. The runtime must still reference the operands then
-(weak references stay alive) and must let them go once the device completed (no leak). What
-holds them is the lease the lane keeps until the stream's marker completed: the transfer's
-kernel closure, which references its operands. Breaking that (a kernel that forgets its
-operands once they are enqueued) fails the first check.
+The caller drops its operands once the call returned; a gate on the default stream keeps the
+device from reaching the copies while the test looks. The runtime must still hold the operands
+then (weak references alive) and let them go once the device completed (a kernel that forgets
+its operands once enqueued fails the first check).
 """
 
 from __future__ import annotations

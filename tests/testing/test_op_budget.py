@@ -1,21 +1,11 @@
 """kvactors' per-call device-operation budget on the fake vendors (issue 11 item 6).
 
-Per transfer call (2 chunks, 8 layers in one allocation, bf16; kvactors.cli.bench.vendor):
-at most one gather/scatter launch per chunk and K/V plane (device-to-device copies count as
-launches) plus one host<->device copy per chunk; at most one host synchronisation per call,
-none for a D2H into contiguous chunks (the caller synchronises); no device allocation in
-steady state (after two warm-up calls).
-
-kvactors is measured as the kvactors_mlu/_musa LMCache op calls it: ``Runtime.transfer(...,
-complete=False)`` on the caller's current stream; the caller synchronizes before it reads the
-chunks (outside the count). The count runs until a fence answered, so it includes the one
-event wait (``BACKGROUND_SYNCS``) the runtime's reaper does off the caller's thread to learn
-the device finished (rule 3); the check sets that one apart.
-
-Every case is within budget since the staged path caches its device index tensors per
-stream and moves each segment with one kernel (kvactors/kernels/_staged.py). A case that
-goes over budget again goes into ``OVER_BUDGET`` as a strict xfail (``-ra`` prints the
-reason), never silently.
+Per call (2 chunks, 8 layers in one allocation, bf16): at most one launch per chunk and K/V
+plane plus one host<->device copy per chunk, at most one host sync (none for a D2H into
+contiguous chunks), no device allocation in steady state. kvactors is measured as its LMCache
+op calls it (``Runtime.transfer(..., complete=False)``), counted until a fence answered, with
+the reaper's one event wait (``BACKGROUND_SYNCS``) set apart. A case over budget goes into
+``OVER_BUDGET`` as a strict xfail, never silently.
 """
 
 from __future__ import annotations

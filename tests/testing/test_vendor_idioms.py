@@ -21,7 +21,7 @@ KINDS = ["mlu", "musa"]
 @pytest.mark.parametrize("kind", KINDS)
 def test_torch_devices_and_tensor_idioms(kind: str) -> None:
     require_torch_devices(kind)
-    with fake_vendor(kind, seed=3, delay=0.001) as fake:
+    with fake_vendor(kind, lazy=True) as fake:
         mod = getattr(torch, kind)
         dev = torch.device(f"{kind}:0")
         host = torch.arange(24.0).reshape(4, 6)
@@ -74,7 +74,7 @@ def test_non_blocking_to_device_runs_on_the_stream_worker(kind: str) -> None:
 @pytest.mark.parametrize("kind", KINDS)
 def test_strided_d2h_bug_knob_keeps_working_with_torch_devices(kind: str) -> None:
     require_torch_devices(kind)
-    with fake_vendor(kind, strided_d2h_bug=True, delay=0.002) as fake:
+    with fake_vendor(kind, strided_d2h_bug=True, lazy=True) as fake:
         dev = fake.to_device(torch.arange(16.0).reshape(4, 4))
         host = torch.zeros(4, 8, pin_memory=True)[:, :4]  # strided host slice
         host.copy_(dev, non_blocking=True)

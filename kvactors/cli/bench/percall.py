@@ -1,42 +1,12 @@
 """Per-call benchmark: what one transfer call costs against the single torch call of the same bytes.
 
-Theory of operation. On an accelerator the copy is asynchronous, so the host time of a call,
-not memory bandwidth, bounds throughput; on CPU that per-call cost shows as the gap between a
-kvactors call and the one torch call that produces the same bytes on identical operands
-(``torch.index_select`` of the stacked pool into the chunk's permuted view for a gather,
-``index_copy_`` of the permuted chunk into the stacked pool for a scatter). Per case (a model
-size, a layout, a direction, 1 chunk of 256 tokens, bf16) the contenders are timed call by
-call with their order rotated every repetition, in one run:
-
-* ``torch``: the single torch call;
-* ``runtime``: :meth:`kvactors.runtime.Runtime.transfer` (blocking facade);
-* ``op``: LMCache's DeviceOps call of the ``kvactors_cpu`` plugin with LMCache's own argument
-  types (``kvactors.baselines`` entry point ``kvactors_op``, shipped by the adapter);
-* ``lmcache``: LMCache's torch path on the same operands (entry point ``lmcache_torch``).
-
-Every single-caller case of the small model runs three times: with the same block ids on
-every call (``ids=same``: a plan validated once is reused), with other ids on every call
-(``ids=fresh``: more id sets than the plan cache holds, as LMCache's traffic brings other
-blocks of the same KV cache on most calls; the torch call then builds its index tensor from
-the call's id list, as any caller holding a list must), and with other ids and another chunk
-buffer on every call (``ids=bufs``: views at other offsets of one host pool, more than the
-plan cache holds, as a store into buffers of LMCache's host pool brings).
-
-With ``callers=4`` every contender runs in 4 threads at once, each thread on its own chunk
-(and, for scatters, its own block ids); the figure is the per-call latency and the aggregate
-calls per second. Ratios are medians of the same run (``p50`` contender / ``p50`` torch);
-``p99`` is reported next to ``p50``, and the text table shows p99/p50 of the LMCache op next
-to the torch call's own (a stall of the machine hits every contender alike). Also measured:
-warm planning (a repeated request) and ``Runtime.ping``. kvactors never imports lmcache: the
-last two contenders are plugins.
-
-What runs between two timed calls decides what is still in the CPU caches. By default
-(``before=contenders``) that is the other contenders' calls: the pool and the chunks stay in
-the last-level cache, and each contender's code is warm when the contender before it ran the
-same code. ``before=memory`` copies 16 MiB of other memory before every single-caller call
-(untimed), as an engine's forward pass between two transfers would: the operands then come
-from memory, for every contender alike (the 4-caller cases are not changed).
-
+On an accelerator the copy is asynchronous, so the host time of a call bounds throughput. Per
+case (model, layout, direction, one chunk of 256 bf16 tokens) the contenders run call by call,
+order rotated every repetition: ``torch`` (one ``index_select`` / ``index_copy_``),
+``runtime`` (``Runtime.transfer``), ``op`` (LMCache's op of ``kvactors_cpu``) and ``lmcache``
+(LMCache's torch path; both through ``kvactors.baselines`` entry points). Small-model single
+callers also run with other block ids on every call (``ids=fresh``) and with other chunk
+buffers too (``ids=bufs``); ``callers=4`` runs every contender in 4 threads at once.
 Run ``python -m kvactors.cli.bench.percall --help`` (``kvactors bench`` runs it too).
 """
 
@@ -56,7 +26,7 @@ from typing import TYPE_CHECKING, Any
 import msgspec
 import torch
 
-from kvactors.errors import InvalidSettingError, MissingDependencyError
+from kvactors.errors import MissingDependencyError
 from kvactors.kernels.fast import index_tensor
 from kvactors.layouts import FORMAT_SPECS, Direction, KVFormat, ShapeDesc
 from kvactors.plans import TransferRequest
@@ -92,8 +62,6 @@ CONTENDERS = ("torch", "runtime", "op", "lmcache")
 _BS, _TOKENS = 16, 256
 _ID_SETS = 384  # above the runtime's plan cache capacity (256)
 _BUF_STEP = 64  # elements between two chunk buffers of the pool (``bufs`` cases)
-_SPILL_BYTES = 16 << 20  # other memory copied before each call with ``before="memory"``
-BEFORE = ("contenders", "memory")
 
 
 class PercallRow(msgspec.Struct, frozen=True, kw_only=True):
@@ -125,9 +93,6 @@ class PercallReport(msgspec.Struct, kw_only=True):
     plan_cold_us: float
     ping_us: float
     seconds: float = 0.0
-    before: str = "contenders"
-    """What ran before each single-caller call: ``contenders`` (the other contenders' calls)
-    or ``memory`` (16 MiB of other memory copied too; see the module docstring)."""
 
 
 def _baseline(name: str) -> Callable[..., Callable[[], None]] | None:
@@ -335,11 +300,7 @@ def _pct(xs: list[float], q: float) -> float:
     return s[min(len(s) - 1, int(q * len(s)))]
 
 
-def _one_caller(
-    fns: dict[str, Callable[[], None]],
-    reps: int,
-    spill: tuple[torch.Tensor, torch.Tensor] | None = None,
-) -> dict[str, list[float]]:
+def _one_caller(fns: dict[str, Callable[[], None]], reps: int) -> dict[str, list[float]]:
     names = list(fns)
     times: dict[str, list[float]] = {n: [] for n in names}
     for fn in fns.values():  # warm: plans, buffers, first-touch
@@ -349,8 +310,6 @@ def _one_caller(
         k = r % len(names)
         for n in names[k:] + names[:k]:
             fn = fns[n]
-            if spill is not None:  # other memory through the caches (untimed)
-                spill[1].copy_(spill[0])
             t0 = time.perf_counter()
             fn()
             times[n].append(time.perf_counter() - t0)
@@ -472,25 +431,11 @@ def run_percall_bench(
     callers: Sequence[int] = (1, 4),
     reps: int | None = None,
     seed: int = 0,
-    before: str = "contenders",
     progress: Callable[[str], None] | None = None,
 ) -> PercallReport:
-    """Run the per-call cases (see the module docstring); 1 torch thread.
-
-    Raises:
-        InvalidSettingError: ``before`` is not one of :data:`BEFORE`.
-    """
+    """Run the per-call cases (see the module docstring); 1 torch thread."""
     from kvactors.runtime import Runtime
 
-    if before not in BEFORE:
-        raise InvalidSettingError(
-            f"before must be one of {', '.join(BEFORE)}, got {before!r}", setting="before"
-        )
-    spill = (
-        (torch.ones(_SPILL_BYTES, dtype=torch.uint8), torch.empty(_SPILL_BYTES, dtype=torch.uint8))
-        if before == "memory"
-        else None
-    )
     torch.set_num_threads(1)
     t_start = time.perf_counter()
     step = progress or (lambda _s: None)
@@ -511,7 +456,7 @@ def run_percall_bench(
                         per = [_contenders(cases, c, direction, rt) for c in range(n_callers)]
                         if n_callers == 1:
                             r = reps or ((15 if quick else 40) if big else (60 if quick else 300))
-                            times, rates = _one_caller(per[0], r, spill), None
+                            times, rates = _one_caller(per[0], r), None
                         else:
                             r = reps or ((3 if quick else 10) if big else (20 if quick else 60))
                             times, rates = _many_callers(per, r, 3 if quick else 5)
@@ -521,13 +466,13 @@ def run_percall_bench(
                         step(f"percall {model} {layout} {d} x{n_callers}")
                         if n_callers == 1 and not big:  # other block ids on every call
                             fresh = _contenders(cases, 0, direction, rt, fresh=True)
-                            times = _one_caller(fresh, r, spill)
+                            times = _one_caller(fresh, r)
                             rows.append(
                                 _row(case, model, layout, direction, 1, r, times, None, "fresh")
                             )
                             step(f"percall {model} {layout} {d} x1 fresh ids")
                             bufs = _contenders(cases, 0, direction, rt, fresh=True, buffers=True)
-                            times = _one_caller(bufs, r, spill)
+                            times = _one_caller(bufs, r)
                             rows.append(
                                 _row(case, model, layout, direction, 1, r, times, None, "bufs")
                             )
@@ -542,7 +487,6 @@ def run_percall_bench(
         plan_cold_us=plan_cold,
         ping_us=ping,
         seconds=time.perf_counter() - t_start,
-        before=before,
     )
 
 
@@ -553,15 +497,7 @@ def format_percall(report: PercallReport) -> str:
         f"{'op':>9}{'lmcache':>9}{'rt/t':>7}{'op/t':>7}{'op p99/p50':>11}{'t p99/p50':>10}"
         f"{'op/lmc':>8}"
     )
-    lines = [
-        "per-call p50 (us); ratios are time per call vs the single torch call"
-        + (
-            "; 16 MiB of other memory copied before each single-caller call"
-            if report.before == "memory"
-            else ""
-        ),
-        head,
-    ]
+    lines = ["per-call p50 (us); ratios are time per call vs the single torch call", head]
     for r in report.rows:
 
         def g(d: dict[str, float], k: str, fmt: str = "9.0f") -> str:
@@ -636,7 +572,7 @@ def plot_percall(report: PercallReport, path: str) -> None:
 
 
 def main(argv: Sequence[str] | None = None) -> int:
-    """``python -m kvactors.cli.bench.percall [--quick] [--before memory] [--json FILE]``."""
+    """``python -m kvactors.cli.bench.percall [--quick] [--json FILE]``."""
     ap = argparse.ArgumentParser(description=__doc__.splitlines()[0] if __doc__ else None)
     ap.add_argument("--quick", action="store_true")
     ap.add_argument("--models", nargs="+", choices=tuple(MODELS), default=list(MODELS))
@@ -646,12 +582,6 @@ def main(argv: Sequence[str] | None = None) -> int:
     )
     ap.add_argument("--callers", nargs="+", type=int, default=[1, 4])
     ap.add_argument("--reps", type=int, default=None)
-    ap.add_argument(
-        "--before",
-        choices=BEFORE,
-        default="contenders",
-        help="what runs before each single-caller call (see the module docstring)",
-    )
     ap.add_argument("--json", default=None, metavar="FILE")
     ap.add_argument("--plot", default=None, metavar="PNG")
     args = ap.parse_args(argv)
@@ -662,7 +592,6 @@ def main(argv: Sequence[str] | None = None) -> int:
         directions=args.directions,
         callers=args.callers,
         reps=args.reps,
-        before=args.before,
     )
     print(format_percall(report))
     if args.json:

@@ -1,25 +1,10 @@
 """``kvactors bench``: transfer and per-call benchmarks, written as JSON and PNG plots.
 
-Every figure is a ratio measured inside one run (absolute GB/s on shared hosts swing by
-+-20 %, see ``docs/benchmarks.md``):
-
-* **kernels** (:func:`kvactors.cli.bench.transfer.run_transfer_bench`): per layout and direction,
-  kvactors' plan + fast kernel, a raw ``copy_`` of the same bytes, and LMCache's torch path on
-  identical operands when the ``kvactors.baselines`` plugin (shipped by the adapter) loads,
-  with repetitions interleaved;
-* **runtime**: the same NHD transfer through :class:`~kvactors.runtime.Runtime` on
-  ``--device`` (message hop, actors, lane thread, completion) against a raw contiguous copy of
-  the same bytes between that device and the host, interleaved;
-* **vendor** (:func:`kvactors.cli.bench.vendor.run_vendor_bench`): on the fake MLU and MUSA,
-  kvactors next to LMCache's own backend per layout and direction: device operations per
-  call (launches, copies, host syncs, allocations) and host time per call;
-* **per call** (:func:`kvactors.cli.bench.percall.run_percall_bench`): what one transfer call
-  costs through ``Runtime.transfer`` and through LMCache's DeviceOps call of the
-  ``kvactors_cpu`` plugin, against the single torch call of the same bytes and LMCache's torch
-  path, 1 and 4 concurrent callers, p50 and p99 (written to ``percall.png`` too).
-
-Kernel figures are host-side (the paged pools are CPU memory), so they are measured once
-whatever ``--device`` says; the runtime figures follow ``--device``.
+Every figure is a ratio measured inside one run: **kernels** (:mod:`kvactors.cli.bench.transfer`,
+host-side), **runtime** (an NHD transfer through :class:`~kvactors.runtime.Runtime` on
+``--device`` against a raw copy of the same bytes), **vendor**
+(:mod:`kvactors.cli.bench.vendor`, the fake MLU and MUSA against LMCache's own ops) and
+**per call** (:mod:`kvactors.cli.bench.percall`, also written to ``percall.png``).
 """
 
 from __future__ import annotations
@@ -101,13 +86,11 @@ def _runtime_rows(env: DeviceEnv, w: BenchWorkload, reps: int, seed: int) -> lis
     oshape = (2, nl, w.chunk_tokens, nh * hs)
     objects = [torch.zeros(oshape, dtype=dtype) for _ in range(w.chunks_per_call)]
     raw_host = torch.zeros((w.chunks_per_call, *oshape), dtype=dtype)
-    # Every buffer written once: a fresh zeroed allocation maps the kernel's shared zero page,
-    # and copying out of it runs at cache speed (a raw copy of it measured 2x a real one).
+    # Every buffer written once (an untouched allocation reads as the shared zero page).
     for t in (backing, raw_host, *objects):
         t.fill_(1)
-    # The raw copy moves the same bytes between the same kinds of memory: a contiguous region
-    # of the paged pool itself (a separate chunk-sized buffer can sit on huge pages the
-    # 0.5 GiB pool does not get, and copied 2x as fast as the pool allows).
+    # The raw copy moves the same bytes between the same kinds of memory: a region of the pool
+    # itself (a separate buffer may get huge pages the pool does not).
     raw_dev = backing.view(-1)[: raw_host.numel()].view(raw_host.shape)
     ids = tuple(random.Random(seed).sample(range(nb), w.chunk_tokens // bs * w.chunks_per_call))
     shape = ShapeDesc(

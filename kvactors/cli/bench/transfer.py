@@ -1,19 +1,9 @@
 """Transfer benchmark: kvactors' fast path vs a raw copy and LMCache, in the same run.
 
-Theory of operation. Absolute GB/s swing by +-20 % on shared machines, so every figure is a
-ratio measured in one run: per layout and direction, repetitions of kvactors (plan + fast
-kernel), a raw contiguous ``copy_`` of the same bytes into preallocated buffers, and (when
-the LMCache adapter is installed) LMCache's torch path
-``lmcache.v1.platform.torch_ops.multi_layer_block_kv_transfer`` on the identical operands are
-interleaved, and medians are compared. kvactors runs twice: as a fresh request (one the
-runtime never saw: its plan cache validates it in full and the kernel is specialised for it)
-and as a repeated one (the plan reused as the runtime's plan cache does, i.e. the kernel
-alone: ``reused``). Paged pools are touched before
-timing (an untouched page reads as the shared zero page, which would flatter every reader).
-kvactors never imports lmcache: the LMCache baseline is a plugin found through the
-``kvactors.baselines`` entry-point group (registered by the adapter package).
-
-Run ``python -m kvactors.cli.bench.transfer --help``.
+Per layout and direction, kvactors (a fresh request and a ``reused`` plan), a raw contiguous
+``copy_`` of the same bytes and, through the ``kvactors.baselines`` entry points, LMCache's
+torch path on the identical operands run interleaved; figures are ratios of medians from one
+run. Pools are touched before timing. Run ``python -m kvactors.cli.bench.transfer --help``.
 """
 
 from __future__ import annotations

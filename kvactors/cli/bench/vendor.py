@@ -1,31 +1,12 @@
 """kvactors next to LMCache's own MLU and MUSA backends, on the fake vendors.
 
-For each vendor, layout LMCache's backend serves there (MLU: NHD, HND, MLA; MUSA: NHD, MLA,
-K/V lists) and direction, both contenders move the same blocks between the same fake device
-caches and host chunks, each call other block ids (a rotation of random id sets, the same
-sequence for both), with LMCache's own argument types:
-
-* ``kvactors``: the ``kvactors_mlu`` / ``kvactors_musa`` plugin's op (entry point
-  ``kvactors_vendor_op``) on the caller's current stream: it returns once the copies are
-  enqueued (the caller synchronizes before it reads the chunks). Without LMCache,
-  ``Runtime.transfer(..., complete=False)``, as that op calls it. Its count runs until a
-  ``fence`` answered, so it holds the runtime's one background completion wait
-  (:data:`BACKGROUND_SYNCS`), which the budget check sets apart;
-* ``lmcache``: LMCache's ``MluDeviceOps`` (lmcache >= 0.5.7) / ``MusaDeviceOps``
-  (built in), unmodified, found through the ``kvactors.baselines`` entry points
-  ``lmcache_mlu_ops`` / ``lmcache_musa_ops`` (kvactors never imports lmcache).
-
-Reported per call: the device operations the fake counted in steady state (the block ids of
-the warm-up calls; kernel launches, H2D/D2H/D2D copies, host synchronisations, device
-allocations; ``kvactors.testing`` ``OpCounts``), the host time until the call returns and
-until its work completed (call + device synchronize) with other block ids on every call,
-medians over interleaved repetitions, and whether kvactors meets the per-call budget
-(:func:`budget_violations`, issue 11 item 6). Fake host times measure Python and
-synchronisation overhead on this machine, not a card: compare contenders, not absolutes.
-
-torch names one private device per process, so each vendor runs in its own interpreter
-(``python -m kvactors.cli.bench.vendor --kind mlu``) with ``KVACTORS_FAKE_VENDOR`` set;
-:func:`run_vendor_bench` does that and gathers the JSON.
+Per vendor, layout and direction, ``kvactors`` (the plugin's op, entry point
+``kvactors_vendor_op``; without LMCache ``Runtime.transfer(..., complete=False)``) and
+``lmcache`` (``MluDeviceOps`` / ``MusaDeviceOps``, entry points ``lmcache_mlu_ops`` /
+``lmcache_musa_ops``) move the same blocks, other block ids on every call. Reported: device
+operations per call in steady state (``OpCounts``), host time until return and until
+complete, and :func:`budget_violations`. Fake host times compare contenders, not cards. Each
+vendor runs in its own interpreter (``--kind mlu``); :func:`run_vendor_bench` gathers them.
 """
 
 from __future__ import annotations

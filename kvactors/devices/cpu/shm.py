@@ -1,13 +1,9 @@
 """CPU shared-memory IPC: named POSIX segments described by wire-safe handles.
 
-Theory of operation. The exporting process allocates KV tensors in a named segment
-(:func:`alloc_shared`); exporting sends only the segment name and the tensor metadata (dtype,
-shape, stride, storage offset) in an :class:`~kvactors.devices.base.IPCHandle`. The receiving
-process attaches by name and builds a view through the buffer protocol, so the mapping cannot
-be unmapped while a view still references it: closing with a live view raises instead of
-leaving a dangling pointer. Attached segments are not registered with multiprocessing's
-resource tracker (it would unlink the exporter's segment when the receiver exits); the
-exporter alone unlinks.
+The exporter allocates in a named segment (:func:`alloc_shared`) and sends only its name and
+tensor metadata in an :class:`~kvactors.devices.base.IPCHandle`; the receiver attaches and
+views it through the buffer protocol, so closing with a live view raises instead of leaving a
+dangling pointer. Only the exporter unlinks (receivers stay out of the resource tracker).
 """
 
 from __future__ import annotations

@@ -1,24 +1,12 @@
 """The Cambricon MLU backend (torch_mlu).
 
-Theory of operation. torch_mlu must be imported explicitly (it registers no autoload entry
-point) and then exposes ``torch.mlu`` (its ``torch_mlu.mlu`` submodule). Streams carry their
-``cnrtQueue_t`` as ``.mlu_stream``; the default stream's handle is nonzero, so handle 0 is
-mapped to ``default_stream(index)`` explicitly and never to ``ExternalStream(0)`` (a pool
-stream). CNRT's pseudo-queues 1 (per-thread) and 2 (legacy) are refused.
-
-Copies follow the MLU policy: device-to-host copies into non-contiguous host memory, or
-with a dtype change, block (torch_mlu's asynchronous form reads a zeroed staging buffer
-before the device filled it, device-apis.md 6.1). MLU addresses are never treated as host
-pointers: raw-pointer views, LMCache-driven IPC and arbitrary host-memory registration raise
-:class:`~kvactors.errors.UnsupportedOperationError`.
-
-Transfers. :meth:`MluBackend.prepare_transfer` applies :mod:`kvactors.devices.mlu.layouts`
-before planning: vLLM-MLU's ``[cache, scale, index]`` layer entries are unwrapped, ``(1, NB,
-1, BS, HS)`` MLA caches squeezed, and format 1 (NHD), which cannot be told apart from
-vLLM-MLU's HND memory under a legacy "NHD" answer, is refused unless the layout source was
-declared (``layout_source`` or ``KVACTORS_MLU_LAYOUT_SOURCE``). :meth:`MluBackend.transfer_kernel`
-tries an opted-in native transfer (``KVACTORS_MLU_NATIVE_KV_TRANSFER=1``, entry point
-``mlu`` in ``kvactors.native_kernels``) before kvactors' torch kernel.
+torch_mlu is imported explicitly. Handle 0 maps to ``default_stream(index)``, never
+``ExternalStream(0)``; CNRT pseudo-queues 1 and 2 are refused. Strided or converting D2H
+copies block (torch_mlu's async form reads a zeroed staging buffer). MLU addresses are never
+host pointers: raw-pointer views and LMCache-driven IPC raise
+:class:`~kvactors.errors.UnsupportedOperationError`. :meth:`MluBackend.prepare_transfer`
+applies :mod:`kvactors.devices.mlu.layouts`; :meth:`MluBackend.transfer_kernel` tries an
+opted-in native transfer first.
 """
 
 from __future__ import annotations

@@ -1,30 +1,12 @@
 """vLLM-MLU KV-cache layouts: what an MLU transfer request means (pure: metadata only).
 
-Theory of operation. vLLM-MLU allocates MHA caches as ``(2, NB, NH, BS, HS)``: physically and
-logically HND, contiguous, with no stride order. vLLM's legacy layout query
-(``get_kv_cache_layout()``) is never told and answers "NHD". LMCache 0.5.7's vLLM integration
-maps such a legacy answer on MLU to HND (format 6) and lets an explicitly *resolved* layout
-win; LMCache 0.5.6 does not, so it hands the plugin format 1 (NHD) together with a shape
-descriptor read from the tensor under the NHD reading (``bs = shape[2]`` = the real head
-count, ``nh = shape[3]`` = the real block size). That request is self-consistent, so nothing
-in the shapes tells a legacy "NHD" (HND memory) from a resolved NHD: it is ambiguous, and
-kvactors never guesses. :func:`normalize_mlu_transfer` therefore refuses format 1 on MLU
-unless the caller declared where the format came from (:data:`LAYOUT_SOURCE_ENV` or
-``MluBackend(layout_source=...)``):
-
-* ``"legacy"``: the format is vLLM's legacy answer, memory is HND. The request becomes format
-  6 with the tensor read as ``[2, NB, NH, BS, HS]``; a descriptor taken under the NHD reading
-  has its ``bs``/``nh`` swapped back, the chunk keeps its block count (``chunk_size`` becomes
-  ``blocks_per_chunk * BS``) and each host chunk is viewed as ``[2, NL, T, NH*HS]``
-  (same bytes), which is exactly the request LMCache 0.5.7 makes for the same cache.
-* ``"resolved"``: the engine resolved NHD explicitly; format 1 is kept as given.
-
-Formats 6 (HND) and 3 (MLA) are not ambiguous and need no declaration. Each layer's entry in
-vLLM-MLU's ``kv_caches`` is the list ``[cache, scale, index_cache]``: the cache is unwrapped;
-a non-empty scale (int8 KV) or indexer cache (DeepSeek-v3.2) is refused, since moving the
-cache alone would silently lose them. MLA caches ``(1, NB, 1, BS, HS)`` are squeezed to the
-``(NB, BS, HS)`` view (padded block strides survive). Other formats are refused, as LMCache's
-own MLU ops refuse them.
+vLLM-MLU's MHA caches are HND ``(2, NB, NH, BS, HS)`` while its legacy layout query answers
+"NHD", so format 1 on MLU is ambiguous: :func:`normalize_mlu_transfer` refuses it unless the
+source was declared (:data:`LAYOUT_SOURCE_ENV` or ``MluBackend(layout_source=...)``):
+``"legacy"`` rewrites it to format 6 as LMCache 0.5.7 does, ``"resolved"`` keeps it. Layer
+entries ``[cache, scale, index_cache]`` are unwrapped (non-empty scale or indexer caches are
+refused), MLA caches squeezed to ``(NB, BS, HS)``; other formats are refused as LMCache's own
+MLU ops refuse them.
 """
 
 from __future__ import annotations

@@ -1,26 +1,11 @@
 """The Moore Threads MUSA backend (torch_musa).
 
-Theory of operation. ``torch.musa`` *is* the torch_musa package (autoloaded by torch >= 2.5
-through its ``torch.backends`` entry point; imported here if missing). Streams carry their
-``musaStream_t`` as ``.musa_stream`` and the default stream's handle is 0, which is why
-handle 0 must map to ``default_stream(index)``: ``ExternalStream(0)`` returns a pool stream
-and synchronizing it returns early (device-apis.md 6.4).
-
-Memory. Raw pointers are process-local: :meth:`MusaBackend.tensor_from_ptr` validates the
-request and builds a non-owning view (vendor constructor when present, else storage +
-``set_``); the caller keeps the allocation alive. Across processes only
-:class:`~kvactors.devices.base.IPCHandle` travels: the ``torch.musa.ipc`` handle's
-``to_dict()`` (JSON, base64 bytes) rides in ``extra`` and is rebuilt with ``from_dict()``
-before ``open_tensor``; the receiver gets a :class:`MusaIPCOwner` to close after the stream
-that used its views has been synchronized.
-
-Transfers. :meth:`MusaBackend.prepare_transfer` refuses, before anything is touched, every
-format LMCache's MUSA MP path refuses (only NHD ``NL_X_TWO_NB_BS_NH_HS`` (1), MLA
-``NL_X_NB_BS_HS`` (3) and SGLang K/V lists ``TWO_X_NL_X_NB_BS_NH_HS`` (9) are validated;
-:mod:`kvactors.devices.musa.contract`). :meth:`MusaBackend.transfer_kernel` is the two-level
-fallback: an optional native transfer (:mod:`kvactors.devices.native`; opt-in
-``LMCACHE_MUSA_NATIVE_KV_TRANSFER=1``) for eligible plans may decline, then kvactors' torch
-kernel runs.
+Handle 0 maps to ``default_stream(index)`` (``ExternalStream(0)`` is a pool stream).
+:meth:`MusaBackend.tensor_from_ptr` builds non-owning views of process-local pointers; across
+processes only an :class:`~kvactors.devices.base.IPCHandle` (torch_musa's ``to_dict()``)
+travels. :meth:`MusaBackend.prepare_transfer` refuses the formats LMCache's MUSA path refuses
+(:mod:`kvactors.devices.musa.contract`); :meth:`MusaBackend.transfer_kernel` tries an opted-in
+native transfer (:mod:`kvactors.devices.native`) before kvactors' torch kernel.
 """
 
 from __future__ import annotations

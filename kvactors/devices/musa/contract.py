@@ -1,14 +1,9 @@
 """MUSA transfer contract (pure): supported layouts, dtypes, pointer operands, capabilities.
 
-Theory of operation. Everything here decides *before* any copy whether a MUSA transfer may
-run, mirroring LMCache's MUSA invariants (lmcache-contract.md section 7): only three layouts
-are validated (per-layer ``[2, NB, BS, NH, HS]``, MLA ``[NB, BS, HS]`` with explicit padded
-block strides, and K/V lists ``2 x NL x [NB, BS, NH, HS]`` kept in key-then-value order);
-anything else is rejected. A 2-byte element size without an exact dtype is an error, never
-fp16 by guess. Pointer operands are 1-D int64/uint64 tensors with one pointer per layer
-(two per layer for K/V lists). Capabilities are probed, never assumed: handle (LMCache-driven)
-mode needs the opt-in ``LMCACHE_MUSA_HANDLE_TRANSFER`` plus memory IPC plus event IPC, and
-auto mode stays engine-driven regardless.
+Decides before any copy whether a MUSA transfer may run, as LMCache's MUSA path does: three
+layouts (per-layer ``[2, NB, BS, NH, HS]``, MLA ``[NB, BS, HS]``, K/V lists), an exact dtype
+(2 bytes is never guessed), 1-D int64/uint64 pointer operands, and probed capabilities (handle
+mode needs ``LMCACHE_MUSA_HANDLE_TRANSFER`` plus memory and event IPC).
 """
 
 from __future__ import annotations

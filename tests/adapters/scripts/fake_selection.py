@@ -24,7 +24,7 @@ BLOCKS = [5, 1, 6, 2]
 
 def main(kind: str) -> dict[str, object]:
     out: dict[str, object] = {"kind": kind}
-    with fake_vendor(kind, seed=5, jitter=0.0005) as fake:
+    with fake_vendor(kind, lazy=True) as fake:
         import lmcache
         import lmcache.lmcache_native as native
         from lmcache.v1.platform import resolve_device_ops
