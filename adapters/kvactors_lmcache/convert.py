@@ -9,6 +9,7 @@ kvactors does not move are refused naming the format and its engine (docs/format
 
 from __future__ import annotations
 
+import operator
 from collections.abc import Sequence
 from typing import TYPE_CHECKING, Any
 
@@ -69,6 +70,9 @@ _REFUSED_FORMATS: dict[int, str] = {
 }
 """LMCache formats kvactors refuses, with the reason (any other unknown one is refused too)."""
 
+_SERVED: dict[int, KVFormat] = {int(f): f for f in KVFormat if int(f) not in _REFUSED_FORMATS}
+"""LMCache format value -> the kvactors format it is moved as, for the formats served as is."""
+
 REFUSAL_ADVICE = "use LMCache's own backend for this engine (docs/formats.md lists the formats)"
 """What a refusal tells the operator to do."""
 
@@ -122,11 +126,9 @@ def format_of(engine_kv_format: Any) -> KVFormat:
         TransferValidationError: a format kvactors does not move, naming it and its engine.
     """
     value = _format_value(engine_kv_format)
-    if value not in _REFUSED_FORMATS:
-        try:
-            return KVFormat(value)
-        except ValueError:
-            pass
+    fmt = _SERVED.get(value)
+    if fmt is not None:
+        return fmt
     engines, name = producers(value)
     reason = refusal_reason(value)
     raise TransferValidationError(
@@ -172,11 +174,14 @@ def normalize_format(engine_kv_format: Any, paged: Any) -> tuple[Any, Any]:
     return int(fmt), views
 
 
+_DIRECTIONS: dict[int, Direction] = {int(d): d for d in Direction}
+
+
 def direction_of(direction: Any) -> Direction:
     """kvactors' :class:`Direction` for LMCache's ``TransferDirection`` (H2D=0, D2H=1)."""
     try:
-        return Direction(int(direction))
-    except (TypeError, ValueError) as exc:
+        return _DIRECTIONS[int(direction)]
+    except (TypeError, ValueError, KeyError) as exc:
         raise TransferValidationError(
             f"direction {direction!r} is neither H2D (0) nor D2H (1)", field="direction"
         ) from exc
@@ -193,17 +198,35 @@ def dtype_name(dtype: object) -> str | None:
     raise OperandTypeError(f"shape_desc.dtype {dtype!r} is not a torch.dtype", field="dtype")
 
 
+_SHAPE_FIELDS = ("kv_size", "nl", "nb", "bs", "nh", "hs", "element_size")
+_shape_facts = operator.attrgetter(*_SHAPE_FIELDS, "block_stride_elems", "dtype")
+_SHAPES: dict[tuple[Any, ...], ShapeDesc] = {}
+"""A descriptor's attribute values -> its converted ShapeDesc (equal values convert alike)."""
+_SHAPES_KEPT = 64
+
+
 def shape_desc_of(shape_desc: Any) -> ShapeDesc:
     """kvactors' :class:`ShapeDesc` for LMCache's ``PageBufferShapeDesc``.
 
     ``dtype`` is the dynamic attribute ``make_page_buffer_shape_desc`` sets; it is absent on
     hand-built descriptors, and kvactors then takes the dtype from the tensors.
     """
+    try:  # a descriptor read before: its values, one lookup (the engine reuses one per pool)
+        facts = _shape_facts(shape_desc)
+        desc = _SHAPES.get(facts)
+    except (AttributeError, TypeError):  # no dtype, or unhashable values: converted in full
+        facts = desc = None
+    if desc is not None:
+        return desc
+    desc = _shape_desc_of(shape_desc)
+    if facts is not None and len(_SHAPES) < _SHAPES_KEPT:
+        _SHAPES[facts] = desc
+    return desc
+
+
+def _shape_desc_of(shape_desc: Any) -> ShapeDesc:
     try:
-        fields = {
-            name: int(getattr(shape_desc, name))
-            for name in ("kv_size", "nl", "nb", "bs", "nh", "hs", "element_size")
-        }
+        fields = {name: int(getattr(shape_desc, name)) for name in _SHAPE_FIELDS}
         block_stride = int(getattr(shape_desc, "block_stride_elems", 0) or 0)
     except (AttributeError, TypeError, ValueError) as exc:
         raise OperandTypeError(
@@ -216,6 +239,9 @@ def shape_desc_of(shape_desc: Any) -> ShapeDesc:
     )
 
 
+_INT = {int}
+
+
 def block_ids_tuple(block_ids: Any) -> tuple[int, ...]:
     """Engine block ids as a tuple of ints (a list in tensor mode; a tensor is accepted)."""
     if isinstance(block_ids, torch.Tensor):
@@ -226,6 +252,10 @@ def block_ids_tuple(block_ids: Any) -> tuple[int, ...]:
                 field="block_ids",
             )
         return tuple(int(b) for b in block_ids.tolist())
+    if type(block_ids) is list:  # the engine's call: one check per distinct element type
+        ids = tuple(block_ids)
+        if set(map(type, ids)) <= _INT:
+            return ids
     if isinstance(block_ids, (str, bytes)) or not isinstance(block_ids, Sequence):
         raise OperandTypeError(
             f"block_ids must be a list of ints, got {type(block_ids).__name__}", field="block_ids"
