@@ -211,13 +211,14 @@ def shape_desc_of(shape_desc: Any) -> ShapeDesc:
     ``dtype`` is the dynamic attribute ``make_page_buffer_shape_desc`` sets; it is absent on
     hand-built descriptors, and kvactors then takes the dtype from the tensors.
     """
+    facts: tuple[Any, ...] | None
     try:  # a descriptor read before: its values, one lookup (the engine reuses one per pool)
         facts = _shape_facts(shape_desc)
-        desc = _SHAPES.get(facts)
+        known = _SHAPES.get(facts)
     except (AttributeError, TypeError):  # no dtype, or unhashable values: converted in full
-        facts = desc = None
-    if desc is not None:
-        return desc
+        facts = known = None
+    if known is not None:
+        return known
     desc = _shape_desc_of(shape_desc)
     if facts is not None and len(_SHAPES) < _SHAPES_KEPT:
         _SHAPES[facts] = desc
