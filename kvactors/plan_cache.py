@@ -144,15 +144,18 @@ def _storage(t: torch.Tensor) -> tuple[int, int]:
     return s._cdata, s.nbytes()
 
 
-def _chunk_meta(t: torch.Tensor) -> tuple[Any, ...]:
-    """A chunk's facts but its address (the plan is rebound to it)."""
-    return t.shape, t.stride(), _CODES[t.dtype], _CODES[t.device], t.is_inference()
-
-
-def _inside(t: torch.Tensor) -> bool:
-    """Whether a chunk lies inside its storage (validation refuses one that does not; a
-    storage may shrink under a chunk after its plan was made)."""
-    return (t.storage_offset() + t.numel()) * t.element_size() <= t.untyped_storage().nbytes()
+def _chunks(chunks: Sequence[torch.Tensor]) -> tuple[list[tuple[Any, ...]], list[int]] | None:
+    """The chunks' facts but their addresses (the plan is rebound to them), and their data
+    pointers; ``None`` when a chunk does not lie inside its storage (validation refuses it;
+    a storage may shrink under a chunk after its plan was made)."""
+    meta: list[tuple[Any, ...]] = []
+    ptrs: list[int] = []
+    for t in chunks:
+        if (t.storage_offset() * t.itemsize + t.nbytes) > t.untyped_storage().nbytes():
+            return None
+        meta.append((t.shape, t.stride(), _CODES[t.dtype], _CODES[t.device], t.is_inference()))
+        ptrs.append(t.data_ptr())
+    return meta, ptrs
 
 
 class PlanCache:
@@ -263,11 +266,12 @@ class PlanCache:
         n_paged = len(tensors)
         if not _flatten(objects, 1, structure, tensors):
             return None
-        chunks = tensors[n_paged:]
-        if not all(map(_inside, chunks)):
+        chunks = _chunks(tensors[n_paged:])
+        if chunks is None:
             return None
-        meta = [_meta(t) for t in tensors[:n_paged]] + [_chunk_meta(t) for t in chunks]
-        inference = any(m[6] for m in meta[:n_paged]) or any(m[4] for m in meta[n_paged:])
+        chunk_meta, ptrs = chunks
+        meta = [_meta(t) for t in tensors[:n_paged]]
+        inference = any(m[6] for m in meta) or any(m[4] for m in chunk_meta)
         storage = _storage(tensors[0]) if n_paged else None
-        key = head + _encode((structure, meta, storage))
-        return key, ids, tuple(t.data_ptr() for t in chunks), inference
+        key = head + _encode((structure, meta, chunk_meta, storage))
+        return key, ids, tuple(ptrs), inference
