@@ -30,6 +30,7 @@ with :class:`~kvactors.errors.TransferAbandonedError` (it may still land), never
 
 from __future__ import annotations
 
+import functools
 import itertools
 import logging
 import threading
@@ -199,14 +200,15 @@ class GatherActor(Actor[GatherRequest]):
         request, paged, objects = self.backend.prepare_transfer(msg.request, ops.paged, ops.objects)
         found = self.plans.lookup(request, paged, objects)
         plan = found.plan
-        scratch = self._scratch.get(msg.stream_handle)
-        if scratch is None:
-            scratch = self._scratch[msg.stream_handle] = ScratchCache()
-        copy = self.backend.copy_
         inference = found.inference
         # A plain backend's plan from the cache runs its specialised kernel (built where the
         # launch runs, never on the loop).
         memo = found.memo if self._plain else None
+        if memo is None:
+            scratch = self._scratch.get(msg.stream_handle)
+            if scratch is None:
+                scratch = self._scratch[msg.stream_handle] = ScratchCache()
+            copy = self.backend.copy_
 
         def torch_kernel() -> None:
             if memo is not None:
@@ -219,38 +221,35 @@ class GatherActor(Actor[GatherRequest]):
         # The backend may put an opted-in native transfer first (it may decline).
         kernel = self.backend.transfer_kernel(plan, paged, objects, torch_kernel)
 
-        launch = Launch(transfer_id=msg.transfer_id, nbytes=plan.nbytes)
         tid = msg.transfer_id
-        blocks = len(plan.touched_blocks)
+        nbytes = plan.nbytes
+        touched = plan.touched_blocks
+        launch = Launch(transfer_id=tid, nbytes=nbytes)
         settle = self.defer(env)
         with self._ledger_lock:
-            self._ledger.begin(tid, plan.touched_blocks)
+            self._ledger.begin(tid, touched)
             self._running[tid] = settle
-        answer = TransferDone(transfer_id=tid, nbytes=plan.nbytes, blocks=blocks)
-
-        def on_enqueued() -> None:
-            # Answer now; the lease stays with the stream and the blocks stay in the ledger
-            # until the device completed (own until done, fence before reuse).
-            settle(None, answer)
+        answer = TransferDone(transfer_id=tid, nbytes=nbytes, blocks=len(touched))
 
         def on_done(exc: BaseException | None, _value: Any) -> None:
-            released = self._finish(tid, exc is None, plan.nbytes)
-            if exc is not None:
-                if msg.complete or not settled_early():
-                    settle(exc, None)
-                else:
-                    _log.error("transfer %d failed after it was enqueued: %s", tid, exc)
-            else:
+            released = self._finish(tid, exc is None, nbytes)
+            if exc is None:
                 settle(None, answer)
+            elif msg.complete or env in self._deferred:  # not answered when enqueued
+                settle(exc, None)
+            else:
+                _log.error("transfer %d failed after it was enqueued: %s", tid, exc)
             self._release(released)
 
-        def settled_early() -> bool:
-            return env not in self._deferred
+        # Answered once enqueued (complete=False): the lease stays with the stream and the
+        # blocks stay in the ledger until the device completed (own until done, fence
+        # before reuse).
+        on_enqueued = None if msg.complete else functools.partial(settle, None, answer)
 
         # Own until done (rule 3): the lane keeps ``work`` until the device completed it, and
         # with it ``kernel``, which references the operands (through ``torch_kernel``, which
         # every backend kernel wraps, and the plan ticket's tensors). No separate keepalive.
-        work = Work(kernel, on_enqueued=None if msg.complete else on_enqueued)
+        work = Work(kernel, on_enqueued=on_enqueued)
         try:
             self._send(msg.stream_handle, _Callback(on_done), launch, work, env.waiter)
         except Exception as exc:

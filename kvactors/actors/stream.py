@@ -153,7 +153,13 @@ class StreamActor(Actor[StreamRequest]):
     def _signal(self) -> None:
         super()._signal()
         hook = self.on_idle
-        if hook is None or not self.idle():
+        if (
+            hook is None
+            or self._busy
+            or self._fifo
+            or self._deferred
+            or self._state is not ActorState.RUNNING
+        ):
             return
         loop = self._loop
         if on_loop(loop):
