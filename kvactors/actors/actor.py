@@ -267,6 +267,9 @@ class Actor(Generic[M]):
         self._wake: asyncio.Event | None = None
         self._space: asyncio.Event | None = None
         self._idle: asyncio.Event | None = None
+        # Whether the loop may wait on ``_space`` or ``_idle`` (written on the loop only):
+        # a signal from another thread then wakes the loop, else it costs nothing.
+        self._watched = False
         self._state = ActorState.CREATED
         self._cause: BaseException | None = None
         self._task: asyncio.Task[None] | None = None
@@ -334,7 +337,9 @@ class Actor(Generic[M]):
     async def drain(self) -> None:
         """Wait until every queued message was handled and every deferred reply settled."""
         idle = self._idle
+        self._watched = True  # before the check: a settle after it wakes the loop
         while idle is not None and self._state is ActorState.RUNNING and self.pending:
+            self._watched = True
             idle.clear()
             await idle.wait()
 
@@ -444,6 +449,7 @@ class Actor(Generic[M]):
                 self._deliver(Envelope(msg, operands, None), msg)
             except MailboxFullError:
                 assert self._space is not None
+                self._watched = True
                 self._space.clear()
                 await self._space.wait()
                 continue
@@ -531,21 +537,21 @@ class Actor(Generic[M]):
 
     def _signal(self) -> None:
         loop = self._loop
-        if not on_loop(loop):
-            # The loop's events are its own: wake it only when someone waits on one.
-            space, idle = self._space, self._idle
-            if loop is not None and (
-                (space is not None and not space.is_set())
-                or (idle is not None and not idle.is_set())
-            ):
+        if loop is None or _running_loop() is not loop:
+            # The loop's events are its own: wake it only when it may wait on one.
+            if loop is not None and self._watched:
                 with contextlib.suppress(RuntimeError):  # a closed loop: nobody waits
                     loop.call_soon_threadsafe(self._signal)
             return
         pending = len(self._fifo) + len(self._deferred)
-        if self._space is not None and pending < self._capacity:
-            self._space.set()
-        if self._idle is not None and (pending == 0 or self._state is not ActorState.RUNNING):
-            self._idle.set()
+        space, idle = self._space, self._idle
+        if space is not None and pending < self._capacity:
+            space.set()
+        if idle is not None and (pending == 0 or self._state is not ActorState.RUNNING):
+            idle.set()
+        self._watched = (space is not None and not space.is_set()) or (
+            idle is not None and not idle.is_set()
+        )
 
     def _wake_task(self) -> None:
         wake, loop = self._wake, self._loop

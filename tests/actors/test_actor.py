@@ -181,3 +181,25 @@ async def test_drain_waits_for_deferred_replies() -> None:
     await drained
     assert await held == "ok"
     await a.stop()
+
+
+async def test_a_settle_on_another_thread_wakes_a_drain_and_a_waiting_tell() -> None:
+    # The loop waits on its own events; only the settling thread's signal can wake it.
+    a = Recorder(capacity=1)
+    a.start()
+    held = a.ask_nowait(Hold())
+    waiting = asyncio.ensure_future(a.tell(Put(1)))  # the bound is full: waits for space
+    await asyncio.sleep(0)
+    assert not waiting.done()
+    await asyncio.to_thread(a.held[0], None, "first")
+    await asyncio.wait_for(waiting, 30)  # a hang guard, not a timing
+    assert await held == "first"
+    assert a.seen == [1]
+    held = a.ask_nowait(Hold())
+    drained = asyncio.ensure_future(a.drain())
+    await asyncio.sleep(0)
+    assert not drained.done()
+    await asyncio.to_thread(a.held[1], None, "second")
+    await asyncio.wait_for(drained, 30)
+    assert await held == "second"
+    await a.stop()
