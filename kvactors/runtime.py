@@ -190,7 +190,9 @@ class Runtime:
         closed = ActorClosedError("runtime closed before replying", actor="runtime")
         with self._lock:
             leftovers, self._outstanding = self._outstanding, {}
-        for reply, msg in leftovers.items():
+        # A copy: a call that read the old dict just before the swap may still add to it (its
+        # send then fails: the actors stopped).
+        for reply, msg in list(leftovers.items()):
             # Only a stop that did not finish leaves replies here: a transfer among them may
             # have been enqueued, so it is not "not served".
             reply.set_exception(
@@ -244,8 +246,7 @@ class Runtime:
         _, actors = self._running()
         t = self.default_timeout if timeout is None else timeout
         reply = ReplyLock()
-        with self._lock:
-            self._outstanding[reply] = msg
+        self._outstanding[reply] = msg  # one dict operation: atomic, no lock (see close)
         observers = self._observers
         call = Call(msg, operands, stream_handle) if observers.active else None
         try:
@@ -261,8 +262,7 @@ class Runtime:
                 observers.finished(call, None, exc)
             raise
         finally:
-            with self._lock:
-                self._outstanding.pop(reply, None)
+            self._outstanding.pop(reply, None)
         if call is not None:
             observers.finished(call, result, None)
         return result
