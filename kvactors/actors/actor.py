@@ -408,8 +408,13 @@ class Actor(Generic[M]):
         # Claim the turn if the actor is idle and this thread may run it; else queue (a busy
         # actor's turn, when it ends, hands or wakes: no wake-up needed then).
         with self._mutex:
-            self._check_send(msg)
             depth = len(self._fifo) + len(self._deferred) + 1
+            if (
+                self._state is not ActorState.RUNNING
+                or depth > self._capacity
+                or not isinstance(msg, self.accepts)
+            ):
+                self._check_send(msg)  # raises the specific refusal
             if depth > self._peak:
                 self._peak = depth
             busy = self._busy

@@ -138,6 +138,7 @@ class GatherActor(Actor[GatherRequest]):
         # whose launch runs the work at once (CPU) and that adds no layout rule or native
         # kernel runs the specialised kernel of a reused plan.
         cls = type(backend)
+        self._prepares = cls.prepare_transfer is not Backend.prepare_transfer
         self._plain = (
             cls.prepare_transfer is Backend.prepare_transfer
             and cls.transfer_kernel is Backend.transfer_kernel
@@ -197,7 +198,12 @@ class GatherActor(Actor[GatherRequest]):
                 field="operands",
             )
         # Device layout rules first (MLU vLLM layouts, MUSA format set): metadata only.
-        request, paged, objects = self.backend.prepare_transfer(msg.request, ops.paged, ops.objects)
+        if self._prepares:
+            request, paged, objects = self.backend.prepare_transfer(
+                msg.request, ops.paged, ops.objects
+            )
+        else:
+            request, paged, objects = msg.request, ops.paged, ops.objects
         found = self.plans.lookup(request, paged, objects)
         plan = found.plan
         inference = found.inference
