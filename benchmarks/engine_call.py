@@ -1,6 +1,6 @@
 """One engine-shaped call taken apart: where kvactors' op spends its time, against LMCache's.
 
-    .venv/bin/python benchmarks/engine_call.py [--calls 2000]
+    .venv/bin/python benchmarks/engine_call.py [--calls 2000] [--before memory]
 
 The operands of ``kvactors validate-serving --bench``'s engine, without the engine: vLLM's CPU
 attention layout (format 12, ``[NB, NH, BS, 2*HS]`` per layer) for 2 layers in ONE allocation
@@ -11,7 +11,8 @@ median time of: the kernel bound to the call's ids (``reused_kernel`` on a cache
 plan cache's lookup, ``Runtime.transfer`` in all and the ``kvactors_cpu`` plugin's op in all,
 each timed back to back; then the plugin's op and LMCache's own CPU op (``CpuDeviceOps``)
 alternated ABBA, so each finds the other's traces in the caches, as in the engine's A/B.
-One thread (``torch.set_num_threads(1)``).
+One thread (``torch.set_num_threads(1)``). ``--before memory`` copies 32 MiB before every timed
+call, untimed: the caches start as cold as after an engine's forward pass.
 """
 
 from __future__ import annotations
@@ -37,6 +38,11 @@ CHUNK, CHUNKS = 64, 4
 def main() -> int:
     ap = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     ap.add_argument("--calls", type=int, default=2000)
+    ap.add_argument(
+        "--before", choices=("nothing", "memory"), default="nothing",
+        help="memory: copy 32 MiB (untimed) before every timed call, as an engine's forward "
+        "pass between two transfers evicts the caches",
+    )  # fmt: skip
     args = ap.parse_args()
     torch.set_num_threads(1)
 
@@ -78,6 +84,13 @@ def main() -> int:
     descs = {"kvactors": desc(kva), "lmcache": desc(lm)}
     rt = get_runtime(backend="cpu", device_index=0)
     rows: dict[str, list[float]] = {}
+    big = torch.ones(8 << 20)
+    big_to = torch.empty_like(big)
+
+    def evict() -> None:
+        big_to.copy_(big)
+
+    before = evict if args.before == "memory" else None
     for d in (1, 0):
         reqs = [
             TransferRequest(fmt=12, direction=d, block_ids=tuple(ids), chunk_size=CHUNK,
@@ -105,16 +118,18 @@ def main() -> int:
             )  # fmt: skip
 
         parts = {
-            "kernel, bound to the ids": _median(kernel, args.calls, len(calls)),
-            "plan cache lookup": _median(lookup, args.calls, len(calls)),
-            "Runtime.transfer": _median(transfer, args.calls, len(calls)),
-            "kvactors op, back to back": _median(op_alone, args.calls, len(calls)),
+            "kernel, bound to the ids": _median(kernel, args.calls, len(calls), before),
+            "plan cache lookup": _median(lookup, args.calls, len(calls), before),
+            "Runtime.transfer": _median(transfer, args.calls, len(calls), before),
+            "kvactors op, back to back": _median(op_alone, args.calls, len(calls), before),
         }
         ops: dict[str, list[float]] = {"kvactors": [], "lmcache": []}
         for i in range(args.calls):
             who = ("kvactors", "lmcache", "lmcache", "kvactors")[i % 4]
             ids, objs = calls[i % len(calls)]
             op = (kva if who == "kvactors" else lm).multi_layer_block_kv_transfer
+            if before is not None:
+                before()
             t0 = time.perf_counter()
             op(layers, objs, ids, cpu, native.TransferDirection(d), descs[who], CHUNK, fmt, 0)
             ops[who].append(time.perf_counter() - t0)
@@ -128,10 +143,15 @@ def main() -> int:
     return 0
 
 
-def _median(fn: Callable[[int], None], n: int, cycle: int) -> float:
-    """Median microseconds of ``fn(i % cycle)`` over ``n`` calls, the first tenth dropped."""
+def _median(
+    fn: Callable[[int], None], n: int, cycle: int, before: Callable[[], None] | None
+) -> float:
+    """Median microseconds of ``fn(i % cycle)`` over ``n`` calls (``before`` each, untimed),
+    the first tenth dropped."""
     times = []
     for i in range(n):
+        if before is not None:
+            before()
         t0 = time.perf_counter()
         fn(i % cycle)
         times.append(time.perf_counter() - t0)
