@@ -56,8 +56,10 @@ class ReplyLock:
         if not self._done:
             self._value = value
             self._done = True
-            with contextlib.suppress(RuntimeError):  # a racing settle released it first
+            try:  # noqa: SIM105 (the per-call path: no context manager)
                 self._lock.release()
+            except RuntimeError:  # a racing settle released it first
+                pass
 
     def set_exception(self, exc: BaseException) -> None:
         if not self._done:

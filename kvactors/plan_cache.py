@@ -10,6 +10,7 @@ bounded (oldest first) and a hit takes no lock.
 from __future__ import annotations
 
 import collections
+import operator
 import threading
 from typing import TYPE_CHECKING, Any, NamedTuple, TypeAlias
 
@@ -94,6 +95,8 @@ class _Codes(dict[Any, int]):
 
 
 _CODES = _Codes()
+_SEVENTH = operator.itemgetter(6)  # a paged tensor's fact: is it an inference tensor
+_FIFTH = operator.itemgetter(4)  # the same fact of a chunk
 
 
 def _flatten(value: object, depth: int, structure: list[Any], tensors: list[torch.Tensor]) -> bool:
@@ -271,7 +274,7 @@ class PlanCache:
             return None
         chunk_meta, ptrs = chunks
         meta = [_meta(t) for t in tensors[:n_paged]]
-        inference = any(m[6] for m in meta) or any(m[4] for m in chunk_meta)
+        inference = any(map(_SEVENTH, meta)) or any(map(_FIFTH, chunk_meta))
         storage = _storage(tensors[0]) if n_paged else None
         key = head + _encode((structure, meta, chunk_meta, storage))
         return key, ids, tuple(ptrs), inference

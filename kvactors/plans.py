@@ -9,6 +9,7 @@ layout facts the kernels use; kernels check its fingerprint (data pointers) befo
 
 from __future__ import annotations
 
+import itertools
 import math
 from collections.abc import Sequence
 from typing import TYPE_CHECKING
@@ -391,6 +392,23 @@ def plan_transfer(
     )
 
 
+_ABUTTING: dict[int, tuple[tuple[Segment, ...], bool]] = {}
+"""``id(segments)`` -> (the segments, whether they abut): a rebound plan shares its template's
+segments, so each template's are checked once (the value keeps them, so the id stays theirs)."""
+
+
+def _abutting(segs: tuple[Segment, ...]) -> bool:
+    """Whether each segment starts where the one before it stopped."""
+    known = _ABUTTING.get(id(segs))
+    if known is not None and known[0] is segs:
+        return known[1]
+    value = all(b.start == a.stop for a, b in itertools.pairwise(segs))
+    if len(_ABUTTING) >= 256:
+        _ABUTTING.clear()
+    _ABUTTING[id(segs)] = (segs, value)
+    return value
+
+
 def rebind_block_ids(
     plan: TransferPlan,
     request: TransferRequest,
@@ -415,10 +433,12 @@ def rebind_block_ids(
     if ids:
         if set(map(type, ids)) != {int} or min(ids) < 0 or max(ids) >= plan.request.shape.nb:
             return None
-        if len(segs) == 1:
-            moved = ids[segs[0].start : segs[0].stop]
+        if not segs:
+            moved: tuple[int, ...] = ()
+        elif len(segs) == 1 or _abutting(segs):
+            moved = ids[segs[0].start : segs[-1].stop]
         else:
-            moved = tuple(b for s in segs for b in ids[s.start : s.stop])
+            moved = tuple(itertools.chain.from_iterable([ids[s.start : s.stop] for s in segs]))
         touched = frozenset(moved)
         if plan.direction is Direction.H2D and len(touched) != len(moved):
             return None

@@ -13,6 +13,7 @@ import operator
 from collections.abc import Sequence
 from typing import TYPE_CHECKING, Any
 
+import msgspec
 import torch
 
 from kvactors.errors import OperandTypeError, TransferValidationError
@@ -203,6 +204,35 @@ _shape_facts = operator.attrgetter(*_SHAPE_FIELDS, "block_stride_elems", "dtype"
 _SHAPES: dict[tuple[Any, ...], ShapeDesc] = {}
 """A descriptor's attribute values -> its converted ShapeDesc (equal values convert alike)."""
 _SHAPES_KEPT = 64
+
+
+def shape_facts(shape_desc: Any) -> tuple[Any, ...]:
+    """The attribute values of a ``PageBufferShapeDesc`` that its conversion reads.
+
+    Raises:
+        AttributeError: a hand-built descriptor without ``dtype`` (or not a descriptor).
+    """
+    return _shape_facts(shape_desc)  # type: ignore[no-any-return]
+
+
+def reusable(request: TransferRequest, arguments: tuple[Any, ...]) -> bool:
+    """Whether ``request``, converted from ``arguments`` (format, direction, chunk size,
+    skipped blocks, :func:`shape_facts`), serves every later call with equal arguments:
+    exact ints for the sizes (``True == 1`` must not reach a cached request), and a format
+    whose paged operand :func:`normalize_format` leaves as it is."""
+    fmt, _, chunk_size, skip, _ = arguments
+    return (
+        type(chunk_size) is int
+        and type(skip) is int
+        and _format_value(fmt) not in _SINGLETON_AXIS_FORMATS
+        and request.chunk_size == chunk_size
+    )
+
+
+def with_block_ids(template: TransferRequest, block_ids: Any) -> TransferRequest:
+    """``template`` (a request :func:`reusable` for this call's other arguments) with this
+    call's block ids, checked as :func:`to_transfer_request` checks them."""
+    return msgspec.structs.replace(template, block_ids=block_ids_tuple(block_ids))
 
 
 def shape_desc_of(shape_desc: Any) -> ShapeDesc:

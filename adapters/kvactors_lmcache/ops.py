@@ -33,6 +33,7 @@ from kvactors.errors import (
 from kvactors_lmcache import convert
 
 if TYPE_CHECKING:
+    from kvactors.plans import TransferRequest
     from kvactors.runtime import Runtime
 
 __all__ = (
@@ -48,6 +49,8 @@ __all__ = (
 )
 
 RuntimeFactory = Callable[[str, int], "Runtime"]
+
+_REQUESTS_KEPT = 64  # converted requests kept per ops instance (one per pool and direction)
 
 # Every public DeviceOps member of lmcache 0.5.6 and 0.5.7 that the kvactors ops do NOT
 # override, with the reason. tests/adapters/test_lmcache_contract.py walks the installed class
@@ -189,6 +192,7 @@ class KvactorsDeviceOps(DeviceOps):
         self._runtimes: dict[int, Runtime] = {}
         self._home: Runtime | None = None
         self._count_keys = (f"{self.kvactors_backend}:H2D", f"{self.kvactors_backend}:D2H")
+        self._requests: dict[tuple[Any, ...], TransferRequest] = {}
 
     # -- runtime plumbing ---------------------------------------------------------------
 
@@ -201,6 +205,8 @@ class KvactorsDeviceOps(DeviceOps):
             return rt
 
     def _current_index(self) -> int:
+        if not self.uses_streams:
+            return 0
         mod = getattr(torch, self.kvactors_backend, None)
         current = getattr(mod, "current_device", None)
         if self.uses_streams and callable(current):
@@ -269,17 +275,40 @@ class KvactorsDeviceOps(DeviceOps):
             ValueError: the request fails validation (nothing is copied).
         """
         convert.check_tensor_operands(paged_buffer_ptrs_tensor, lmcache_objects_ptrs)
-        engine_kv_format, paged_buffer_ptrs_tensor = convert.normalize_format(
-            engine_kv_format, paged_buffer_ptrs_tensor
-        )
-        request = convert.to_transfer_request(
-            engine_kv_format,
-            direction,
-            block_ids,
-            lmcache_chunk_size,
-            skip_prefix_n_blocks,
-            shape_desc,
-        )
+        # The engine repeats every argument but the block ids and the chunks: a request
+        # converted for the same arguments is reused with this call's ids (checked).
+        same: tuple[Any, ...] | None
+        try:
+            if type(lmcache_chunk_size) is not int or type(skip_prefix_n_blocks) is not int:
+                raise TypeError  # checked (and refused) in full
+            same = (
+                engine_kv_format,
+                direction,
+                lmcache_chunk_size,
+                skip_prefix_n_blocks,
+                convert.shape_facts(shape_desc),
+            )
+            template = self._requests.get(same)
+        except (AttributeError, TypeError):  # unhashable or not a descriptor: in full
+            same = template = None
+        if template is not None:
+            request = convert.with_block_ids(template, block_ids)
+        else:
+            engine_kv_format, paged_buffer_ptrs_tensor = convert.normalize_format(
+                engine_kv_format, paged_buffer_ptrs_tensor
+            )
+            request = convert.to_transfer_request(
+                engine_kv_format,
+                direction,
+                block_ids,
+                lmcache_chunk_size,
+                skip_prefix_n_blocks,
+                shape_desc,
+            )
+            if same is not None and convert.reusable(request, same):
+                if len(self._requests) >= _REQUESTS_KEPT:
+                    self._requests.clear()
+                self._requests[same] = request
         # check_tensor_operands refused anything but tensors: the chunks are tensors.
         objects: Any = lmcache_objects_ptrs
         rt, index = self._route(device)

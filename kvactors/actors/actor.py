@@ -231,7 +231,8 @@ class Envelope(Generic[M]):
         slot = self.reply
         if slot is not None and not slot.done():
             slot.set_result(value)
-        self._disarm()
+        if self._timer is not None:
+            self._disarm()
 
     def fail(self, exc: BaseException) -> None:
         """Settle the reply with ``exc`` (a no-op for tells and for expired asks)."""
@@ -595,7 +596,7 @@ class Actor(Generic[M]):
             with self._mutex:
                 self._busy = False
                 self._processed += 1
-                more = not self._hand_locked() and bool(self._fifo)
+                more = bool(self._fifo) and not self._hand_locked()
             if more:
                 self._wake_task()
             if outer:

@@ -139,6 +139,7 @@ class GatherActor(Actor[GatherRequest]):
         # kernel runs the specialised kernel of a reused plan.
         cls = type(backend)
         self._prepares = cls.prepare_transfer is not Backend.prepare_transfer
+        self._native = cls.transfer_kernel is not Backend.transfer_kernel
         self._plain = (
             cls.prepare_transfer is Backend.prepare_transfer
             and cls.transfer_kernel is Backend.transfer_kernel
@@ -225,7 +226,11 @@ class GatherActor(Actor[GatherRequest]):
                 run_fast(plan, paged, objects, copy=copy, scratch=scratch)
 
         # The backend may put an opted-in native transfer first (it may decline).
-        kernel = self.backend.transfer_kernel(plan, paged, objects, torch_kernel)
+        kernel = (
+            self.backend.transfer_kernel(plan, paged, objects, torch_kernel)
+            if self._native
+            else torch_kernel
+        )
 
         tid = msg.transfer_id
         nbytes = plan.nbytes
@@ -245,7 +250,8 @@ class GatherActor(Actor[GatherRequest]):
                 settle(exc, None)
             else:
                 _log.error("transfer %d failed after it was enqueued: %s", tid, exc)
-            self._release(released)
+            if released:
+                self._release(released)
 
         # Answered once enqueued (complete=False): the lease stays with the stream and the
         # blocks stay in the ledger until the device completed (own until done, fence

@@ -34,6 +34,7 @@ from typing import TYPE_CHECKING, Any, final
 
 from kvactors.actors.actor import DEFERRED, Actor, ActorState, Envelope, on_loop, unreachable
 from kvactors.actors.lane import Lane
+from kvactors.devices.cpu import completes_on_launch
 from kvactors.errors import (
     DeviceOpError,
     OperandTypeError,
@@ -104,6 +105,7 @@ class StreamActor(Actor[StreamRequest]):
         self.index = index
         self.stream = stream
         self.lane = Lane(name, backend, index, stream)
+        self._completes = completes_on_launch(backend)
         self._completions = completions
         self._events = events
         self._stop_timeout = stop_timeout
@@ -177,7 +179,7 @@ class StreamActor(Actor[StreamRequest]):
         msg = env.msg
         match msg:
             case Launch():
-                self._launch(env, msg)
+                return self._launch(env, msg)
             case RecordCompletion():
                 self._record(env, self._completions, (msg.kind, msg.payload))
             case RecordEvent():
@@ -188,7 +190,7 @@ class StreamActor(Actor[StreamRequest]):
                 unreachable(msg)
         return DEFERRED
 
-    def _launch(self, env: Envelope[StreamRequest], msg: Launch) -> None:
+    def _launch(self, env: Envelope[StreamRequest], msg: Launch) -> Any:
         work = env.operands
         if not isinstance(work, Work):
             raise OperandTypeError(
@@ -196,18 +198,32 @@ class StreamActor(Actor[StreamRequest]):
             )
         env.operands = None
         backend, stream, lane = self.backend, self.stream, self.lane
-        settle = self.defer(env)
         tid, nbytes, device = msg.transfer_id, msg.nbytes, self._device
+        enqueued = work.on_enqueued
+        work.on_enqueued = None
+        here = not on_loop(self._loop) and lane.jobs_idle()
+        if here and enqueued is None and self._completes and lane.reaper_idle():
+            # The sender's thread, nothing ahead of it on the lane or the reaper, and work
+            # that is complete once launched (CPU): answered in this turn, no reply deferred.
+            failure: BaseException | None = None
+            try:
+                backend.launch(stream, work.fn)
+            except BaseException as exc:
+                failure = exc
+            del work
+            if failure is None:
+                return Launched(transfer_id=tid, nbytes=nbytes)
+            with self._mutex:
+                self._failed += 1
+            env.fail(_failed(failure, tid, device))
+            return DEFERRED
+        settle = self.defer(env)
 
         def done(err: BaseException | None) -> None:
             if err is None:
                 settle(None, Launched(transfer_id=tid, nbytes=nbytes))
             else:
                 settle(_failed(err, tid, device), None)
-
-        enqueued = work.on_enqueued
-        work.on_enqueued = None
-        here = not on_loop(self._loop) and lane.jobs_idle()
 
         def launch() -> None:
             lease = work
@@ -247,6 +263,7 @@ class StreamActor(Actor[StreamRequest]):
             launch()  # the sender's thread: nothing queued on the lane is ahead of it
         else:
             lane.submit(launch)
+        return DEFERRED
 
     def _record(self, env: Envelope[StreamRequest], outbox: Outbox[Any], record: Any) -> None:
         seq = outbox.reserve()

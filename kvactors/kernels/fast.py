@@ -11,6 +11,7 @@ path and view geometry are decided once per cache entry (:class:`KernelMemo`).
 
 from __future__ import annotations
 
+import itertools
 import threading
 from typing import TYPE_CHECKING, Any
 
@@ -300,9 +301,22 @@ def _stacked_binder(
     if geo is None:
         return None
     src_geo, dim, outs = geo
-    ranges = tuple((seg.start, seg.stop) for seg in plan.segments)
+    segs = plan.segments
+    ranges = tuple((seg.start, seg.stop) for seg in segs)
+    first, stop = segs[0].start, segs[-1].stop
+    counts = [seg.stop - seg.start for seg in segs]
+    if all(b.start == a.stop for a, b in itertools.pairwise(segs)) and all(counts):
+        # Abutting segments: one index tensor for all of them, split into views.
+        objs = [obj for obj, _ in outs]
+        views = [out for _, out in outs]
 
-    def bind(p: TransferPlan) -> Kernel:
+        def bind(p: TransferPlan) -> Kernel:
+            split = torch.split(index_tensor(p.request.block_ids[first:stop]), counts)
+            return _stacked_kernel(src_geo, dim, tuple(zip(objs, split, views, strict=True)))
+
+        return bind
+
+    def bind_each(p: TransferPlan) -> Kernel:
         ids = p.request.block_ids
         steps = tuple(
             (obj, index_tensor(ids[start:stop]), out)
@@ -310,7 +324,7 @@ def _stacked_binder(
         )
         return _stacked_kernel(src_geo, dim, steps)
 
-    return bind
+    return bind_each
 
 
 def _stacked_kernel(

@@ -100,6 +100,44 @@ def test_validation_errors_are_value_errors_and_touch_nothing(
     assert all(bool((o == -1).all()) for o in objs)
 
 
+def test_a_repeated_call_is_checked_as_the_first_one(cpu_ops: Any) -> None:
+    # The ops reuse the request converted for equal arguments; what differs is checked anew.
+    n = _native()
+    layers = _layers(3)
+    objs = _objs(2)
+    ids = [0, 1, 2, 3]
+
+    def call(chunk: Any = CHUNK, skip: Any = 0, sd: Any = None, block_ids: Any = ids) -> None:
+        cpu_ops.multi_layer_block_kv_transfer(
+            layers, objs, block_ids, torch.device("cpu"), n.TransferDirection.D2H,
+            sd if sd is not None else _desc(), chunk, n.EngineKVFormat.NL_X_TWO_NB_BS_NH_HS,
+            skip,
+        )  # fmt: skip
+
+    call()
+    want = [o.clone() for o in objs]
+    for o in objs:
+        o.fill_(-1)
+    call()  # the reused request moves the same bytes
+    assert all(torch.equal(a, b) for a, b in zip(objs, want, strict=True))
+    with pytest.raises(TypeError, match="lmcache_chunk_size"):
+        call(chunk=True if CHUNK == 1 else float(CHUNK))
+    with pytest.raises(TypeError, match="skip_prefix_n_blocks"):
+        call(skip=False)
+    with pytest.raises(TypeError, match="block_ids"):
+        call(block_ids=[0, 1, 2, "3"])
+    with pytest.raises(ValueError, match="block"):
+        call(block_ids=[0, 1, 2, NB])
+    changed = _desc()
+    changed.nb = NB // 2  # the same descriptor's values changed: converted and checked anew
+    with pytest.raises(ValueError, match=r"needs \(2, 8, "):
+        call(sd=changed)
+    for o in objs:
+        o.fill_(-1)
+    call()
+    assert all(torch.equal(a, b) for a, b in zip(objs, want, strict=True))
+
+
 def test_wrong_device_type_is_refused(cpu_ops: Any) -> None:
     n = _native()
     with pytest.raises(TypeError, match="serves 'cpu'"):
