@@ -243,7 +243,9 @@ class Runtime:
         stream_handle: int = 0,
     ) -> Any:
         # Sent from the calling thread, which runs the turn itself when the actor is idle.
-        _, actors = self._running()
+        actors = self._actors
+        if self._closed or self._loop is None or actors is None:
+            actors = self._running()[1]
         t = self.default_timeout if timeout is None else timeout
         reply = ReplyLock()
         self._outstanding[reply] = msg  # one dict operation: atomic, no lock (see close)

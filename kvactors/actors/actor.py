@@ -211,20 +211,18 @@ class ActorStatistics(msgspec.Struct, frozen=True, kw_only=True):
 
 
 @final
-class Envelope(Generic[M]):
+class Envelope(msgspec.Struct, Generic[M], eq=False):
     """A message, the operands riding beside it, the reply slot of an ask (else None), and
-    the sender's thread when it waits for the reply and may run the turn (else None)."""
+    the sender's thread when it waits for the reply and may run the turn (else None).
 
-    __slots__ = ("_timer", "msg", "operands", "reply", "waiter")
+    Mutable, compared and hashed by identity (a set of deferred envelopes holds it), and
+    made in C: one per message."""
 
-    def __init__(
-        self, msg: M, operands: Any, reply: ReplySlot | None, waiter: Waiter | None = None
-    ) -> None:
-        self.msg = msg
-        self.operands = operands
-        self.reply = reply
-        self.waiter = waiter
-        self._timer: asyncio.TimerHandle | None = None
+    msg: M
+    operands: Any
+    reply: ReplySlot | None
+    waiter: Waiter | None = None
+    _timer: asyncio.TimerHandle | None = None
 
     def resolve(self, value: Any) -> None:
         """Settle the reply with ``value`` (a no-op for tells and for expired asks)."""

@@ -30,12 +30,16 @@ with :class:`~kvactors.errors.TransferAbandonedError` (it may still land), never
 
 from __future__ import annotations
 
+import asyncio
+import contextlib
 import functools
 import itertools
 import logging
 import threading
+from collections.abc import Sequence
 from typing import TYPE_CHECKING, Any, final
 
+import msgspec
 import torch
 
 from kvactors.actors.actor import DEFERRED, Actor, Envelope, Waiter, unreachable
@@ -58,24 +62,22 @@ from kvactors.protocols.gather import (
 from kvactors.protocols.stream import Launch
 
 if TYPE_CHECKING:
-    from collections.abc import Callable, Sequence
+    from collections.abc import Callable
 
     from kvactors.actors.directory import StreamDirectory
 
 __all__ = ("GatherActor", "TransferOperands")
 
 _log = logging.getLogger(__name__)
+_running_loop = asyncio._get_running_loop
 
 
 @final
-class TransferOperands:
+class TransferOperands(msgspec.Struct, eq=False):
     """The operand bundle of a :class:`Transfer`: paged KV structure and host chunks."""
 
-    __slots__ = ("objects", "paged")
-
-    def __init__(self, paged: Any, objects: Sequence[torch.Tensor]) -> None:
-        self.paged = paged
-        self.objects = objects
+    paged: Any
+    objects: Sequence[torch.Tensor]
 
 
 @final
@@ -217,13 +219,25 @@ class GatherActor(Actor[GatherRequest]):
                 scratch = self._scratch[msg.stream_handle] = ScratchCache()
             copy = self.backend.copy_
 
-        def torch_kernel() -> None:
-            if memo is not None:
-                reused_kernel(plan, paged, objects, memo, inference=inference)(paged, objects)
-                return
-            # Inference tensors (made under torch.inference_mode) are written only in it.
-            with torch.inference_mode(inference):
-                run_fast(plan, paged, objects, copy=copy, scratch=scratch)
+        torch_kernel: Callable[[], None]
+        loop = self._loop
+        bound = None
+        if memo is not None and loop is not None and _running_loop() is not loop:
+            # A sender's thread, where the launch runs too: the kernel is bound now (a bind
+            # that fails is bound again in the launch, which reports it as the copy's failure).
+            with contextlib.suppress(Exception):
+                bound = reused_kernel(plan, paged, objects, memo, inference=inference)
+        if bound is not None:
+            torch_kernel = functools.partial(bound, paged, objects)
+        else:
+
+            def torch_kernel() -> None:
+                if memo is not None:
+                    reused_kernel(plan, paged, objects, memo, inference=inference)(paged, objects)
+                    return
+                # Inference tensors (made under torch.inference_mode) are written only in it.
+                with torch.inference_mode(inference):
+                    run_fast(plan, paged, objects, copy=copy, scratch=scratch)
 
         # The backend may put an opted-in native transfer first (it may decline).
         kernel = (

@@ -30,7 +30,10 @@ import contextlib
 import logging
 import threading
 import time
+from collections.abc import Callable
 from typing import TYPE_CHECKING, Any, final
+
+import msgspec
 
 from kvactors.actors.actor import DEFERRED, Actor, ActorState, Envelope, on_loop, unreachable
 from kvactors.actors.lane import Lane
@@ -53,18 +56,17 @@ from kvactors.protocols.stream import (
 )
 
 if TYPE_CHECKING:
-    from collections.abc import Callable
-
     from kvactors.actors.outbox import Outbox
     from kvactors.devices.base import Backend, StreamLike
 
 __all__ = ("StreamActor", "Work")
 
 _log = logging.getLogger("kvactors.actors.stream")
+_running_loop = asyncio._get_running_loop
 
 
 @final
-class Work:
+class Work(msgspec.Struct, eq=False):
     """The operand bundle of a :class:`Launch`: the device work ``fn`` and optionally
     ``on_enqueued``, called on the loop once the work is enqueued on the stream (before it
     completed; the Launch itself is answered at completion).
@@ -73,13 +75,8 @@ class Work:
     references (the tensors it reads and writes) stays alive until then (rule 3). A closure
     that must own more than it touches references that too."""
 
-    __slots__ = ("fn", "on_enqueued")
-
-    def __init__(
-        self, fn: Callable[[], None], on_enqueued: Callable[[], None] | None = None
-    ) -> None:
-        self.fn = fn
-        self.on_enqueued = on_enqueued
+    fn: Callable[[], None]
+    on_enqueued: Callable[[], None] | None = None
 
 
 class StreamActor(Actor[StreamRequest]):
@@ -201,13 +198,15 @@ class StreamActor(Actor[StreamRequest]):
         tid, nbytes, device = msg.transfer_id, msg.nbytes, self._device
         enqueued = work.on_enqueued
         work.on_enqueued = None
-        here = not on_loop(self._loop) and lane.jobs_idle()
+        loop = self._loop
+        here = (loop is None or _running_loop() is not loop) and lane.jobs_idle()
         if here and enqueued is None and self._completes and lane.reaper_idle():
             # The sender's thread, nothing ahead of it on the lane or the reaper, and work
-            # that is complete once launched (CPU): answered in this turn, no reply deferred.
+            # that is complete once launched (CPU: its launch is the call itself): answered
+            # in this turn, no reply deferred.
             failure: BaseException | None = None
             try:
-                backend.launch(stream, work.fn)
+                work.fn()
             except BaseException as exc:
                 failure = exc
             del work
