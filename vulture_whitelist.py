@@ -33,7 +33,7 @@ _.refused_ops  # KvactorsMluOps: read at import to install the refusing legacy o
 
 # ---- the interpreter and the standard library read these --------------------------------
 _.__cause__  # exception chaining: tracebacks and `raise ... from` readers
-_.converter  # logging.Formatter reads it (UTC timestamps in kvactors.logs)
+_.converter  # logging.Formatter reads it (UTC timestamps in kvactors.observe.logs)
 _._close_all  # runtime.py: registered with @atexit.register
 _.__getattr__  # kvactors/testing/__init__.py: PEP 562 lazy attributes
 _.__call__  # devices/_ptrview.py: StorageConstructor Protocol (vendor constructor)

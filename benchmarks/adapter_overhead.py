@@ -39,8 +39,8 @@ def main() -> int:
     from lmcache.v1.multiprocess.transfer_context.base import gather_paged_kv_to_cpu
     from lmcache.v1.platform import resolve_device_ops
 
+    from kvactors.core.plans import plan_transfer
     from kvactors.kernels.fast import run_fast
-    from kvactors.plans import plan_transfer
     from kvactors.runtime import get_runtime
     from kvactors_lmcache import convert
 

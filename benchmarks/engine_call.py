@@ -49,10 +49,10 @@ def main() -> int:
     import lmcache.lmcache_native as native
     from lmcache.v1.platform.devices.cpu.device_ops import CpuDeviceOps
 
+    from kvactors.core.layouts import ShapeDesc
+    from kvactors.core.plan_cache import PlanCache
+    from kvactors.core.plans import TransferRequest
     from kvactors.kernels.fast import reused_kernel
-    from kvactors.layouts import ShapeDesc
-    from kvactors.plan_cache import PlanCache
-    from kvactors.plans import TransferRequest
     from kvactors.runtime import get_runtime
     from kvactors_lmcache.ops import KvactorsCpuOps
 

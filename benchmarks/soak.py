@@ -24,10 +24,10 @@ from typing import TYPE_CHECKING, Any
 import psutil
 import torch
 
+from kvactors.core.layouts import Direction, KVFormat, ShapeDesc
+from kvactors.core.plans import TransferRequest
 from kvactors.devices.mlu import MluBackend
 from kvactors.errors import KvactorsError
-from kvactors.layouts import Direction, KVFormat, ShapeDesc
-from kvactors.plans import TransferRequest
 from kvactors.runtime import Runtime
 from kvactors.testing import fake_vendor
 

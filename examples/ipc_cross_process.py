@@ -37,9 +37,9 @@ from typing import TYPE_CHECKING, Any
 
 import torch
 
+from kvactors.core.layouts import Direction, KVFormat, ShapeDesc
+from kvactors.core.plans import TransferRequest
 from kvactors.devices.cpu import CpuBackend
-from kvactors.layouts import Direction, KVFormat, ShapeDesc
-from kvactors.plans import TransferRequest
 from kvactors.runtime import Runtime
 
 if TYPE_CHECKING:

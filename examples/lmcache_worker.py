@@ -34,10 +34,10 @@ from typing import TYPE_CHECKING
 import msgspec
 import torch
 
+from kvactors.core.layouts import Direction, KVFormat, ShapeDesc
+from kvactors.core.plans import TransferRequest
 from kvactors.devices import get_backend
 from kvactors.devices.mlu import MluBackend
-from kvactors.layouts import Direction, KVFormat, ShapeDesc
-from kvactors.plans import TransferRequest
 from kvactors.runtime import Runtime
 from kvactors.testing import fake_vendor
 

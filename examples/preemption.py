@@ -16,7 +16,7 @@ must show corrupted chunks, the kvactors run none. The device runs a few millise
 the host, as an accelerator does, so the race is reliable rather than lucky:
 
 * ``--device cpu``: a CPU device whose stream lags (the test suite's step-by-step
-  ``ManualBackend``, ``tests/_manual_backend.py``, stepped by a device-clock thread
+  ``ManualBackend``, ``kvactors/testing/manual.py``, stepped by a device-clock thread
   ``--lag-ms`` behind the launch); the real CPU backend copies synchronously on its lane
   thread and would race only by chance.
 * ``--device mlu`` / ``--device musa``: the fake vendor modules of :mod:`kvactors.testing`
@@ -46,15 +46,15 @@ from typing import TYPE_CHECKING, Any
 
 import torch
 
+from kvactors.core.layouts import Direction, KVFormat, ShapeDesc
+from kvactors.core.plans import TransferRequest
 from kvactors.devices import get_backend
-from kvactors.layouts import Direction, KVFormat, ShapeDesc
-from kvactors.plans import TransferRequest
 from kvactors.runtime import Runtime
 from kvactors.testing import fake_vendor
 
 # The lagging CPU device is the test suite's ManualBackend (a test double, not a backend).
 sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
-from tests._manual_backend import ManualBackend
+from kvactors.testing.manual import ManualBackend
 
 if TYPE_CHECKING:
     from collections.abc import Iterator

@@ -8,6 +8,10 @@ request types, the exception hierarchy, and the backends registry. Public fakes 
 
 from __future__ import annotations
 
+from kvactors.core.layouts import Direction as Direction
+from kvactors.core.layouts import KVFormat as KVFormat
+from kvactors.core.layouts import ShapeDesc as ShapeDesc
+from kvactors.core.plans import TransferRequest as TransferRequest
 from kvactors.devices import get_backend as get_backend
 from kvactors.devices import probe_all as probe_all
 from kvactors.errors import ActorBrokenError as ActorBrokenError
@@ -30,10 +34,6 @@ from kvactors.errors import TransferFailedError as TransferFailedError
 from kvactors.errors import TransferValidationError as TransferValidationError
 from kvactors.errors import UnknownMessageError as UnknownMessageError
 from kvactors.errors import UnsupportedOperationError as UnsupportedOperationError
-from kvactors.layouts import Direction as Direction
-from kvactors.layouts import KVFormat as KVFormat
-from kvactors.layouts import ShapeDesc as ShapeDesc
-from kvactors.plans import TransferRequest as TransferRequest
 from kvactors.runtime import Runtime as Runtime
 from kvactors.runtime import get_runtime as get_runtime
 

@@ -52,10 +52,10 @@ def main(argv: list[str] | None = None) -> int:
 
     import torch
 
+    from kvactors.core.layouts import KVFormat, ShapeDesc
+    from kvactors.core.plans import TransferRequest, plan_transfer
     from kvactors.devices import get_backend
     from kvactors.kernels.fast import ScratchCache, run_fast
-    from kvactors.layouts import KVFormat, ShapeDesc
-    from kvactors.plans import TransferRequest, plan_transfer
 
     backend = get_backend("cuda")
     probe = backend.probe()

@@ -8,8 +8,8 @@ from typing import Any
 
 import torch
 
-from kvactors.layouts import FORMAT_SPECS, KVFormat, PagedKind, ShapeDesc
-from kvactors.plans import TransferRequest
+from kvactors.core.layouts import FORMAT_SPECS, KVFormat, PagedKind, ShapeDesc
+from kvactors.core.plans import TransferRequest
 
 ALLOCS = ("stacked", "gapped", "separate", "shuffled", "permuted", "permuted_separate", "padded")
 _RAW = {1: torch.uint8, 2: torch.int16, 4: torch.int32, 8: torch.int64}

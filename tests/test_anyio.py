@@ -6,8 +6,8 @@ import anyio
 import pytest
 import torch
 
+from kvactors.core.layouts import Direction
 from kvactors.errors import TransferValidationError
-from kvactors.layouts import Direction
 from kvactors.runtime import Runtime
 from tests.scenarios._kv import expected_gather, objects, paged, request, same
 

@@ -7,15 +7,15 @@ import pathlib
 
 ROOT = pathlib.Path(__file__).resolve().parents[1]
 PURE = [
-    "kvactors/ordering.py",
-    "kvactors/plans.py",
-    "kvactors/layouts.py",
-    "kvactors/pointers.py",
-    "kvactors/protocols/_base.py",
-    "kvactors/protocols/stream.py",
-    "kvactors/protocols/gather.py",
-    "kvactors/protocols/ipc.py",
-    "kvactors/protocols/codec.py",
+    "kvactors/core/ordering.py",
+    "kvactors/core/plans.py",
+    "kvactors/core/layouts.py",
+    "kvactors/core/pointers.py",
+    "kvactors/core/protocols/_base.py",
+    "kvactors/core/protocols/stream.py",
+    "kvactors/core/protocols/gather.py",
+    "kvactors/core/protocols/ipc.py",
+    "kvactors/core/protocols/codec.py",
 ]
 
 

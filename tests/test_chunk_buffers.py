@@ -9,9 +9,9 @@ from typing import Any
 import pytest
 import torch
 
+from kvactors.core.layouts import Direction, KVFormat
+from kvactors.core.plans import plan_transfer
 from kvactors.kernels.reference import run_reference
-from kvactors.layouts import Direction, KVFormat
-from kvactors.plans import plan_transfer
 from kvactors.runtime import Runtime
 from tests._transfer_cases import Case, raw, same_bytes
 

@@ -6,8 +6,8 @@ from __future__ import annotations
 import pytest
 import torch
 
+from kvactors.core.layouts import KVFormat
 from kvactors.errors import TransferValidationError
-from kvactors.layouts import KVFormat
 from kvactors.runtime import Runtime
 from tests._transfer_cases import Case, same_bytes, snapshot
 

@@ -9,10 +9,10 @@ import msgspec
 import pytest
 import torch
 
+from kvactors.core.layouts import ShapeDesc
+from kvactors.core.plans import TransferRequest
+from kvactors.core.protocols import codec, gather, ipc, stream
 from kvactors.devices.base import IPCHandle
-from kvactors.layouts import ShapeDesc
-from kvactors.plans import TransferRequest
-from kvactors.protocols import codec, gather, ipc, stream
 
 _shape = ShapeDesc(kv_size=2, nl=2, nb=8, bs=4, nh=2, hs=8, element_size=2, dtype="bfloat16")
 _req = TransferRequest(fmt=1, direction=1, block_ids=(1, 2, 3), chunk_size=8, shape=_shape)

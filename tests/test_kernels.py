@@ -10,13 +10,13 @@ import pytest
 import torch
 from torch.profiler import ProfilerActivity, profile
 
+from kvactors.core.layouts import KVFormat
+from kvactors.core.plan_cache import KernelMemo
+from kvactors.core.plans import TransferPlan, plan_transfer
 from kvactors.errors import TransferValidationError
 from kvactors.kernels import _moves, fast
 from kvactors.kernels.fast import ScratchCache, run_fast
 from kvactors.kernels.reference import run_reference
-from kvactors.layouts import KVFormat
-from kvactors.plan_cache import KernelMemo
-from kvactors.plans import TransferPlan, plan_transfer
 from tests._transfer_cases import ALLOCS, Case, block_view, raw, same_bytes, snapshot
 
 NHD = KVFormat.NL_X_TWO_NB_BS_NH_HS

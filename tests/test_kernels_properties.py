@@ -12,11 +12,11 @@ import torch
 from hypothesis import HealthCheck, given, settings
 from hypothesis import strategies as st
 
+from kvactors.core.layouts import KVFormat
+from kvactors.core.plans import TransferRequest, plan_transfer
 from kvactors.errors import OperandTypeError, TransferValidationError
 from kvactors.kernels.fast import ScratchCache, run_fast
 from kvactors.kernels.reference import run_reference
-from kvactors.layouts import KVFormat
-from kvactors.plans import TransferRequest, plan_transfer
 from tests._transfer_cases import ALLOCS, Case, block_view, dtypes, same_bytes, snapshot
 
 SETTINGS = settings(max_examples=150, deadline=None, suppress_health_check=[HealthCheck.too_slow])

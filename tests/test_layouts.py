@@ -1,4 +1,4 @@
-"""Formats, directions and shape descriptors (kvactors.layouts)."""
+"""Formats, directions and shape descriptors (kvactors.core.layouts)."""
 
 from __future__ import annotations
 
@@ -9,7 +9,7 @@ import msgspec
 import pytest
 
 import kvactors
-from kvactors.layouts import (
+from kvactors.core.layouts import (
     DTYPE_ITEMSIZE,
     FORMAT_SPECS,
     Direction,

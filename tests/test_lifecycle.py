@@ -19,16 +19,16 @@ import torch
 import kvactors.runtime as runtime_mod
 from kvactors.actors.actor import Actor, Envelope
 from kvactors.actors.group import DeviceActors
+from kvactors.core.layouts import Direction, KVFormat, ShapeDesc
+from kvactors.core.plans import TransferRequest
 from kvactors.devices.cpu import CpuBackend
 from kvactors.errors import ActorClosedError, DeviceOpError, TransferAbandonedError
-from kvactors.layouts import Direction, KVFormat, ShapeDesc
-from kvactors.plans import TransferRequest
 from kvactors.runtime import Runtime
-from tests._manual_backend import ManualBackend
+from kvactors.testing.manual import ManualBackend
 
 if TYPE_CHECKING:
-    from kvactors._observer import Call
     from kvactors.devices.base import IPCHandle, IPCOwner
+    from kvactors.runtime.observer import Call
 
 NL, NB, BS, NH, HS = 2, 8, 4, 2, 8
 
@@ -89,7 +89,7 @@ async def test_statistics_count_abandoned_lanes() -> None:
     backend = ManualBackend()
     req, paged, objs = _store()
     from kvactors.actors.gather import TransferOperands
-    from kvactors.protocols.gather import Transfer
+    from kvactors.core.protocols.gather import Transfer
 
     dev = DeviceActors(backend, stop_timeout=0.1)
     dev.start()
@@ -203,7 +203,7 @@ def _outcome(fn: Any) -> object:
 
 
 def test_ipc_owner_counters_reach_statistics_and_metrics() -> None:
-    from kvactors.metrics import samples
+    from kvactors.observe.metrics import samples
 
     cpu = CpuBackend()
     shared = cpu.alloc_shared((4,), torch.float32)

@@ -8,12 +8,12 @@ from typing import TYPE_CHECKING, Any
 import pytest
 import torch
 
+from kvactors.core.layouts import Direction, KVFormat, ShapeDesc
+from kvactors.core.plans import TransferRequest
+from kvactors.core.protocols.gather import Transfer, TransferDone
 from kvactors.errors import TransferValidationError
-from kvactors.layouts import Direction, KVFormat, ShapeDesc
-from kvactors.plans import TransferRequest
-from kvactors.protocols.gather import Transfer, TransferDone
 from kvactors.runtime import Runtime
-from tests._manual_backend import ManualBackend
+from kvactors.testing.manual import ManualBackend
 
 if TYPE_CHECKING:
     from kvactors.observe import Call

@@ -6,8 +6,8 @@ import pytest
 from hypothesis import given, settings
 from hypothesis import strategies as st
 
+from kvactors.core.ordering import BlockLedger, PublishOrder
 from kvactors.errors import ProtocolError
-from kvactors.ordering import BlockLedger, PublishOrder
 
 
 def test_fence_waits_only_for_earlier_transfers_on_its_blocks() -> None:

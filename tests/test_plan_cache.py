@@ -9,11 +9,11 @@ from typing import TYPE_CHECKING, Any
 import pytest
 import torch
 
+from kvactors.core.layouts import Direction, KVFormat, ShapeDesc
+from kvactors.core.plan_cache import PlanCache
+from kvactors.core.plans import TransferRequest
 from kvactors.errors import KvactorsError, TransferValidationError
 from kvactors.kernels.fast import run_fast
-from kvactors.layouts import Direction, KVFormat, ShapeDesc
-from kvactors.plan_cache import PlanCache
-from kvactors.plans import TransferRequest
 from kvactors.runtime import Runtime
 
 if TYPE_CHECKING:
@@ -274,7 +274,7 @@ def test_runtime_transfers_reuse_plans() -> None:
 
 
 def _full(req: TransferRequest, paged: Any, objs: Any) -> Any:
-    from kvactors.plans import plan_transfer
+    from kvactors.core.plans import plan_transfer
 
     return plan_transfer(req, paged, objs, device_type="cpu", device_index=0)
 

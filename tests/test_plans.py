@@ -1,4 +1,4 @@
-"""Validation and planning (kvactors.plans): contract 3.1 order and types, 3.2 semantics."""
+"""Validation and planning (kvactors.core.plans): contract 3.1 order and types, 3.2 semantics."""
 
 from __future__ import annotations
 
@@ -9,14 +9,14 @@ import msgspec
 import pytest
 import torch
 
-from kvactors.errors import OperandTypeError, TransferValidationError
-from kvactors.layouts import KVFormat, ShapeDesc
-from kvactors.plans import (
+from kvactors.core.layouts import KVFormat, ShapeDesc
+from kvactors.core.plans import (
     TransferPlan,
     TransferRequest,
     plan_transfer,
     segments_for,
 )
+from kvactors.errors import OperandTypeError, TransferValidationError
 from tests._transfer_cases import Case
 
 NHD = KVFormat.NL_X_TWO_NB_BS_NH_HS

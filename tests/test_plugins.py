@@ -1,4 +1,4 @@
-"""One source of truth for the LMCache plugin names: ``kvactors.plugins``."""
+"""One source of truth for the LMCache plugin names: ``kvactors.core.plugins``."""
 
 from __future__ import annotations
 
@@ -6,7 +6,7 @@ import ast
 import importlib.metadata
 import pathlib
 
-from kvactors.plugins import ENTRY_POINT_GROUP, PLUGINS
+from kvactors.core.plugins import ENTRY_POINT_GROUP, PLUGINS
 
 ROOT = pathlib.Path(__file__).resolve().parents[1]
 
@@ -45,7 +45,7 @@ def test_no_module_spells_a_plugin_name_itself() -> None:
         for p in (ROOT / top).rglob("*.py")
         if p.name != "plugins.py" and (lines := _spelled_names(p, names))
     }
-    assert not found, f"plugin names spelled outside kvactors/plugins.py: {found}"
+    assert not found, f"plugin names spelled outside kvactors/core/plugins.py: {found}"
 
 
 def test_the_scan_sees_a_spelled_name(tmp_path: pathlib.Path) -> None:

@@ -10,6 +10,9 @@ import torch
 
 from kvactors.actors.gather import TransferOperands
 from kvactors.actors.group import DeviceActors
+from kvactors.core.layouts import Direction, KVFormat, ShapeDesc
+from kvactors.core.plans import TransferRequest, plan_transfer
+from kvactors.core.protocols.gather import Fence, Fenced, Transfer
 from kvactors.errors import (
     ActorClosedError,
     DeadlineExceededError,
@@ -20,11 +23,8 @@ from kvactors.errors import (
     TransferValidationError,
 )
 from kvactors.kernels.reference import run_reference
-from kvactors.layouts import Direction, KVFormat, ShapeDesc
-from kvactors.plans import TransferRequest, plan_transfer
-from kvactors.protocols.gather import Fence, Fenced, Transfer
 from kvactors.runtime import Runtime
-from tests._manual_backend import ManualBackend
+from kvactors.testing.manual import ManualBackend
 
 NL, NB, BS, NH, HS = 3, 16, 4, 2, 8
 BPO = 2  # blocks per object

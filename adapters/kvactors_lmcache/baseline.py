@@ -17,7 +17,7 @@ if TYPE_CHECKING:
 
     import torch
 
-    from kvactors.plans import TransferRequest
+    from kvactors.core.plans import TransferRequest
     from kvactors.runtime import Runtime
 
 __all__ = (

@@ -1,10 +1,11 @@
 """Map LMCache's transfer arguments onto kvactors' own request and operand types.
 
 LMCache's enums map by value (``int(...)``; never imported here) onto a
-:class:`kvactors.plans.TransferRequest` with a :class:`kvactors.layouts.ShapeDesc`; pure, and
-raises before memory is touched (``TypeError`` for structure and raw pointers, ``ValueError``
-for values). :func:`normalize_format` views the two formats with a size-1 axis as HND; formats
-kvactors does not move are refused naming the format and its engine (docs/formats.md).
+:class:`~kvactors.core.plans.TransferRequest` with a :class:`~kvactors.core.layouts.ShapeDesc`;
+pure, and raises before memory is touched (``TypeError`` for structure and raw pointers,
+``ValueError`` for values). :func:`normalize_format` views the two formats with a size-1 axis
+as HND; formats kvactors does not move are refused naming the format and its engine
+(docs/formats.md).
 """
 
 from __future__ import annotations
@@ -16,9 +17,9 @@ from typing import TYPE_CHECKING, Any
 import msgspec
 import torch
 
+from kvactors.core.layouts import Direction, KVFormat, ShapeDesc
+from kvactors.core.plans import TransferRequest
 from kvactors.errors import OperandTypeError, TransferValidationError
-from kvactors.layouts import Direction, KVFormat, ShapeDesc
-from kvactors.plans import TransferRequest
 
 if TYPE_CHECKING:
     from kvactors.devices.base import Backend

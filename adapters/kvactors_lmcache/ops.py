@@ -1,7 +1,7 @@
 """LMCache ``DeviceOps`` subclasses that route transfers into the kvactors runtime.
 
 Each ``multi_layer_block_kv_transfer`` (from any LMCache thread) is converted into a
-:class:`kvactors.plans.TransferRequest` for the process-wide runtime of its device. On
+:class:`kvactors.core.plans.TransferRequest` for the process-wide runtime of its device. On
 accelerators the caller's current stream handle goes with it and the call returns once the
 copies are enqueued on that stream, as LMCache's own MLU/MUSA ops do
 (``complete_on_return=True`` or ``KVACTORS_LMCACHE_COMPLETE_ON_RETURN=1`` waits instead); on
@@ -33,7 +33,7 @@ from kvactors.errors import (
 from kvactors_lmcache import convert
 
 if TYPE_CHECKING:
-    from kvactors.plans import TransferRequest
+    from kvactors.core.plans import TransferRequest
     from kvactors.runtime import Runtime
 
 __all__ = (
@@ -367,7 +367,7 @@ class KvactorsDeviceOps(DeviceOps):
             raise OperandTypeError(
                 f"stream_ptr must be an int, got {stream_ptr!r}", field="stream_ptr"
             )
-        from kvactors.protocols.stream import EventRecord
+        from kvactors.core.protocols.stream import EventRecord
 
         record = EventRecord(
             event_type=str(event_type_name),

@@ -20,7 +20,7 @@ from typing import TYPE_CHECKING, Any
 from lmcache.v1.multiprocess.transfer_mode import MPTransferMode
 from lmcache.v1.platform.base.device_spec import DeviceSpec
 
-from kvactors.plugins import PLUGIN_CPU, PLUGIN_MLU, PLUGIN_MUSA
+from kvactors.core.plugins import PLUGIN_CPU, PLUGIN_MLU, PLUGIN_MUSA
 
 if TYPE_CHECKING:
     from lmcache.v1.platform.base.cache_context import BaseCacheContext

@@ -1,1 +1,1 @@
-"""kvactors.actors."""
+"""kvactors.actors: the actor shells of one device (gather, streams, IPC owners)."""

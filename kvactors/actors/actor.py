@@ -19,7 +19,7 @@ waiter that left (its deadline passed) refuses the hand-off, and the task runs i
 Either way FIFO holds: a turn is claimed under the actor's lock, and a message that arrives
 during a turn queues behind it. An idle actor is cheap to reach and a busy one costs no trip
 through the loop, with the same code, events and statistics in every case. Reply slots must
-accept a settle from any thread (:class:`~kvactors._bridge.ReplyLock`, the loop-bound slot
+accept a settle from any thread (:class:`~kvactors.runtime._bridge.ReplyLock`, the loop-bound slot
 :meth:`Actor.ask_nowait` makes).
 
 The bound counts what the actor holds: envelopes queued plus replies it took over and has

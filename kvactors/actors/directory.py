@@ -22,8 +22,8 @@ if TYPE_CHECKING:
     from collections.abc import Callable
 
     from kvactors.actors.outbox import Outbox
+    from kvactors.core.protocols.stream import EventRecord
     from kvactors.devices.base import Backend
-    from kvactors.protocols.stream import EventRecord
 
 __all__ = ("StreamDirectory",)
 

@@ -4,13 +4,13 @@ Theory of operation. A ``Transfer`` is validated and planned on the event loop f
 metadata alone (``plan_transfer`` reads shapes, strides, dtypes and devices, never data), so a
 bad request fails its ask before anything is enqueued (rule 5, fail closed). A valid plan
 becomes one ``Launch`` on the StreamActor of the requested stream, with the kernel and the
-operands in its lease. The transfer enters the :class:`~kvactors.ordering.BlockLedger` on the
+operands in its lease. The transfer enters the :class:`~kvactors.core.ordering.BlockLedger` on the
 blocks it touches and leaves it when the StreamActor answers, that is, after the device
 completed the copy (or failed). A ``Fence`` snapshots the transfers in flight on its blocks
 and is answered when the last of them left the ledger (rule 4, fence before reuse). A failed
 transfer answers its ask with the failure: it is never reported as done.
 
-Plans are validated once: a :class:`~kvactors.plan_cache.PlanCache` reuses the plan of a
+Plans are validated once: a :class:`~kvactors.core.plan_cache.PlanCache` reuses the plan of a
 request whose operands' metadata has not changed and validates anything else.
 
 Threads. The actor takes turns on any thread (``turns_anywhere``): a blocking caller that
@@ -44,13 +44,9 @@ import torch
 
 from kvactors.actors.actor import DEFERRED, Actor, Envelope, Waiter, unreachable
 from kvactors.actors.stream import Work
-from kvactors.devices.base import Backend
-from kvactors.devices.cpu import completes_on_launch
-from kvactors.errors import ActorClosedError, OperandTypeError, TransferAbandonedError
-from kvactors.kernels.fast import ScratchCache, reused_kernel, run_fast
-from kvactors.ordering import BlockLedger
-from kvactors.plan_cache import PlanCache
-from kvactors.protocols.gather import (
+from kvactors.core.ordering import BlockLedger
+from kvactors.core.plan_cache import PlanCache
+from kvactors.core.protocols.gather import (
     Fence,
     Fenced,
     GatherRequest,
@@ -59,7 +55,11 @@ from kvactors.protocols.gather import (
     Transfer,
     TransferDone,
 )
-from kvactors.protocols.stream import Launch
+from kvactors.core.protocols.stream import Launch
+from kvactors.devices.base import Backend
+from kvactors.devices.cpu import completes_on_launch
+from kvactors.errors import ActorClosedError, OperandTypeError, TransferAbandonedError
+from kvactors.kernels.fast import ScratchCache, reused_kernel, run_fast
 
 if TYPE_CHECKING:
     from collections.abc import Callable

@@ -19,8 +19,8 @@ from kvactors.actors.ipc_owner import IPCOwnerActor
 from kvactors.actors.outbox import Outbox
 
 if TYPE_CHECKING:
+    from kvactors.core.protocols.stream import EventRecord
     from kvactors.devices.base import Backend
-    from kvactors.protocols.stream import EventRecord
 
 __all__ = ("DeviceActors", "DeviceStatistics")
 

@@ -16,9 +16,9 @@ import logging
 from typing import TYPE_CHECKING, Any
 
 from kvactors.actors.actor import DEFERRED, Actor, Envelope, unreachable
+from kvactors.core.protocols.ipc import CloseContext, ContextClosed, IPCRequest, Opened, OpenHandle
+from kvactors.core.protocols.stream import Sync
 from kvactors.errors import IPCError, ProtocolError, translate
-from kvactors.protocols.ipc import CloseContext, ContextClosed, IPCRequest, Opened, OpenHandle
-from kvactors.protocols.stream import Sync
 
 if TYPE_CHECKING:
     from collections.abc import Callable

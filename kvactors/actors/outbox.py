@@ -5,7 +5,7 @@ from __future__ import annotations
 import threading
 from typing import Generic, TypeVar
 
-from kvactors.ordering import PublishOrder
+from kvactors.core.ordering import PublishOrder
 
 __all__ = ("Outbox",)
 
@@ -13,7 +13,7 @@ R = TypeVar("R")
 
 
 class Outbox(Generic[R]):
-    """A thread-safe :class:`~kvactors.ordering.PublishOrder`.
+    """A thread-safe :class:`~kvactors.core.ordering.PublishOrder`.
 
     Sequence numbers are reserved on the event loop in mailbox order; lane threads publish
     after their stream synchronized; LMCache's threads drain the published prefix.

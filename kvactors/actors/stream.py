@@ -37,14 +37,7 @@ import msgspec
 
 from kvactors.actors.actor import DEFERRED, Actor, ActorState, Envelope, on_loop, unreachable
 from kvactors.actors.lane import Lane
-from kvactors.devices.cpu import completes_on_launch
-from kvactors.errors import (
-    DeviceOpError,
-    OperandTypeError,
-    TransferFailedError,
-    translate,
-)
-from kvactors.protocols.stream import (
+from kvactors.core.protocols.stream import (
     EventRecord,
     Launch,
     Launched,
@@ -53,6 +46,13 @@ from kvactors.protocols.stream import (
     StreamRequest,
     Sync,
     Synced,
+)
+from kvactors.devices.cpu import completes_on_launch
+from kvactors.errors import (
+    DeviceOpError,
+    OperandTypeError,
+    TransferFailedError,
+    translate,
 )
 
 if TYPE_CHECKING:

@@ -124,7 +124,7 @@ def parse_args(argv: Sequence[str] | None = None) -> argparse.Namespace:
 def main(argv: Sequence[str] | None = None) -> int:
     """Run ``kvactors``; returns the process exit status."""
     args = parse_args(argv)
-    from kvactors.logs import configure
+    from kvactors.observe.logs import configure
 
     # Actions are shared between parsers (parents=), so defaults live here, not in set_defaults.
     configure(

@@ -10,7 +10,7 @@ import msgspec
 
 from kvactors.cli.demo import DemoConfig, DemoReport, run_demo
 from kvactors.errors import BackendUnavailableError
-from kvactors.logs import get_logger
+from kvactors.observe.logs import get_logger
 
 if TYPE_CHECKING:
     import argparse
@@ -87,11 +87,11 @@ def run(args: argparse.Namespace) -> int:
 
     def attach(rt: Runtime) -> None:
         if args.trace:
-            from kvactors.trace import TraceRecorder
+            from kvactors.observe.trace import TraceRecorder
 
             cleanups.append(TraceRecorder(args.trace, device=args.device).attach(rt).close)
         if args.prometheus_port is not None:
-            from kvactors.metrics import CallMetrics, register_prometheus
+            from kvactors.observe.metrics import CallMetrics, register_prometheus
 
             calls = CallMetrics()
             cleanups.append(calls.attach(rt))

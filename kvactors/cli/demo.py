@@ -23,16 +23,16 @@ from kvactors.actors.group import DeviceStatistics
 from kvactors.cli._devenv import device_env
 from kvactors.cli._workload import Geometry, Request, chunk_content, chunk_object, make_requests
 from kvactors.cli.validate import KVDump, compare_kv
+from kvactors.core.layouts import Direction, KVFormat, ShapeDesc
+from kvactors.core.plans import TransferRequest
 from kvactors.errors import InvalidSettingError
-from kvactors.layouts import Direction, KVFormat, ShapeDesc
-from kvactors.plans import TransferRequest
 from kvactors.runtime import Runtime
 
 if TYPE_CHECKING:
     from collections.abc import Callable
 
     from kvactors.cli._devenv import DeviceEnv
-    from kvactors.protocols.gather import TransferDone
+    from kvactors.core.protocols.gather import TransferDone
 
 __all__ = ("DemoConfig", "DemoReport", "run_demo")
 

@@ -22,8 +22,8 @@ from typing import TYPE_CHECKING, Literal
 import msgspec
 
 from kvactors.cli.torch_range import placement_line, torch_placement, torch_range_advice
+from kvactors.core.plugins import PLUGIN_CPU
 from kvactors.devices import BACKEND_KINDS, Probe, probe_all
-from kvactors.plugins import PLUGIN_CPU
 
 if TYPE_CHECKING:
     from collections.abc import Iterator

@@ -1,4 +1,4 @@
-"""``kvactors replay TRACE``: replay a recorded trace (:mod:`kvactors.trace`) on a fresh runtime."""
+"""``kvactors replay TRACE``: replay a recorded trace (:mod:`kvactors.observe.trace`) afresh."""
 
 from __future__ import annotations
 
@@ -9,8 +9,8 @@ from typing import TYPE_CHECKING
 import msgspec
 
 from kvactors.cli._devenv import device_env
+from kvactors.observe.trace import replay
 from kvactors.runtime import Runtime
-from kvactors.trace import replay
 
 if TYPE_CHECKING:
     import argparse

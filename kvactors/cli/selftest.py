@@ -1,6 +1,6 @@
 """``kvactors selftest``: the conformance suite on one device, in one command.
 
-A thin shell around :func:`kvactors.testing.check.check_backend`: it parses the options,
+A thin shell around :func:`kvactors.testing.conformance.check.check_backend`: it parses the options,
 runs the suite (on the real device, or with ``--fake`` on the simulated one), prints a
 readable report, writes the JSON report with ``--json FILE``, and exits 0 only when every
 check passed. Without the vendor runtime (and without ``--fake``) it exits 1 and names what
@@ -15,7 +15,7 @@ from typing import TYPE_CHECKING
 if TYPE_CHECKING:
     import argparse
 
-    from kvactors.testing.check import BackendReport
+    from kvactors.testing.conformance.check import BackendReport
 
 __all__ = ("add_arguments", "format_report", "run")
 
@@ -23,7 +23,7 @@ __all__ = ("add_arguments", "format_report", "run")
 def add_arguments(ap: argparse.ArgumentParser) -> None:
     """Add the ``selftest`` options to ``ap``."""
     from kvactors.cli._devenv import DEVICE_KINDS
-    from kvactors.testing.check import CHECK_GROUPS
+    from kvactors.testing.conformance.check import CHECK_GROUPS
 
     ap.add_argument(
         "--device", choices=DEVICE_KINDS, default="cpu", help="the device to test (default cpu)"
@@ -46,7 +46,7 @@ def add_arguments(ap: argparse.ArgumentParser) -> None:
 
 def run(args: argparse.Namespace) -> int:
     """Run the suite per ``args``; print the report; 0 only when every check passed."""
-    from kvactors.testing.check import check_backend
+    from kvactors.testing.conformance.check import check_backend
 
     if args.fake and args.device not in ("mlu", "musa"):
         print(f"kvactors selftest: --fake simulates mlu and musa only, not {args.device}")

@@ -6,7 +6,7 @@ bit-identical to the KV it stored. Take a :class:`KVDump` of the blocks right af
 prefill that stored them (:func:`dump_paged`, :func:`save_dump`), another of the blocks the
 cache restored into (possibly other block ids, in the same chunk order), and compare::
 
-    python -m kvactors.validate stored.kvdump restored.kvdump        # or: kvactors validate
+    python -m kvactors.cli.validate stored.kvdump restored.kvdump        # or: kvactors validate
 
 Elements are compared as raw bits (a NaN equals the same NaN; ``-0.0`` differs from ``0.0``):
 any difference is a transfer bug, never "numerical noise".
@@ -23,8 +23,8 @@ from typing import TYPE_CHECKING, Any
 import msgspec
 import torch
 
+from kvactors.core.layouts import FORMAT_SPECS, KVFormat, PagedKind
 from kvactors.errors import InvalidFileError
-from kvactors.layouts import FORMAT_SPECS, KVFormat, PagedKind
 
 if TYPE_CHECKING:
     from collections.abc import Sequence
@@ -93,7 +93,7 @@ def dump_paged(paged: Any, fmt: int, block_ids: Sequence[int]) -> KVDump:
     Args:
         paged: The engine's paged KV structure, as passed to a transfer (a tensor per layer,
             one cross-layer tensor, or ``[K list, V list]``), on any device.
-        fmt: A :class:`~kvactors.layouts.KVFormat` number.
+        fmt: A :class:`~kvactors.core.layouts.KVFormat` number.
         block_ids: The blocks to take, in chunk order.
 
     Returns:
@@ -151,7 +151,8 @@ def load_dump(path: str) -> KVDump:
     data = torch.load(path, map_location="cpu", weights_only=True)
     if not isinstance(data, dict) or data.get(_MAGIC) != 1:
         raise InvalidFileError(
-            f"{path}: not a kvactors KV dump (written by kvactors.validate.save_dump)", path=path
+            f"{path}: not a kvactors KV dump (written by kvactors.cli.validate.save_dump)",
+            path=path,
         )
     return KVDump(tuple(data["block_ids"]), list(data["layers"]), int(data["block_dim"]))
 
@@ -244,7 +245,7 @@ def format_report(r: ValidationReport) -> str:
 
 def add_arguments(ap: argparse.ArgumentParser) -> None:
     """The command line of ``kvactors validate`` (shared with ``python -m``)."""
-    ap.add_argument("stored", help="dump of the KV as stored (kvactors.validate.save_dump)")
+    ap.add_argument("stored", help="dump of the KV as stored (kvactors.cli.validate.save_dump)")
     ap.add_argument("restored", help="dump of the KV as restored")
     ap.add_argument("--json", action="store_true", help="print the report as JSON")
     ap.add_argument("--max-report", type=int, default=50, help="mismatches listed (default 50)")
@@ -267,8 +268,8 @@ def run(args: argparse.Namespace) -> int:
 
 
 def main(argv: Sequence[str] | None = None) -> int:
-    """``python -m kvactors.validate STORED RESTORED``."""
-    ap = argparse.ArgumentParser(prog="python -m kvactors.validate", description=__doc__)
+    """``python -m kvactors.cli.validate STORED RESTORED``."""
+    ap = argparse.ArgumentParser(prog="python -m kvactors.cli.validate", description=__doc__)
     add_arguments(ap)
     return run(ap.parse_args(argv))
 

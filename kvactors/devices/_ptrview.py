@@ -1,6 +1,7 @@
 """Non-owning views of process-local device memory from a raw pointer.
 
-Theory of operation. A pointer is validated first (:func:`kvactors.pointers.check_view_request`),
+Theory of operation. A pointer is validated first
+(:func:`kvactors.core.pointers.check_view_request`),
 then wrapped without copying: ``torch._C._construct_storage_from_data_pointer(ptr, device,
 nbytes)`` makes a storage with no deleter (the caller keeps the allocation alive), and either
 the vendor's tensor-from-storage constructor or ``torch.empty(0, device=...).set_(storage,
@@ -15,9 +16,9 @@ from typing import TYPE_CHECKING, Any, Protocol
 
 import torch
 
+from kvactors.core.pointers import check_view_request
 from kvactors.devices._vendor import device_errors
 from kvactors.errors import InvalidPointerError, UnsupportedOperationError
-from kvactors.pointers import check_view_request
 
 if TYPE_CHECKING:
     from collections.abc import Sequence

@@ -16,15 +16,15 @@ from typing import TYPE_CHECKING, Any, Protocol, final
 
 import msgspec
 
+from kvactors.core.protocols.ipc import IPCHandle
 from kvactors.errors import BackendUnavailableError
-from kvactors.protocols.ipc import IPCHandle
 
 if TYPE_CHECKING:
     from collections.abc import Callable, Sequence
 
     import torch
 
-    from kvactors.plans import TransferPlan, TransferRequest
+    from kvactors.core.plans import TransferPlan, TransferRequest
 
 __all__ = ("Backend", "IPCHandle", "IPCOwner", "Marker", "Probe", "StreamLike")
 

@@ -24,7 +24,7 @@ if TYPE_CHECKING:
 
     import torch
 
-    from kvactors.plans import TransferPlan
+    from kvactors.core.plans import TransferPlan
 
 __all__ = (
     "ENTRY_POINT_GROUP",

@@ -25,7 +25,7 @@ from kvactors.kernels._views import (
 if TYPE_CHECKING:
     from collections.abc import Callable, Hashable, Sequence
 
-    from kvactors.plans import Segment, TransferPlan
+    from kvactors.core.plans import Segment, TransferPlan
 
 __all__ = ("KernelContext", "ScratchCache")
 

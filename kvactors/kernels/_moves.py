@@ -19,8 +19,8 @@ import torch
 from kvactors.kernels._views import block_runs, physical_order
 
 if TYPE_CHECKING:
+    from kvactors.core.plans import Segment
     from kvactors.kernels._context import KernelContext
-    from kvactors.plans import Segment
 
 __all__ = ("gather_segment", "numpy_usable", "scatter_segment")
 

@@ -27,16 +27,16 @@ from typing import TYPE_CHECKING, Any
 
 import torch
 
+from kvactors.core.plans import paged_units
 from kvactors.kernels._views import canonical_unit, raw, stacked_view, unit_planes
-from kvactors.plans import paged_units
 
 if TYPE_CHECKING:
     from collections.abc import Sequence
 
     import numpy as np
 
-    from kvactors.plan_cache import Binder, Kernel
-    from kvactors.plans import TransferPlan
+    from kvactors.core.plan_cache import Binder, Kernel
+    from kvactors.core.plans import TransferPlan
 
 __all__ = ("planes_scatter_binder",)
 

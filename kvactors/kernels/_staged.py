@@ -14,14 +14,14 @@ from typing import TYPE_CHECKING
 
 import torch
 
+from kvactors.core.layouts import Direction
 from kvactors.kernels._views import physical_order
-from kvactors.layouts import Direction
 
 if TYPE_CHECKING:
     from collections.abc import Callable
 
+    from kvactors.core.plans import Segment
     from kvactors.kernels._context import KernelContext, ScratchCache
-    from kvactors.plans import Segment
 
 __all__ = ("single_kernel", "staged_segment")
 

@@ -18,6 +18,7 @@ from typing import TYPE_CHECKING, Any
 
 import torch
 
+from kvactors.core.plans import paged_units
 from kvactors.kernels._views import (
     canonical_unit,
     index_tensor,
@@ -26,13 +27,12 @@ from kvactors.kernels._views import (
     raw,
     unit_planes,
 )
-from kvactors.plans import paged_units
 
 if TYPE_CHECKING:
     from collections.abc import Sequence
 
-    from kvactors.plan_cache import Binder, Kernel
-    from kvactors.plans import TransferPlan
+    from kvactors.core.plan_cache import Binder, Kernel
+    from kvactors.core.plans import TransferPlan
 
 __all__ = ("units_gather_binder",)
 

@@ -13,12 +13,12 @@ from typing import TYPE_CHECKING
 
 import torch
 
-from kvactors.layouts import FormatSpec, PagedKind
+from kvactors.core.layouts import FormatSpec, PagedKind
 
 if TYPE_CHECKING:
     from collections.abc import Sequence
 
-    from kvactors.plans import StackedView
+    from kvactors.core.plans import StackedView
 
 __all__ = (
     "block_runs",

@@ -17,6 +17,8 @@ from typing import TYPE_CHECKING, Any
 
 import torch
 
+from kvactors.core.layouts import Direction
+from kvactors.core.plans import paged_units
 from kvactors.errors import TransferValidationError
 from kvactors.kernels._context import KernelContext, ScratchCache
 from kvactors.kernels._moves import gather_segment, numpy_usable, scatter_segment
@@ -24,14 +26,12 @@ from kvactors.kernels._planes import planes_scatter_binder
 from kvactors.kernels._staged import single_kernel, staged_segment
 from kvactors.kernels._units import units_gather_binder
 from kvactors.kernels._views import index_tensor, object_view, raw
-from kvactors.layouts import Direction
-from kvactors.plans import paged_units
 
 if TYPE_CHECKING:
     from collections.abc import Callable, Sequence
 
-    from kvactors.plan_cache import Binder, Kernel, KernelMemo
-    from kvactors.plans import RowGeometry, Segment, TransferPlan
+    from kvactors.core.plan_cache import Binder, Kernel, KernelMemo
+    from kvactors.core.plans import RowGeometry, Segment, TransferPlan
 
 __all__ = ("ScratchCache", "index_tensor", "reused_kernel", "run_fast")
 
@@ -72,7 +72,7 @@ def run_fast(
     """Execute a validated plan with the fast kernels.
 
     Args:
-        plan: A plan from :func:`kvactors.plans.plan_transfer`.
+        plan: A plan from :func:`kvactors.core.plans.plan_transfer`.
         paged: The paged operand the plan was made for.
         objects: The host chunks the plan was made for.
         copy: Host<->device copy policy ``copy(dst, src)`` for the staged path (default

@@ -11,14 +11,14 @@ from __future__ import annotations
 
 from typing import TYPE_CHECKING
 
+from kvactors.core.layouts import Direction, KVFormat
+from kvactors.core.plans import paged_units
 from kvactors.errors import TransferValidationError
-from kvactors.layouts import Direction, KVFormat
-from kvactors.plans import paged_units
 
 if TYPE_CHECKING:
     import torch
 
-    from kvactors.plans import TransferPlan
+    from kvactors.core.plans import TransferPlan
 
 __all__ = ("run_reference",)
 
@@ -54,7 +54,7 @@ def run_reference(plan: TransferPlan, paged: object, objects: list[torch.Tensor]
     """Run a validated plan with plain loops (the oracle the fast path is tested against).
 
     Args:
-        plan: A plan from :func:`kvactors.plans.plan_transfer`.
+        plan: A plan from :func:`kvactors.core.plans.plan_transfer`.
         paged: The same paged operand the plan was made for.
         objects: The same host chunks the plan was made for.
 

@@ -62,9 +62,9 @@ __all__ = (
 )
 
 _LAZY = {
-    "BackendReport": "kvactors.testing.check",
-    "CheckResult": "kvactors.testing.check",
-    "check_backend": "kvactors.testing.check",
+    "BackendReport": "kvactors.testing.conformance.check",
+    "CheckResult": "kvactors.testing.conformance.check",
+    "check_backend": "kvactors.testing.conformance.check",
 }
 
 

@@ -21,9 +21,8 @@ from kvactors.actors.directory import StreamDirectory
 from kvactors.actors.ipc_owner import IPCOwnerActor
 from kvactors.actors.outbox import Outbox
 from kvactors.actors.stream import Work
-from kvactors.errors import IPCError, TransferFailedError
-from kvactors.protocols.ipc import CloseContext, OpenHandle
-from kvactors.protocols.stream import (
+from kvactors.core.protocols.ipc import CloseContext, OpenHandle
+from kvactors.core.protocols.stream import (
     EventRecord,
     Launch,
     Launched,
@@ -32,7 +31,8 @@ from kvactors.protocols.stream import (
     Sync,
     Synced,
 )
-from tests._manual_backend import ManualBackend
+from kvactors.errors import IPCError, TransferFailedError
+from kvactors.testing.manual import ManualBackend
 
 if TYPE_CHECKING:
     from collections.abc import Callable

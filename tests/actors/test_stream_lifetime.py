@@ -15,11 +15,11 @@ import pytest
 import torch
 
 from kvactors.actors.directory import StreamDirectory
+from kvactors.core.layouts import Direction, KVFormat, ShapeDesc
+from kvactors.core.plans import TransferRequest
 from kvactors.errors import DeviceOpError
-from kvactors.layouts import Direction, KVFormat, ShapeDesc
-from kvactors.plans import TransferRequest
 from kvactors.runtime import Runtime
-from tests._manual_backend import ManualBackend
+from kvactors.testing.manual import ManualBackend
 
 
 def _lane_threads(

@@ -7,8 +7,8 @@ import types
 import pytest
 import torch
 
+from kvactors.core.layouts import Direction, KVFormat
 from kvactors.errors import OperandTypeError, TransferValidationError
-from kvactors.layouts import Direction, KVFormat
 from kvactors_lmcache import convert
 
 

@@ -19,7 +19,7 @@ from typing import Any
 import pytest
 import torch
 
-from kvactors.layouts import FORMAT_SPECS, KVFormat
+from kvactors.core.layouts import FORMAT_SPECS, KVFormat
 from tests._transfer_cases import ALLOCS, Case, raw
 
 from .conftest import LMCACHE_MISSING, SKIP_REASON

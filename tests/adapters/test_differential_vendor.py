@@ -17,7 +17,7 @@ from typing import TYPE_CHECKING, Any
 import pytest
 import torch
 
-from kvactors.layouts import KVFormat
+from kvactors.core.layouts import KVFormat
 from kvactors.testing import fake_vendor
 from kvactors.testing.pytest_plugin import require_torch_devices
 from tests._transfer_cases import Case, raw

@@ -12,7 +12,7 @@ from typing import Any
 import pytest
 import torch
 
-from kvactors.layouts import KVFormat
+from kvactors.core.layouts import KVFormat
 
 from .conftest import LMCACHE_MISSING, SKIP_REASON
 

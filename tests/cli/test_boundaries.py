@@ -16,13 +16,13 @@ SURFACE = [
     "kvactors.cli.demo",
     "kvactors.cli.bench.suite",
     "kvactors.cli.replay",
-    "kvactors.metrics",
-    "kvactors.logs",
-    "kvactors.trace",
+    "kvactors.observe.metrics",
+    "kvactors.observe.logs",
+    "kvactors.observe.trace",
     "kvactors.cli.validate",
-    "kvactors.validate",
+    "kvactors.cli.validate",
     "kvactors.observe",
-    "kvactors.plugins",
+    "kvactors.core.plugins",
 ]
 
 

@@ -175,15 +175,15 @@ def test_documented_adapter_names_resolve(doc: pathlib.Path) -> None:
 
 def test_the_name_checker_sees_broken_names() -> None:
     text = (
-        "python -m kvactors.validate\npython -m kvactors.no_such\n"
-        "    from kvactors.validate import dump_paged, nope\nimport kvactors.gone\n"
-        "see `kvactors.metrics.snapshot` and `kvactors.metrics.missing`\n"
+        "python -m kvactors.cli.validate\npython -m kvactors.no_such\n"
+        "    from kvactors.cli.validate import dump_paged, nope\nimport kvactors.gone\n"
+        "see `kvactors.observe.metrics.snapshot` and `kvactors.observe.metrics.missing`\n"
     )
     assert _name_problems(text) == [
-        "from kvactors.validate import nope",
+        "from kvactors.cli.validate import nope",
         "import kvactors.gone",
         "kvactors.gone",
-        "kvactors.metrics.missing",
         "kvactors.no_such",
+        "kvactors.observe.metrics.missing",
         "python -m kvactors.no_such",
     ]

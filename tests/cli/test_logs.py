@@ -6,7 +6,7 @@ import io
 import json
 import logging
 
-from kvactors.logs import configure, get_logger
+from kvactors.observe.logs import configure, get_logger
 
 
 def test_json_lines_carry_extras() -> None:

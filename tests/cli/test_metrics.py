@@ -6,7 +6,7 @@ import sys
 
 import pytest
 
-from kvactors.metrics import (
+from kvactors.observe.metrics import (
     CallMetrics,
     prometheus_available,
     register_prometheus,

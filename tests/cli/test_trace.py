@@ -10,11 +10,11 @@ import torch
 
 from kvactors.cli import main
 from kvactors.cli.demo import DemoConfig, run_demo
-from kvactors.layouts import KVFormat, ShapeDesc
-from kvactors.plans import TransferRequest
-from kvactors.protocols.gather import Fence, Transfer
+from kvactors.core.layouts import KVFormat, ShapeDesc
+from kvactors.core.plans import TransferRequest
+from kvactors.core.protocols.gather import Fence, Transfer
+from kvactors.observe.trace import TraceRecorder, iter_messages, read_trace, replay
 from kvactors.runtime import Runtime
-from kvactors.trace import TraceRecorder, iter_messages, read_trace, replay
 
 if TYPE_CHECKING:
     import pathlib

@@ -9,7 +9,7 @@ import torch
 
 from kvactors.cli import main
 from kvactors.cli.validate import KVDump, compare_kv, dump_paged, load_dump, save_dump
-from kvactors.layouts import KVFormat
+from kvactors.core.layouts import KVFormat
 
 if TYPE_CHECKING:
     import pathlib

@@ -15,13 +15,13 @@ from typing import TYPE_CHECKING, Any
 import pytest
 import torch
 
+from kvactors.core.layouts import KVFormat
+from kvactors.core.plans import plan_transfer
 from kvactors.devices import get_backend
 from kvactors.devices.mlu import MluBackend
 from kvactors.devices.musa import MusaBackend
 from kvactors.kernels.fast import ScratchCache, run_fast
 from kvactors.kernels.reference import run_reference
-from kvactors.layouts import KVFormat
-from kvactors.plans import plan_transfer
 from kvactors.testing import fake_vendor
 from tests._transfer_cases import Case
 from tests.devices._helpers import FAKE_KINDS, on_lane

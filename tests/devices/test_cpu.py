@@ -8,10 +8,10 @@ import os
 import pytest
 import torch
 
+from kvactors.core.pointers import required_nbytes
 from kvactors.devices.cpu import CpuBackend
 from kvactors.devices.cpu.shm import SEGMENT_PREFIX
 from kvactors.errors import BackendUnavailableError, InvalidPointerError, IPCError
-from kvactors.pointers import required_nbytes
 
 
 @pytest.fixture

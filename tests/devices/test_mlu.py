@@ -77,8 +77,8 @@ def test_probe_details_and_device_errors(fake_mlu: FakeVendor) -> None:
 @pytest.mark.parametrize("opted_in", [True, False])
 def test_native_extension_point_on_mlu(fake_mlu: FakeVendor, opted_in: bool) -> None:
     """``KVACTORS_MLU_NATIVE_KV_TRANSFER=1`` + a native: it moves the bytes; off: never called."""
-    from kvactors.layouts import ShapeDesc
-    from kvactors.plans import TransferRequest
+    from kvactors.core.layouts import ShapeDesc
+    from kvactors.core.plans import TransferRequest
     from kvactors.runtime import Runtime
     from tests.devices.test_musa import CountingNative
 

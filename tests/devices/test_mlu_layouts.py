@@ -14,11 +14,11 @@ from typing import Any
 import pytest
 import torch
 
+from kvactors.core.layouts import KVFormat, ShapeDesc
+from kvactors.core.plans import TransferRequest
 from kvactors.devices.mlu import MluBackend
 from kvactors.devices.mlu.layouts import LAYOUT_SOURCE_ENV, layout_source_from_env
 from kvactors.errors import OperandTypeError, TransferValidationError
-from kvactors.layouts import KVFormat, ShapeDesc
-from kvactors.plans import TransferRequest
 from kvactors.runtime import Runtime
 from kvactors.testing import FakeVendor, fake_vendor
 

@@ -8,6 +8,7 @@ import msgspec
 import pytest
 import torch
 
+from kvactors.core.layouts import ShapeDesc
 from kvactors.devices.base import IPCHandle
 from kvactors.devices.musa import MusaBackend
 from kvactors.devices.musa.contract import (
@@ -25,7 +26,6 @@ from kvactors.errors import (
     TransferValidationError,
     UnsupportedOperationError,
 )
-from kvactors.layouts import ShapeDesc
 from kvactors.testing import FakeDeviceTensor, FakeVendor, fake_vendor
 
 
@@ -149,7 +149,7 @@ def _nhd_transfer(
     backend: MusaBackend, fake: FakeVendor, *, fmt: int = 1, skip: int = 0
 ) -> tuple[list[torch.Tensor], list[torch.Tensor]]:
     """D2H of blocks (3, 5, 0, 6) through Runtime(backend); returns (got, want) chunks."""
-    from kvactors.plans import TransferRequest
+    from kvactors.core.plans import TransferRequest
     from kvactors.runtime import Runtime
 
     cpu = [torch.randn(2, NB, BS, NH, HS) for _ in range(NL)]
@@ -230,7 +230,7 @@ def test_native_is_registered_through_the_entry_point(
 
 @pytest.mark.parametrize("why", ["kv-list-format", "d2h-skip"])
 def test_ineligible_plans_never_reach_the_native(fake_musa: FakeVendor, why: str) -> None:
-    from kvactors.plans import TransferRequest
+    from kvactors.core.plans import TransferRequest
     from kvactors.runtime import Runtime
 
     native = CountingNative()

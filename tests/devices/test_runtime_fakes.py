@@ -5,8 +5,8 @@ from __future__ import annotations
 import pytest
 import torch
 
+from kvactors.core.layouts import KVFormat
 from kvactors.devices.mlu import MluBackend
-from kvactors.layouts import KVFormat
 from kvactors.runtime import Runtime
 from kvactors.testing import fake_vendor
 from tests._transfer_cases import Case
@@ -76,8 +76,8 @@ ALLOCS = ("stacked", "separate", "permuted", "padded")
 def test_every_supported_layout_round_trips_through_the_actors(kind: str, fmt: KVFormat) -> None:
     """Gather then scatter through Runtime on the lazy fake: bytes equal the reference
     kernel's on CPU copies of the same operands, over several seeds and allocations."""
+    from kvactors.core.plans import plan_transfer
     from kvactors.kernels.reference import run_reference
-    from kvactors.plans import plan_transfer
     from tests._transfer_cases import raw
 
     for seed in range(4):

@@ -1,6 +1,6 @@
 """Test doubles and process helpers for the fault scenarios.
 
-:class:`FaultyBackend` is a :class:`~tests._manual_backend.ManualBackend` whose device can
+:class:`FaultyBackend` is a :class:`~kvactors.testing.manual.ManualBackend` whose device can
 be told to report an error for chosen launches: the work still runs when released (or at
 launch with ``auto=True``), but the completion marker recorded after it reports the error,
 exactly as the fake vendors do (``FakeEvent.query`` is True once the point was reached, and
@@ -17,7 +17,7 @@ from typing import TYPE_CHECKING, Any
 import torch
 
 from kvactors.devices.cpu import CpuBackend
-from tests._manual_backend import ManualBackend
+from kvactors.testing.manual import ManualBackend
 
 if TYPE_CHECKING:
     from multiprocessing.connection import Connection

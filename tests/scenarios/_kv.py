@@ -7,9 +7,9 @@ from typing import Any
 
 import torch
 
+from kvactors.core.layouts import Direction, KVFormat, ShapeDesc
+from kvactors.core.plans import TransferRequest, plan_transfer
 from kvactors.kernels.reference import run_reference
-from kvactors.layouts import Direction, KVFormat, ShapeDesc
-from kvactors.plans import TransferRequest, plan_transfer
 
 NL, NB, BS, NH, HS = 2, 16, 4, 2, 8
 BPC = 2  # blocks per chunk

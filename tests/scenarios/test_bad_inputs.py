@@ -20,6 +20,9 @@ import torch
 
 from kvactors.actors.gather import TransferOperands
 from kvactors.actors.group import DeviceActors
+from kvactors.core.layouts import Direction
+from kvactors.core.protocols.gather import Transfer
+from kvactors.core.protocols.stream import Sync
 from kvactors.errors import (
     ActorClosedError,
     DeadlineExceededError,
@@ -29,11 +32,8 @@ from kvactors.errors import (
     TransferValidationError,
     UnknownMessageError,
 )
-from kvactors.layouts import Direction
-from kvactors.protocols.gather import Transfer
-from kvactors.protocols.stream import Sync
 from kvactors.runtime import Runtime
-from tests._manual_backend import ManualBackend
+from kvactors.testing.manual import ManualBackend
 from tests.scenarios._kv import CHUNK, NH, NL, Snapshot, objects, paged, request, shape
 
 if TYPE_CHECKING:

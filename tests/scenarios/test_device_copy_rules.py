@@ -14,7 +14,7 @@ from typing import TYPE_CHECKING
 
 import pytest
 
-from kvactors.layouts import Direction
+from kvactors.core.layouts import Direction
 from kvactors.runtime import Runtime
 from kvactors.testing import fake_vendor
 from tests.scenarios._kv import expected_gather, objects, paged, request, same

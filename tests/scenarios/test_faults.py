@@ -22,6 +22,8 @@ import torch
 
 from kvactors.actors.gather import TransferOperands
 from kvactors.actors.group import DeviceActors
+from kvactors.core.layouts import Direction
+from kvactors.core.protocols.gather import Fence, Fenced, Ping, Pong, Transfer
 from kvactors.devices.cpu import CpuBackend
 from kvactors.errors import (
     ActorClosedError,
@@ -31,11 +33,9 @@ from kvactors.errors import (
     TransferAbandonedError,
     TransferFailedError,
 )
-from kvactors.layouts import Direction
-from kvactors.protocols.gather import Fence, Fenced, Ping, Pong, Transfer
 from kvactors.runtime import Runtime
 from kvactors.testing import fake_vendor
-from tests._manual_backend import ManualBackend
+from kvactors.testing.manual import ManualBackend
 from tests.scenarios import _doubles
 from tests.scenarios._doubles import FaultyBackend, open_fds, shm_exists, shm_mappings
 from tests.scenarios._kv import expected_gather, objects, paged, request, same

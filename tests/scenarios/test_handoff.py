@@ -27,12 +27,12 @@ from typing import TYPE_CHECKING, Any
 
 import pytest
 
+from kvactors.core.layouts import Direction
 from kvactors.devices.base import Backend
 from kvactors.devices.cpu import CpuBackend
 from kvactors.devices.mlu.backend import MluBackend
 from kvactors.devices.musa.backend import MusaBackend
 from kvactors.errors import ActorClosedError, DeadlineExceededError, TransferAbandonedError
-from kvactors.layouts import Direction
 from kvactors.runtime import Runtime
 from kvactors.testing import fake_vendor
 from tests.scenarios import _kv
@@ -42,8 +42,8 @@ if TYPE_CHECKING:
 
     import torch
 
+    from kvactors.core.plans import TransferRequest
     from kvactors.devices.base import StreamLike
-    from kvactors.plans import TransferRequest
     from kvactors.testing import FakeVendor
 
 _WAIT = 10.0  # bounds a wait that only a hang would exhaust; never decides a result

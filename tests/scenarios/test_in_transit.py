@@ -16,11 +16,11 @@ from typing import TYPE_CHECKING, Any, TypeVarTuple
 import pytest
 import torch
 
+from kvactors.core.layouts import Direction
 from kvactors.devices.base import Backend
 from kvactors.devices.cpu import CpuBackend
 from kvactors.devices.mlu.backend import MluBackend
 from kvactors.devices.musa.backend import MusaBackend
-from kvactors.layouts import Direction
 from kvactors.runtime import Runtime
 from kvactors.testing import fake_vendor
 from tests.scenarios import _kv
@@ -28,7 +28,7 @@ from tests.scenarios import _kv
 if TYPE_CHECKING:
     from collections.abc import Callable, Iterator, Sequence
 
-    from kvactors.plans import TransferRequest
+    from kvactors.core.plans import TransferRequest
     from kvactors.testing import FakeVendor
 
 _Ts = TypeVarTuple("_Ts")

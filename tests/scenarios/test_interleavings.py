@@ -23,11 +23,11 @@ from hypothesis import strategies as st
 
 from kvactors.actors.gather import TransferOperands
 from kvactors.actors.group import DeviceActors
+from kvactors.core.layouts import Direction
+from kvactors.core.protocols.gather import Fence, Transfer
+from kvactors.core.protocols.ipc import CloseContext, OpenHandle
 from kvactors.errors import ActorClosedError, KvactorsError
-from kvactors.layouts import Direction
-from kvactors.protocols.gather import Fence, Transfer
-from kvactors.protocols.ipc import CloseContext, OpenHandle
-from tests._manual_backend import ManualBackend
+from kvactors.testing.manual import ManualBackend
 from tests.scenarios._doubles import DeviceFault
 from tests.scenarios._kv import (
     BS,

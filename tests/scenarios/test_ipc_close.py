@@ -19,9 +19,9 @@ from kvactors.actors.directory import StreamDirectory
 from kvactors.actors.ipc_owner import IPCOwnerActor
 from kvactors.actors.outbox import Outbox
 from kvactors.actors.stream import Work
-from kvactors.protocols.ipc import CloseContext, ContextClosed, Opened, OpenHandle
-from kvactors.protocols.stream import Launch
-from tests._manual_backend import ManualBackend
+from kvactors.core.protocols.ipc import CloseContext, ContextClosed, Opened, OpenHandle
+from kvactors.core.protocols.stream import Launch
+from kvactors.testing.manual import ManualBackend
 
 if TYPE_CHECKING:
     from collections.abc import AsyncIterator

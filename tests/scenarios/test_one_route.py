@@ -19,8 +19,8 @@ from typing import TYPE_CHECKING, Any
 import pytest
 import torch
 
+from kvactors.core.layouts import Direction
 from kvactors.errors import TransferValidationError
-from kvactors.layouts import Direction
 from kvactors.runtime import Runtime
 from kvactors.testing import fake_vendor
 from tests.scenarios._kv import expected_gather, objects, paged, request, same
@@ -28,8 +28,8 @@ from tests.scenarios._kv import expected_gather, objects, paged, request, same
 if TYPE_CHECKING:
     from collections.abc import Callable, Iterator
 
-    from kvactors._observer import Call
     from kvactors.devices.base import Backend
+    from kvactors.runtime.observer import Call
     from kvactors.testing import FakeVendor
 
 IDS = (3, 5)

@@ -17,7 +17,7 @@ from typing import TYPE_CHECKING
 import pytest
 import torch
 
-from kvactors.layouts import Direction
+from kvactors.core.layouts import Direction
 from kvactors.runtime import Runtime
 from kvactors.testing import fake_vendor
 from tests.scenarios._kv import objects, paged, request

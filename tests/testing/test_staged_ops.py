@@ -14,11 +14,11 @@ import random
 import pytest
 import torch
 
+from kvactors.core.layouts import ShapeDesc
+from kvactors.core.plans import TransferRequest, plan_transfer
 from kvactors.devices.mlu import MluBackend
 from kvactors.devices.musa import MusaBackend
 from kvactors.kernels.fast import ScratchCache, run_fast
-from kvactors.layouts import ShapeDesc
-from kvactors.plans import TransferRequest, plan_transfer
 from kvactors.testing import fake_vendor
 
 KIND = os.environ.get("KVACTORS_FAKE_VENDOR", "mlu")

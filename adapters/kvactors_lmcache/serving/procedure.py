@@ -27,8 +27,8 @@ from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any
 
+from kvactors.core.plugins import PLUGIN_CPU
 from kvactors.errors import BackendUnavailableError
-from kvactors.plugins import PLUGIN_CPU
 from kvactors_lmcache.serving.model import TINY_LLAMA, kv_bytes_per_token, make_model
 from kvactors_lmcache.serving.server import LMCacheServer
 from kvactors_lmcache.serving.workload import BLOCK, CHUNK, Workload, make_workload

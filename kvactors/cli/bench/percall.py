@@ -26,10 +26,10 @@ from typing import TYPE_CHECKING, Any
 import msgspec
 import torch
 
+from kvactors.core.layouts import FORMAT_SPECS, Direction, KVFormat, ShapeDesc
+from kvactors.core.plans import TransferRequest
 from kvactors.errors import MissingDependencyError
 from kvactors.kernels.fast import index_tensor
-from kvactors.layouts import FORMAT_SPECS, Direction, KVFormat, ShapeDesc
-from kvactors.plans import TransferRequest
 
 if TYPE_CHECKING:
     from collections.abc import Callable, Sequence
@@ -397,8 +397,8 @@ def _row(
 def _planning(rt: Runtime, case: _Case, reps: int) -> tuple[float, float, float]:
     """Median warm planning (the runtime's plan cache, a repeated request), cold planning
     (full validation) and ``Runtime.ping``, in microseconds."""
-    from kvactors.plan_cache import PlanCache
-    from kvactors.plans import plan_transfer
+    from kvactors.core.plan_cache import PlanCache
+    from kvactors.core.plans import plan_transfer
 
     req = case.request(0, Direction.D2H)
     paged, objs = case.paged, case.objects[0]

@@ -75,8 +75,8 @@ class _Progress:
 def _runtime_rows(env: DeviceEnv, w: BenchWorkload, reps: int, seed: int) -> list[RuntimeRow]:
     import random
 
-    from kvactors.layouts import Direction, KVFormat, ShapeDesc
-    from kvactors.plans import TransferRequest
+    from kvactors.core.layouts import Direction, KVFormat, ShapeDesc
+    from kvactors.core.plans import TransferRequest
     from kvactors.runtime import Runtime
 
     dtype = getattr(torch, w.dtype)

@@ -18,11 +18,11 @@ from typing import TYPE_CHECKING, Any
 import msgspec
 import torch
 
+from kvactors.core.layouts import FORMAT_SPECS, KVFormat, ShapeDesc
+from kvactors.core.plan_cache import KernelMemo, PlanCache
+from kvactors.core.plans import TransferRequest, plan_transfer
 from kvactors.errors import InvalidSettingError
 from kvactors.kernels.fast import ScratchCache, reused_kernel, run_fast
-from kvactors.layouts import FORMAT_SPECS, KVFormat, ShapeDesc
-from kvactors.plan_cache import KernelMemo, PlanCache
-from kvactors.plans import TransferRequest, plan_transfer
 
 if TYPE_CHECKING:
     from collections.abc import Callable, Sequence

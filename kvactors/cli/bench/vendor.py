@@ -126,7 +126,7 @@ def _operands(
     fake: FakeVendor, layout: str, shape: _Shape, seed: int
 ) -> tuple[Any, list[torch.Tensor], Any]:
     """(device paged operand, host chunks, kvactors ShapeDesc) for one layout."""
-    from kvactors.layouts import ShapeDesc
+    from kvactors.core.layouts import ShapeDesc
 
     dtype = getattr(torch, shape.dtype)
     gen = torch.Generator().manual_seed(seed)
@@ -207,8 +207,8 @@ def measure_vendor(
         RuntimeError: LMCache's ops were asked for but this process's torch device name
             belongs to the other vendor.
     """
-    from kvactors.layouts import Direction
-    from kvactors.plans import TransferRequest
+    from kvactors.core.layouts import Direction
+    from kvactors.core.plans import TransferRequest
     from kvactors.runtime import Runtime
     from kvactors.testing import fake_vendor
 

@@ -16,10 +16,10 @@ from typing import TYPE_CHECKING, final
 
 import torch
 
+from kvactors.core.pointers import check_view_request
 from kvactors.devices.base import Backend, IPCHandle, IPCOwner, Probe
 from kvactors.devices.cpu import shm
 from kvactors.errors import InvalidPointerError
-from kvactors.pointers import check_view_request
 
 if TYPE_CHECKING:
     from collections.abc import Callable, Sequence

@@ -19,9 +19,9 @@ from typing import TYPE_CHECKING
 
 import torch
 
+from kvactors.core.pointers import check_view_request
 from kvactors.devices.base import IPCHandle
 from kvactors.errors import IPCError
-from kvactors.pointers import check_view_request
 
 if TYPE_CHECKING:
     from collections.abc import Sequence

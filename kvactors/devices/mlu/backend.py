@@ -17,6 +17,7 @@ from typing import TYPE_CHECKING, Any, NoReturn
 
 import torch
 
+from kvactors.core.plans import TransferRequest
 from kvactors.devices._torchlike import TorchLikeBackend
 from kvactors.devices.base import IPCHandle, IPCOwner, Probe
 from kvactors.devices.mlu.layouts import (
@@ -26,13 +27,12 @@ from kvactors.devices.mlu.layouts import (
 )
 from kvactors.devices.native import NativeSlot
 from kvactors.errors import InvalidSettingError
-from kvactors.plans import TransferRequest
 
 if TYPE_CHECKING:
     from collections.abc import Callable, Mapping, Sequence
 
+    from kvactors.core.plans import TransferPlan
     from kvactors.devices.native import NativeKvTransfer
-    from kvactors.plans import TransferPlan
 
 __all__ = ("NATIVE_TRANSFER_ENV", "MluBackend")
 

@@ -15,8 +15,8 @@ from typing import TYPE_CHECKING, Any, Literal
 
 import torch
 
+from kvactors.core.layouts import KVFormat, ShapeDesc
 from kvactors.errors import InvalidSettingError, OperandTypeError, TransferValidationError
-from kvactors.layouts import KVFormat, ShapeDesc
 
 if TYPE_CHECKING:
     from collections.abc import Mapping, Sequence

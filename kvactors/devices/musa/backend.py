@@ -39,8 +39,8 @@ from kvactors.errors import (
 if TYPE_CHECKING:
     from collections.abc import Callable, Mapping, Sequence
 
+    from kvactors.core.plans import TransferPlan, TransferRequest
     from kvactors.devices.native import NativeKvTransfer
-    from kvactors.plans import TransferPlan, TransferRequest
 
 __all__ = ("HostRegistration", "MusaBackend", "MusaIPCOwner")
 

@@ -14,8 +14,8 @@ from typing import TYPE_CHECKING, Any
 import msgspec
 import torch
 
+from kvactors.core.layouts import KVFormat, ShapeDesc
 from kvactors.errors import OperandTypeError, TransferValidationError
-from kvactors.layouts import KVFormat, ShapeDesc
 
 if TYPE_CHECKING:
     from collections.abc import Mapping, Sequence

@@ -16,7 +16,7 @@ from typing import TYPE_CHECKING
 
 import msgspec
 
-from kvactors._plan_checks import (
+from kvactors.core._plan_checks import (
     check_objects,
     check_objects_structure,
     check_paged_tensors,
@@ -25,8 +25,8 @@ from kvactors._plan_checks import (
     resolve_dtype,
     unit_strides,
 )
+from kvactors.core.layouts import Direction, FormatSpec, KVFormat, PagedKind, ShapeDesc, format_spec
 from kvactors.errors import OperandTypeError, TransferValidationError
-from kvactors.layouts import Direction, FormatSpec, KVFormat, PagedKind, ShapeDesc, format_spec
 
 if TYPE_CHECKING:
     import torch
@@ -48,8 +48,8 @@ class TransferRequest(msgspec.Struct, frozen=True, kw_only=True):
     """One ``multi_layer_block_kv_transfer`` call, without its tensors (wire-safe).
 
     Attributes:
-        fmt: Engine KV format number (:class:`~kvactors.layouts.KVFormat`).
-        direction: :class:`~kvactors.layouts.Direction` number (0 = H2D, 1 = D2H).
+        fmt: Engine KV format number (:class:`~kvactors.core.layouts.KVFormat`).
+        direction: :class:`~kvactors.core.layouts.Direction` number (0 = H2D, 1 = D2H).
         block_ids: Engine block ids in chunk order.
         chunk_size: Token slots per object (``blocks_per_object * bs``).
         skip_blocks: Flat positions of ``block_ids`` to skip at the start.

@@ -1,7 +1,7 @@
 """The replies of the ``a*`` calls, awaitable from any anyio backend (asyncio, trio).
 
 An ``a*`` call queues its message at once and returns an awaitable of the reply, which lives
-in a ``concurrent.futures.Future`` (:class:`~kvactors._bridge.FutureSlot`) that the actors
+in a ``concurrent.futures.Future`` (:class:`~kvactors.runtime._bridge.FutureSlot`) that the actors
 settle from whichever thread saw the outcome. Under asyncio the awaitable is
 ``asyncio.wrap_future`` of it (an ``asyncio.Future``: cancelling it drops the answer). Under
 any other backend anyio runs (trio), it is :class:`AnyioReply`: awaiting it waits on an

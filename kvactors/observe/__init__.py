@@ -3,14 +3,14 @@
 ``Runtime(observer=...)`` or :meth:`Runtime.add_observer <kvactors.runtime.Runtime.add_observer>`
 attach a :class:`RuntimeObserver`: ``call_started`` at mailbox admission, ``call_finished``
 when the reply settles, each with a :class:`Call` carrying the runtime's own message (see
-:mod:`kvactors._observer`). :func:`observe` is the attach function under its documented name.
+:mod:`kvactors.runtime.observer`). :func:`observe` is the attach function under its documented name.
 """
 
 from __future__ import annotations
 
 from typing import TYPE_CHECKING
 
-from kvactors._observer import Call, CallOp, RuntimeObserver
+from kvactors.runtime.observer import Call, CallOp, RuntimeObserver
 
 if TYPE_CHECKING:
     from collections.abc import Callable

@@ -6,7 +6,7 @@ from typing import TypeAlias
 
 import msgspec
 
-from kvactors.protocols._base import Message
+from kvactors.core.protocols._base import Message
 
 __all__ = (
     "CloseContext",

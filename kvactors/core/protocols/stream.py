@@ -4,7 +4,7 @@ from __future__ import annotations
 
 from typing import TypeAlias
 
-from kvactors.protocols._base import Message
+from kvactors.core.protocols._base import Message
 
 __all__ = (
     "EventRecord",

@@ -1,4 +1,4 @@
-"""Operands for :mod:`kvactors.testing.check`: device memory in and out, KV cases, the oracle.
+"""Operands for :mod:`~kvactors.testing.conformance.check`: device memory, KV cases, the oracle.
 
 :class:`DeviceIO` moves test data to and from device memory (torch's ``.to()`` on a card, the
 fake's helpers on the fakes); :meth:`DeviceIO.read_unordered` reads without waiting for any
@@ -14,9 +14,9 @@ from typing import TYPE_CHECKING, Any
 
 import torch
 
+from kvactors.core.layouts import FORMAT_SPECS, KVFormat, PagedKind, ShapeDesc
+from kvactors.core.plans import TransferRequest, plan_transfer
 from kvactors.kernels.reference import run_reference
-from kvactors.layouts import FORMAT_SPECS, KVFormat, PagedKind, ShapeDesc
-from kvactors.plans import TransferRequest, plan_transfer
 
 if TYPE_CHECKING:
     from kvactors.devices.base import Backend

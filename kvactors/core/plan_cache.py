@@ -2,7 +2,7 @@
 
 :class:`PlanCache` keys an entry by the request without its block ids plus every operand's
 metadata except the chunks' addresses (one ``bytes`` key); a hit rebinds the validated plan to
-the call's block ids and chunks (:func:`~kvactors.plans.rebind_block_ids` checks only the
+the call's block ids and chunks (:func:`~kvactors.core.plans.rebind_block_ids` checks only the
 ids), anything else validates in full. Failed validations are never cached; the cache is
 bounded (oldest first) and a hit takes no lock.
 """
@@ -17,13 +17,13 @@ from typing import TYPE_CHECKING, Any, NamedTuple, TypeAlias
 import msgspec
 import torch
 
+from kvactors.core.plans import TransferRequest, plan_transfer, rebind_block_ids
 from kvactors.errors import InvalidSettingError
-from kvactors.plans import TransferRequest, plan_transfer, rebind_block_ids
 
 if TYPE_CHECKING:
     from collections.abc import Callable, Sequence
 
-    from kvactors.plans import TransferPlan
+    from kvactors.core.plans import TransferPlan
 
 __all__ = ("Binder", "Kernel", "KernelMemo", "Lookup", "PlanCache")
 

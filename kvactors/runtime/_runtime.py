@@ -5,13 +5,13 @@ A :class:`Runtime` owns a private asyncio loop running in its own daemon thread,
 (``Transfer``, ``Fence`` and ``Ping`` to the GatherActor, ``Sync`` and the records to a
 StreamActor, the IPC messages to the IPCOwnerActor), whoever calls and on every device: there
 is one route. A blocking call sends from the calling thread and sleeps on a
-:class:`~kvactors._bridge.ReplyLock` until the reply is settled; when the actor takes turns
+:class:`~kvactors.runtime._bridge.ReplyLock` until the reply is settled; when the actor takes turns
 on any thread, the calling thread runs the turn itself, at once if the actor is idle, else
 when the turn before its message ends and is handed to it (see :mod:`kvactors.actors.actor`);
 else the loop runs it in mailbox order. Asyncio callers use the
 ``a*`` twins: they queue the message from their own thread (never running a turn, so their
 loop never waits for device work) and await the reply, under asyncio or any other backend
-anyio runs (trio): see :mod:`kvactors._awaitable`.
+anyio runs (trio): see :mod:`kvactors.runtime._awaitable`.
 
 Every blocking call has a deadline (``default_timeout`` unless given). ``close`` stops the
 actors down their graph with a bounded grace period: a call that was never enqueued fails with
@@ -28,11 +28,11 @@ import itertools
 import threading
 from typing import TYPE_CHECKING, Any
 
-from kvactors._awaitable import reply_awaitable
-from kvactors._bridge import FutureSlot, ReplyLock, settle_slot
-from kvactors._observer import Call, Observers
 from kvactors.actors.gather import TransferOperands
 from kvactors.actors.group import DeviceActors, DeviceStatistics
+from kvactors.core.protocols.gather import Fence, Fenced, Ping, Pong, Transfer, TransferDone
+from kvactors.core.protocols.ipc import CloseContext, ContextClosed, Opened, OpenHandle
+from kvactors.core.protocols.stream import EventRecord, RecordCompletion, RecordEvent, Sync, Synced
 from kvactors.devices.base import Backend
 from kvactors.errors import (
     ActorClosedError,
@@ -40,19 +40,19 @@ from kvactors.errors import (
     MailboxFullError,
     TransferAbandonedError,
 )
-from kvactors.protocols.gather import Fence, Fenced, Ping, Pong, Transfer, TransferDone
-from kvactors.protocols.ipc import CloseContext, ContextClosed, Opened, OpenHandle
-from kvactors.protocols.stream import EventRecord, RecordCompletion, RecordEvent, Sync, Synced
+from kvactors.runtime._awaitable import reply_awaitable
+from kvactors.runtime._bridge import FutureSlot, ReplyLock, settle_slot
+from kvactors.runtime.observer import Call, Observers
 
 if TYPE_CHECKING:
     from collections.abc import Awaitable, Callable, Iterable, Sequence
 
     import torch
 
-    from kvactors._observer import RuntimeObserver
     from kvactors.actors.actor import Actor
+    from kvactors.core.plans import TransferRequest
     from kvactors.devices.base import IPCHandle
-    from kvactors.plans import TransferRequest
+    from kvactors.runtime.observer import RuntimeObserver
 
 __all__ = ("Runtime", "get_runtime", "resolve_backend")
 

@@ -4,8 +4,8 @@ from __future__ import annotations
 
 from typing import TypeAlias
 
-from kvactors.plans import TransferRequest
-from kvactors.protocols._base import Message
+from kvactors.core.plans import TransferRequest
+from kvactors.core.protocols._base import Message
 
 __all__ = (
     "Fence",

@@ -1,4 +1,4 @@
-"""Operand checks behind :func:`kvactors.plans.plan_transfer` (metadata only, never data).
+"""Operand checks behind :func:`kvactors.core.plans.plan_transfer` (metadata only, never data).
 
 Theory of operation. Each helper validates one aspect of the operands and raises the project's
 ``ValueError``/``TypeError`` leaves with a ``field``; none reads tensor contents. Paged tensors
@@ -13,8 +13,8 @@ from collections.abc import Sequence
 
 import torch
 
+from kvactors.core.layouts import DTYPE_ITEMSIZE, FormatSpec, PagedKind, ShapeDesc
 from kvactors.errors import OperandTypeError, TransferValidationError
-from kvactors.layouts import DTYPE_ITEMSIZE, FormatSpec, PagedKind, ShapeDesc
 
 __all__ = (
     "check_objects",

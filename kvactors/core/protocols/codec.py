@@ -1,6 +1,6 @@
 """Wire codec: msgpack, for the messages a trace records and replays.
 
-In-process, messages travel as objects (no encoding). A trace (:mod:`kvactors.trace`) stores
+In-process, messages travel as objects (no encoding). A trace (:mod:`kvactors.observe.trace`) stores
 each GatherActor request encoded; the wire types hold ints, strings, bytes and nested Structs
 only, so a tensor or a raw pointer cannot be encoded by accident: encoding anything else
 raises.
@@ -10,7 +10,7 @@ from __future__ import annotations
 
 import msgspec
 
-from kvactors.protocols.gather import GatherRequest
+from kvactors.core.protocols.gather import GatherRequest
 
 __all__ = ("GATHER_REQUESTS", "encode")
 

@@ -19,10 +19,10 @@ from typing import TYPE_CHECKING, Any, BinaryIO, Literal, Protocol
 import msgspec
 import torch
 
+from kvactors.core.protocols.codec import GATHER_REQUESTS, encode
+from kvactors.core.protocols.gather import Fence, Ping, Transfer
 from kvactors.errors import InvalidFileError
 from kvactors.observe import observe
-from kvactors.protocols.codec import GATHER_REQUESTS, encode
-from kvactors.protocols.gather import Fence, Ping, Transfer
 
 if TYPE_CHECKING:
     from collections.abc import Callable, Iterator

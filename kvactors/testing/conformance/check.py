@@ -21,12 +21,12 @@ from typing import TYPE_CHECKING, Any
 import msgspec
 import torch
 
+from kvactors.core.layouts import FORMAT_SPECS, Direction, KVFormat
+from kvactors.core.protocols.stream import EventRecord
 from kvactors.errors import TransferValidationError, UnsupportedOperationError
-from kvactors.layouts import FORMAT_SPECS, Direction, KVFormat
-from kvactors.protocols.stream import EventRecord
 from kvactors.runtime import Runtime, resolve_backend
-from kvactors.testing._check_io import DeviceIO, KVCase, same_bytes
-from kvactors.testing._check_ipc import Exporter, pattern
+from kvactors.testing.conformance._check_io import DeviceIO, KVCase, same_bytes
+from kvactors.testing.conformance._check_ipc import Exporter, pattern
 
 if TYPE_CHECKING:
     from collections.abc import Callable, Iterator, Mapping, Sequence

@@ -15,9 +15,9 @@ import threading
 import time
 from typing import Any, Literal, Protocol
 
-from kvactors.protocols.gather import Fence, Ping, Transfer
-from kvactors.protocols.ipc import CloseContext, OpenHandle
-from kvactors.protocols.stream import Sync
+from kvactors.core.protocols.gather import Fence, Ping, Transfer
+from kvactors.core.protocols.ipc import CloseContext, OpenHandle
+from kvactors.core.protocols.stream import Sync
 
 __all__ = ("Call", "CallOp", "Observers", "RuntimeObserver")
 

@@ -1,4 +1,4 @@
-"""The exporter process of the cross-process IPC check in :mod:`kvactors.testing.check`.
+"""The exporter process of the cross-process IPC check in :mod:`kvactors.testing.conformance.check`.
 
 It allocates a zeroed buffer, exports it with the backend's ``ipc_export`` and sends the
 wire-safe :class:`~kvactors.devices.base.IPCHandle` (never a pointer) to the parent, which

@@ -1,0 +1,8 @@
+"""The runtime floor: :class:`Runtime` (the loop thread, one device's actors, a blocking facade
+for foreign threads and ``a*`` twins for asyncio), its reply bridges and its observer hook."""
+
+from __future__ import annotations
+
+from kvactors.runtime._runtime import Runtime, get_runtime, resolve_backend
+
+__all__ = ("Runtime", "get_runtime", "resolve_backend")
