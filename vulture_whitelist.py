@@ -73,16 +73,18 @@ _.flags  # musaHostRegister(ptr, size, flags) signature
 
 # ---- public test-support API of kvactors.testing (its users are tests by design) --------
 _.inject_error  # FakeVendor.inject_error: sticky device errors for users' fault tests
+_.counting  # FakeVendor.counting: device operations per call, for users' budget tests
+_.as_dict  # OpCounts.as_dict: the counts by name, for users' budget tests
 
 # ---- reached through entry points, serialisation or after close -----------------------------
 _.kvactors_op_transfer  # adapter baseline.py: entry point kvactors_op of kvactors.baselines (bench)
-_.calls_per_s  # PercallRow field: serialised by name into percall.json (msgspec.to_builtins)
+_.calls_per_s  # bench row fields: serialised by name into bench.json (msgspec)
 _.records_withdrawn  # Runtime property: readable after close(), when statistics() is not
 
 # ---- public fake API (kvactors.testing) that vendors' tests read ---------------------------
-_.launches  # OpCounts field: serialised by name into the vendor bench rows (msgspec.to_builtins)
-_.allocations  # OpCounts field: serialised by name into the vendor bench rows
-_.alloc_bytes  # OpCounts field: serialised by name into the vendor bench rows
+_.launches  # OpCounts field: read by name from as_dict() (the budget tests)
+_.allocations  # OpCounts field: read by name from as_dict() (the budget tests)
+_.alloc_bytes  # OpCounts field: read by name from as_dict()
 _.host_device_copies  # OpCounts property: H2D + D2H, for vendors' per-call budget checks
 
 # ---- the serving validation (adapters/kvactors_lmcache/serving) ------------------------------

@@ -1,64 +1,44 @@
-"""The per-call benchmark runs its contenders on identical shapes and reports ratios."""
+"""The per-call benchmark: the torch baseline makes the bytes kvactors' op makes, and every
+row carries the ratios of issue 28 item 4 from the same run."""
 
 from __future__ import annotations
 
-import json
-from typing import TYPE_CHECKING
-
-import msgspec
 import pytest
+import torch
 
-from kvactors.cli.bench.percall import format_percall, main, run_percall_bench
-
-if TYPE_CHECKING:
-    from pathlib import Path
-
-
-def test_percall_rows_compare_every_contender_with_the_single_torch_call() -> None:
-    report = run_percall_bench(
-        models=("small",), layouts=("nhd", "mla", "fused"), callers=(1, 2), reps=2, quick=True
-    )
-    expected = []
-    for lay in ("nhd", "mla", "fused"):
-        for c in (1, 2):
-            for d in ("gather", "scatter"):
-                expected.append((lay, d, c, "same"))
-                if c == 1:  # single callers also run with other block ids on every call,
-                    expected.append((lay, d, c, "fresh"))  # and with other chunk buffers too
-                    expected.append((lay, d, c, "bufs"))
-    assert [(r.layout, r.direction, r.callers, r.ids) for r in report.rows] == expected
-    for r in report.rows:
-        assert {"torch", "runtime"} <= set(r.p50_us)
-        assert r.vs_torch["runtime"] == pytest.approx(
-            r.calls_per_s["torch"] / r.calls_per_s["runtime"]
-        )
-        assert r.p99_us["runtime"] >= r.p50_us["runtime"] > 0
-    assert report.plan_cold_us > 0
-    assert report.plan_warm_us > 0
-    assert "planning: warm" in format_percall(report)
+from kvactors.cli.bench import percall
+from kvactors.cli.bench._pools import Pool
+from kvactors.runtime import Runtime
 
 
-def test_percall_command_writes_json(tmp_path: Path) -> None:
-    out = tmp_path / "percall.json"
-    assert (
-        main(
-            [
-                "--models",
-                "small",
-                "--layouts",
-                "nhd",
-                "--directions",
-                "gather",
-                "--callers",
-                "1",
-                "--reps",
-                "2",
-                "--json",
-                str(out),
-            ]
-        )
-        == 0
-    )
-    data = json.loads(out.read_text())
-    report = msgspec.convert(data, type=dict)
-    assert report["rows"][0]["layout"] == "nhd"
+@pytest.mark.parametrize("layout", ["nhd", "hnd", "mla", "kv_list"])
+@pytest.mark.parametrize("gather", [True, False], ids=["gather", "scatter"])
+def test_the_torch_call_moves_the_bytes_kvactors_moves(layout: str, gather: bool) -> None:
+    torch.manual_seed(0)
+    pools = [Pool("small", layout, 64, 4), Pool("small", layout, 64, 4)]
+    stacks = [p.stack for p in pools if p.stack is not None]
+    stacks[0].copy_(torch.randn(stacks[0].shape))
+    stacks[1].copy_(stacks[0])
+    for a, b in zip(pools[0].objects, pools[1].objects, strict=True):
+        a.copy_(torch.randn(a.shape))
+        b.copy_(a)
+    before = (pools[0].objects[0] if gather else stacks[0]).clone()
+    with Runtime("cpu") as rt:
+        for c in (0, 3):  # each caller's first id set, in its own chunk
+            percall._torch_call(pools[0], c, gather)()
+            percall._kvactors_call(pools[1], c, gather, rt)[1]()
+    assert torch.equal(stacks[0], stacks[1])
+    for a, b in zip(pools[0].objects, pools[1].objects, strict=True):
+        assert torch.equal(a, b)
+    assert not torch.equal(before, pools[0].objects[0] if gather else stacks[0])  # it moved
+
+
+def test_rows_carry_both_thread_counts_and_their_ratios() -> None:
+    rows = percall.run_percall(cases=[("small", "mla")], calls=4, rounds=1)
+    assert [(r.layout, r.direction) for r in rows] == [("mla", "gather"), ("mla", "scatter")]
+    for r in rows:
+        assert set(r.calls_per_s) == {"torch@1", "kvactors@1", "torch@4", "kvactors@4"}
+        cps = r.calls_per_s
+        assert r.vs_torch == {n: cps[f"torch@{n}"] / cps[f"kvactors@{n}"] for n in "14"}
+        assert r.scaling["kvactors"] == cps["kvactors@4"] / cps["kvactors@1"]
+    assert "kva/t 1" in percall.format_percall(rows)

@@ -1,49 +1,43 @@
-"""The transfer benchmark: the LMCache baseline is optional (a plugin, absent or not
-importable)."""
+"""The GB/s benchmark: kvactors, the raw copy and LMCache's torch path (a plugin: absent or
+not importable, it is left out) on the same operands."""
 
 from __future__ import annotations
 
 from typing import TYPE_CHECKING, Any
 
-from kvactors.cli.bench import transfer as bench_transfer
-from kvactors.cli.bench.transfer import BenchWorkload, run_transfer_bench
+from kvactors.cli._devenv import device_env
+from kvactors.cli.bench import transfer
 
 if TYPE_CHECKING:
     import pytest
 
-TINY = BenchWorkload(
-    num_layers=2,
-    block_size=4,
-    num_heads=2,
-    head_size=8,
-    mla_hs=16,
-    chunk_tokens=8,
-    chunks_per_call=2,
-    num_blocks=32,
-)
+
+def _rows() -> list[transfer.TransferRow]:
+    with device_env("cpu") as env:
+        return transfer.run_transfer(env, ["nhd", "kv_list"], reps=1, blocks=64, model="small")
 
 
-def _run() -> list[Any]:
-    return run_transfer_bench(layouts=("nhd",), reps=1, workload=TINY, include_lmcache=True)
-
-
-def test_baseline_whose_lmcache_is_missing_is_left_out(monkeypatch: pytest.MonkeyPatch) -> None:
+def test_a_baseline_whose_lmcache_is_missing_is_left_out(monkeypatch: pytest.MonkeyPatch) -> None:
     def needs_lmcache(*_: object) -> Any:
         raise ModuleNotFoundError("No module named 'lmcache'")
 
-    monkeypatch.setattr(bench_transfer, "_baseline", lambda name: needs_lmcache)
-    rows = _run()
-    assert [r.direction for r in rows] == ["gather", "scatter"]
-    assert all(r.lmcache_gbps is None and r.vs_lmcache is None for r in rows)
+    monkeypatch.setattr(transfer, "baseline", lambda name: needs_lmcache)
+    rows = _rows()
+    assert [(r.layout, r.direction) for r in rows] == [
+        ("nhd", "gather"), ("nhd", "scatter"), ("kv_list", "gather"), ("kv_list", "scatter")
+    ]  # fmt: skip
+    assert all(set(r.gbps) == {"kvactors", "raw"} and set(r.vs) == {"raw"} for r in rows)
 
 
-def test_baseline_is_timed_when_present(monkeypatch: pytest.MonkeyPatch) -> None:
-    calls: list[int] = []
+def test_the_baseline_is_timed_on_the_same_request(monkeypatch: pytest.MonkeyPatch) -> None:
+    seen: list[tuple[int, int]] = []
 
     def fake_baseline(request: Any, paged: Any, objects: Any) -> Any:
-        return lambda: calls.append(request.direction)
+        seen.append((request.direction, len(objects)))
+        return lambda: None
 
-    monkeypatch.setattr(bench_transfer, "_baseline", lambda name: fake_baseline)
-    rows = _run()
-    assert all(r.lmcache_gbps is not None and r.lmcache_gbps > 0 for r in rows)
-    assert set(calls) == {0, 1}
+    monkeypatch.setattr(transfer, "baseline", lambda name: fake_baseline)
+    rows = _rows()
+    assert all(r.gbps["lmcache"] > 0 and r.vs["lmcache"] > 0 for r in rows)
+    assert seen == [(1, 4), (0, 4)] * 2  # both directions of both layouts, 4 chunks a call
+    assert rows[0].nbytes == 4 * 2 * 8 * 256 * 4 * 64 * 2  # chunks x K/V x layers x tokens x ...

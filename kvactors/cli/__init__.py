@@ -1,5 +1,5 @@
 """The ``kvactors`` command: ``doctor``, ``demo``, ``bench``, ``validate``,
-``validate-serving``, ``replay``, ``selftest``, ``hotpath``.
+``validate-serving``, ``selftest``, ``replay``.
 
 Each subcommand lives in its own module and is imported only when it runs, so
 ``kvactors doctor`` works even where a heavier dependency (matplotlib) is missing.
@@ -76,8 +76,10 @@ def build_parser() -> argparse.ArgumentParser:
         help="negative control: reuse blocks without a fence (should FAIL)",
     )
 
-    bench = add_parser("bench", help="transfer and per-call benchmarks, JSON and PNG")
-    from kvactors.cli.bench.suite import add_arguments as bench_args
+    bench = add_parser(
+        "bench", help="GB/s, per-call cost, kvactors vs LMCache's own ops; JSON and PNG"
+    )
+    from kvactors.cli.bench.command import add_arguments as bench_args
 
     bench_args(bench)
 
@@ -137,7 +139,7 @@ def main(argv: Sequence[str] | None = None) -> int:
 
         return run_demo(args)
     if args.command == "bench":
-        from kvactors.cli.bench.suite import run as run_bench
+        from kvactors.cli.bench.command import run as run_bench
 
         return run_bench(args)
     if args.command == "validate":

@@ -14,7 +14,7 @@ SURFACE = [
     "kvactors.cli",
     "kvactors.cli.doctor",
     "kvactors.cli.demo",
-    "kvactors.cli.bench.suite",
+    "kvactors.cli.bench.command",
     "kvactors.cli.replay",
     "kvactors.observe.metrics",
     "kvactors.observe.logs",

@@ -1,6 +1,5 @@
-"""The benchmarks of ``kvactors bench`` (``suite``): ``transfer`` (GB/s), ``percall`` (host
-cost of one call) and ``vendor`` (kvactors against LMCache's own MLU/MUSA ops on the fakes).
-
-Each part runs on its own (``python -m kvactors.cli.bench.percall``); this package imports
-none of them, so running one as ``__main__`` does not import it twice.
+"""``kvactors bench`` (:mod:`.command`): ``transfer`` (GB/s), ``percall`` (host cost of one
+call on CPU) and ``vendor`` (kvactors against LMCache's own MLU/MUSA ops on the fakes), all on
+one harness (:mod:`._harness`). This package imports none of them, so ``python -m
+kvactors.cli.bench.vendor`` does not import itself twice.
 """
