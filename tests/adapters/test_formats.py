@@ -19,6 +19,20 @@ from .conftest import LMCACHE_MISSING, SKIP_REASON
 pytestmark = [pytest.mark.lmcache, pytest.mark.skipif(LMCACHE_MISSING, reason=SKIP_REASON)]
 
 
+def _formats_table() -> Any:
+    """The doc generator (``scripts/formats_table.py``: a lab script, not in the package)."""
+    import importlib.util
+    import pathlib
+
+    path = pathlib.Path(__file__).resolve().parents[2] / "scripts" / "formats_table.py"
+    spec = importlib.util.spec_from_file_location("formats_table", path)
+    assert spec is not None
+    assert spec.loader is not None
+    module = importlib.util.module_from_spec(spec)
+    spec.loader.exec_module(module)
+    return module
+
+
 def _specs() -> list[tuple[Any, Any]]:
     from lmcache.v1.gpu_connector.kv_format.specs.registry import SPECS
 
@@ -26,21 +40,19 @@ def _specs() -> list[tuple[Any, Any]]:
 
 
 def test_the_compatibility_table_is_current() -> None:
-    from kvactors_lmcache import formats_table as ft
-
+    ft = _formats_table()
     version = ft.installed_version()
     doc = ft.DOC.read_text()
     want = ft.section(version)
     assert ft.update(doc, version, want) == doc, (
         f"docs/formats.md is not what LMCache {version}'s format registry generates (a new "
         "format, or a change in what kvactors serves). Regenerate it under this LMCache with "
-        "`python -m kvactors_lmcache.formats_table --write` and review the diff"
+        "`.venv/bin/python scripts/formats_table.py --write` and review the diff"
     )
 
 
 def test_the_table_section_is_replaced_or_appended() -> None:
-    from kvactors_lmcache import formats_table as ft
-
+    ft = _formats_table()
     begin, end = (
         "<!-- formats-table lmcache=9.9 begin -->",
         "<!-- formats-table lmcache=9.9 end -->",

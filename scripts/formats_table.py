@@ -8,8 +8,10 @@ mapping and the MLU and MUSA backends' format sets), with the reason when it ref
 holds one section per LMCache version; a test regenerates the installed version's section and
 fails when the committed one differs, so a format a new LMCache adds shows up as a failing test.
 
-    python -m kvactors_lmcache.formats_table            # print this LMCache's section
-    python -m kvactors_lmcache.formats_table --write    # update it in docs/formats.md
+    .venv/bin/python scripts/formats_table.py            # print this LMCache's section
+    .venv/bin/python scripts/formats_table.py --write    # update it in docs/formats.md
+
+(run it in the venv of each LMCache version, from a source checkout.)
 """
 
 from __future__ import annotations
@@ -21,17 +23,13 @@ import sys
 from pathlib import Path
 from typing import TYPE_CHECKING
 
-from kvactors.devices.mlu.layouts import MLU_FORMATS
-from kvactors.devices.musa.contract import MUSA_MP_FORMATS
-from kvactors_lmcache.convert import refusal_reason, served_as
-
 if TYPE_CHECKING:
     from collections.abc import Sequence
 
 __all__ = ("DOC", "main", "section", "update")
 
-DOC = Path(__file__).resolve().parents[2] / "docs" / "formats.md"
-"""The committed doc (in a source checkout)."""
+DOC = Path(__file__).resolve().parents[1] / "docs" / "formats.md"
+"""The committed doc."""
 
 _BEGIN = "<!-- formats-table lmcache={version} begin -->"
 _END = "<!-- formats-table lmcache={version} end -->"
@@ -44,6 +42,10 @@ def _cell(ok: bool) -> str:
 def section(version: str) -> str:
     """The Markdown section for LMCache ``version`` (the installed one's registry)."""
     from lmcache.v1.gpu_connector.kv_format.specs.registry import SPECS
+
+    from kvactors.devices.mlu.layouts import MLU_FORMATS
+    from kvactors.devices.musa.contract import MUSA_MP_FORMATS
+    from kvactors_lmcache.convert import refusal_reason, served_as
 
     lines = [
         _BEGIN.format(version=version),
@@ -90,7 +92,7 @@ def installed_version() -> str:
 
 def main(argv: Sequence[str] | None = None) -> int:
     """Print the installed LMCache's section, or write it into the doc (``--write``)."""
-    ap = argparse.ArgumentParser(prog="python -m kvactors_lmcache.formats_table")
+    ap = argparse.ArgumentParser(prog="scripts/formats_table.py")
     ap.add_argument("--write", action="store_true", help=f"update the section in {DOC}")
     ap.add_argument("--doc", type=Path, default=DOC, help="the doc to update")
     args = ap.parse_args(argv)
@@ -105,4 +107,5 @@ def main(argv: Sequence[str] | None = None) -> int:
 
 
 if __name__ == "__main__":
+    sys.path[:0] = [str(DOC.parents[1]), str(DOC.parents[1] / "adapters")]  # this checkout's
     sys.exit(main())
