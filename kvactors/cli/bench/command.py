@@ -70,7 +70,7 @@ def run(args: argparse.Namespace) -> int:
     meta = {"host": platform.node(), "cpus": os.cpu_count(), "torch": str(torch.__version__)}
     when = time.strftime("%Y-%m-%dT%H:%M:%SZ", time.gmtime())
     report = BenchReport(meta={**meta, "device": args.device, "quick": args.quick, "when": when})
-    rounds = 3 if args.quick else 5
+    rounds = 5 if args.quick else 9
     try:
         if not args.percall:
             with device_env(args.device) as env:

@@ -6,8 +6,8 @@ call) two contenders: ``torch``, the one ``index_select`` / ``index_copy_`` on t
 pool making the same bytes (its index tensor built from the call's ids, as any caller must),
 and ``kvactors``, the ``kvactors_cpu`` plugin's op called as LMCache calls it (without
 LMCache: ``Runtime.transfer``). Each runs with 1 and with 4 caller threads, the four windows
-rotated every round. Figures: kvactors' time per call over torch's with 1 caller and with 4
-(aggregate calls/s), and each contender's aggregate calls/s with 4 callers over 1.
+rotated every round. Figures: kvactors' time per call over torch's with 1 caller (medians of
+the calls) and with 4 (of aggregate calls/s), and each one's aggregate calls/s with 4 over 1.
 """
 
 from __future__ import annotations
@@ -35,8 +35,8 @@ CASES = (("small", "nhd"), ("small", "hnd"), ("small", "mla"), ("small", "kv_lis
 
 class PercallRow(msgspec.Struct, frozen=True, kw_only=True):
     """One case. ``us`` (median time per call) and ``calls_per_s`` (aggregate) keyed
-    ``<contender>@<callers>``; ``vs_torch``: kvactors' time per call over torch's, keyed by
-    callers; ``scaling``: each contender's calls/s with 4 callers over 1."""
+    ``<contender>@<callers>``; ``vs_torch``: kvactors' time per call over torch's (``1``:
+    median call, ``4``: aggregate rate); ``scaling``: each one's calls/s with 4 callers over 1."""
 
     model: str
     layout: str
@@ -123,7 +123,10 @@ def run_percall(
                     rounds=rounds,
                     us={k: t.p50_us["call"] for k, t in got.items()},
                     calls_per_s=cps,
-                    vs_torch={t: cps[f"torch@{t}"] / cps[f"kvactors@{t}"] for t in "14"},
+                    vs_torch={
+                        "1": got["kvactors@1"].p50_us["call"] / got["torch@1"].p50_us["call"],
+                        "4": cps["torch@4"] / cps["kvactors@4"],
+                    },
                     scaling={k: cps[f"{k}@4"] / cps[f"{k}@1"] for k in ("torch", "kvactors")},
                 )
                 rows.append(row)
