@@ -29,6 +29,15 @@ __all__ = (
 )
 
 _OPS: list[Any] = []
+_SHARED: dict[Any, Any] = {}
+
+
+def _shared(key: Any, make: Callable[[], Any]) -> Any:
+    # One ops instance per kind (and runtime) per process, shared by every caller thread, as
+    # LMCache shares the ops it resolved.
+    if key not in _SHARED:
+        _SHARED[key] = make()
+    return _SHARED[key]
 
 
 def _call(
@@ -117,7 +126,7 @@ def _vendor_ops_transfer(
     from kvactors.errors import MissingDependencyError
 
     try:
-        ops = getattr(importlib.import_module(module), cls)()
+        ops = _shared(cls, getattr(importlib.import_module(module), cls))
     except (ImportError, AttributeError) as exc:
         import lmcache
 
@@ -178,7 +187,10 @@ def kvactors_vendor_op(
     ids when given."""
     from kvactors_lmcache.ops import ops_class_for
 
-    ops = ops_class_for(device.type)(runtime_factory=lambda backend, index: runtime)
+    def make() -> Any:
+        return ops_class_for(device.type)(runtime_factory=lambda backend, index: runtime)
+
+    ops = _shared((device.type, runtime), make)  # keeps the runtime: no id reused
     return _call(ops.multi_layer_block_kv_transfer, request, paged, objects, device, id_sets)
 
 
