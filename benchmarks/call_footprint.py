@@ -21,7 +21,6 @@ import argparse
 import gc
 import json
 import os
-import random
 import sys
 import threading
 from collections import Counter
@@ -29,8 +28,7 @@ from typing import Any
 
 os.environ.setdefault("LMCACHE_TRACK_USAGE", "false")
 
-NL, NB, NH, BS, CS = 2, 256, 2, 32, 64  # layers, blocks, heads, block size, packed width
-CHUNK, CHUNKS, SETS = 64, 4, 64
+SETS = 64  # the call sets of engine_call.operands(), cycled
 
 _active = [False]
 _others: Counter[str] = Counter()
@@ -72,20 +70,13 @@ def measure(calls: int = SETS) -> dict[str, Any]:
 
     torch.set_num_threads(1)
     import lmcache.lmcache_native as native
+    from engine_call import BS, CHUNK, CS, NB, NH, NL, operands
     from lmcache.v1.platform.devices.cpu.device_ops import CpuDeviceOps
 
     from kvactors_lmcache.ops import KvactorsCpuOps
 
     page = NH * BS * CS
-    kv = torch.randn(NL * NB * page)  # [L, B, H, N, C]: the layers one allocation
-    layers = [kv[i * NB * page : (i + 1) * NB * page].view(NB, NH, BS, CS) for i in range(NL)]
-    pool = torch.zeros(16 * CHUNKS, NL, CHUNK, NH * CS)
-    rng = random.Random(0)
-    sets = [
-        (rng.sample(range(1, NB), CHUNKS * CHUNK // BS),
-         [pool[(CHUNKS * k + j) % len(pool)] for j in range(CHUNKS)])
-        for k in range(SETS)
-    ]  # fmt: skip
+    layers, pool, sets = operands()
     ops = {"kvactors": KvactorsCpuOps(), "lmcache": CpuDeviceOps()}
     ops["lmcache"].ensure_native()
     fmt, cpu = native.EngineKVFormat(12), torch.device("cpu")

@@ -35,6 +35,22 @@ NL, NB, NH, BS, CS = 2, 256, 2, 32, 64  # layers, blocks, heads, block size, pac
 CHUNK, CHUNKS = 64, 4
 
 
+def operands() -> tuple[list[torch.Tensor], torch.Tensor, list[Any]]:
+    """The engine's paged layers (views of one allocation), the host pool, and 64 calls'
+    ``(block ids, chunk buffers)``: other ids and other views of the pool on every call."""
+    page = NH * BS * CS
+    kv = torch.randn(NL * NB * page)  # [L, B, H, N, C], the layers one allocation
+    layers = [kv[i * NB * page : (i + 1) * NB * page].view(NB, NH, BS, CS) for i in range(NL)]
+    pool = torch.zeros(16 * CHUNKS, NL, CHUNK, NH * CS)
+    rng = random.Random(0)
+    calls = [
+        (rng.sample(range(1, NB), CHUNKS * CHUNK // BS),
+         [pool[(CHUNKS * k + j) % len(pool)] for j in range(CHUNKS)])
+        for k in range(64)
+    ]  # fmt: skip
+    return layers, pool, calls
+
+
 def main() -> int:
     ap = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     ap.add_argument("--calls", type=int, default=2000)
@@ -57,15 +73,7 @@ def main() -> int:
     from kvactors_lmcache.ops import KvactorsCpuOps
 
     page = NH * BS * CS
-    kv = torch.randn(NL * NB * page)  # [L, B, H, N, C], the layers one allocation
-    layers = [kv[i * NB * page : (i + 1) * NB * page].view(NB, NH, BS, CS) for i in range(NL)]
-    pool = torch.zeros(16 * CHUNKS, NL, CHUNK, NH * CS)
-    rng = random.Random(0)
-    calls = [
-        (rng.sample(range(1, NB), CHUNKS * CHUNK // BS),
-         [pool[(CHUNKS * k + j) % len(pool)] for j in range(CHUNKS)])
-        for k in range(64)
-    ]  # fmt: skip
+    layers, _, calls = operands()
     shape = ShapeDesc(
         kv_size=1, nl=NL, nb=NB, bs=BS, nh=NH, hs=CS, element_size=4,
         block_stride_elems=page, dtype="float32",
