@@ -43,3 +43,13 @@ def test_rows_carry_both_thread_counts_and_their_ratios() -> None:
         assert r.vs_torch["4"] == cps["torch@4"] / cps["kvactors@4"]  # aggregate calls/s
         assert r.scaling["kvactors"] == cps["kvactors@4"] / cps["kvactors@1"]
     assert "kva/t 1" in percall.format_percall(rows)
+
+
+def test_without_lmcache_the_runtime_is_timed(monkeypatch: pytest.MonkeyPatch) -> None:
+    def needs_lmcache(*_: object) -> object:
+        raise ModuleNotFoundError("No module named 'lmcache'")
+
+    monkeypatch.setattr(percall, "baseline", lambda name: needs_lmcache)
+    rows = percall.run_percall(cases=[("small", "nhd")], calls=2, rounds=1)
+    assert {r.kvactors_via for r in rows} == {"runtime"}
+    assert all(r.calls_per_s["kvactors@4"] > 0 for r in rows)
