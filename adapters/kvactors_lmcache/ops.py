@@ -190,7 +190,6 @@ class KvactorsDeviceOps(DeviceOps):
         self._runtime_factory = runtime_factory or _default_runtime_factory
         self._lock = threading.Lock()
         self._runtimes: dict[int, Runtime] = {}
-        self._home: Runtime | None = None
         self._count_keys = (f"{self.kvactors_backend}:H2D", f"{self.kvactors_backend}:D2H")
         self._requests: dict[tuple[Any, ...], TransferRequest] = {}
 
@@ -238,12 +237,18 @@ class KvactorsDeviceOps(DeviceOps):
         index = self._device_index(device)
         return self._runtimes.get(index) or self._runtime(index), index
 
-    def _home_runtime(self) -> Runtime:
-        home = self._home
-        if home is None:
-            home = self._runtime(self._current_index())
-            self._home = home
-        return home
+    def _current_runtime(self) -> Runtime:
+        """The runtime of the calling thread's current device, resolved per call.
+
+        A record's handle names a stream of that device: 0 its default stream, a nonzero
+        handle the caller's stream (which LMCache takes from the current device).
+        """
+        index = self._current_index()
+        return self._runtimes.get(index) or self._runtime(index)
+
+    def _all_runtimes(self) -> list[Runtime]:
+        with self._lock:
+            return list(self._runtimes.values())
 
     def _stream_handle(self, rt: Runtime, index: int) -> int:
         if not self.uses_streams:
@@ -342,13 +347,13 @@ class KvactorsDeviceOps(DeviceOps):
             raise OperandTypeError(
                 f"stream_ptr must be an int, got {stream_ptr!r}", field="stream_ptr"
             )
-        self._home_runtime().record_completion(stream_ptr, str(kind), bytes(payload))
+        self._current_runtime().record_completion(stream_ptr, str(kind), bytes(payload))
 
     def drain_recorded_completions(self) -> list[tuple[str, bytes]]:
-        """Every published completion since the last drain, in submission order."""
-        if self._home is None:
-            return []
-        return [(str(k), bytes(p)) for k, p in self._home.drain_completions()]
+        """Every published completion since the last drain, in submission order per device."""
+        return [
+            (str(k), bytes(p)) for rt in self._all_runtimes() for k, p in rt.drain_completions()
+        ]
 
     def record_event_on_stream(
         self,
@@ -376,15 +381,14 @@ class KvactorsDeviceOps(DeviceOps):
             str_fields=dict(str_metadata),
             int_fields=dict(int_metadata),
         )
-        self._home_runtime().record_event(stream_ptr, record)
+        self._current_runtime().record_event(stream_ptr, record)
 
     def drain_recorded_events(self) -> list[tuple[str, str, float, dict[str, str], dict[str, int]]]:
-        """Every published event since the last drain, in submission order."""
-        if self._home is None:
-            return []
+        """Every published event since the last drain, in submission order per device."""
         return [
             (r.event_type, r.session_id, r.wall_ts, dict(r.str_fields), dict(r.int_fields))
-            for r in self._home.drain_events()
+            for rt in self._all_runtimes()
+            for r in rt.drain_events()
         ]
 
     # -- raw pointers ----------------------------------------------------------------------
