@@ -5,8 +5,10 @@ Each ``multi_layer_block_kv_transfer`` (from any LMCache thread) is converted in
 accelerators the caller's current stream handle goes with it and the call returns once the
 copies are enqueued on that stream, as LMCache's own MLU/MUSA ops do
 (``complete_on_return=True`` or ``KVACTORS_LMCACHE_COMPLETE_ON_RETURN=1`` waits instead); on
-CPU it is complete on return. Tensor mode only (raw pointers are a ``TypeError``). Completions
-and events are published sync-then-publish by the runtime's StreamActor.
+CPU it is complete on return. Operands are tensors; raw pointers are a ``TypeError``, except
+on MUSA for the device pointers a kvactors cache context registered (the handle path,
+:mod:`kvactors_lmcache.handle`). Completions and events are published sync-then-publish by
+the runtime's StreamActor.
 """
 
 from __future__ import annotations
