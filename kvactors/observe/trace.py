@@ -5,7 +5,9 @@ time, the encoded wire message, stream identity, operand shapes and dtype, never
 ``done`` entry (duration, error), as length-prefixed msgpack flushed per entry. :func:`replay`
 re-sends them to a fresh runtime with zero-filled operands of the recorded shapes, keeping the
 recorded overlap (call ``i`` waits for the calls that had finished before it started), and
-compares outcomes per call.
+compares outcomes per call. :func:`read_trace` checks every record before replay acts on it
+(types, message kinds, dtypes, stream numbering, operand sizes against their request) and
+raises :class:`~kvactors.errors.InvalidFileError` for a damaged or hostile file.
 
 Theory of operation. A stream handle is process-local (on MLU and MUSA a native queue
 pointer), so a trace never holds one: the recorder numbers streams in the order of their first
@@ -20,6 +22,7 @@ settings the recorded transfers depended on (:data:`BACKEND_SETTINGS`, e.g. MLU'
 from __future__ import annotations
 
 import asyncio
+import math
 import os
 import struct
 import threading
@@ -277,6 +280,8 @@ def read_trace(path: str) -> tuple[TraceHeader, list[TraceEntry]]:
             e = dec.decode(r)
         except msgspec.DecodeError as exc:
             raise InvalidFileError(f"{path}: record {i} is malformed ({exc})", path=path) from exc
+        if e.kind == "call":
+            _check_call(path, i, e)
         if e.kind == "call" and e.stream_handle > streams:
             # Identities are numbered in order of first use: a new one is the next number.
             if e.stream_handle != streams + 1:
@@ -286,10 +291,81 @@ def read_trace(path: str) -> tuple[TraceHeader, list[TraceEntry]]:
                     path=path,
                 )
             streams += 1
-        if e.kind == "call" and e.stream_handle < 0:
-            raise InvalidFileError(f"{path}: record {i} has stream {e.stream_handle}", path=path)
         entries.append(e)
+    ok = {e.seq for e in entries if e.kind == "done" and not e.error}
+    for i, e in enumerate(entries, start=1):
+        if e.kind == "call" and e.seq in ok:
+            _check_sizes(path, i, e)
     return header, entries
+
+
+_MESSAGE = {"transfer": Transfer, "fence": Fence, "ping": Ping}
+_SLACK = 4  # synthetic operands may exceed what the request describes by this factor at most
+
+
+def _check_call(path: str, i: int, e: TraceEntry) -> None:
+    """A ``call`` entry replay can act on: its op, message type, operand shapes and dtype."""
+
+    def bad(what: str) -> InvalidFileError:
+        return InvalidFileError(f"{path}: record {i} ({e.op}): {what}", path=path)
+
+    if e.op not in _RECORDED:
+        raise bad("not a recorded operation")
+    if e.stream_handle < 0:
+        raise bad(f"stream {e.stream_handle}")
+    want = _MESSAGE.get(e.op)
+    if want is None:  # synchronize: the stream is the whole message
+        return
+    try:
+        msg = GATHER_REQUESTS.decode(e.message)
+    except msgspec.DecodeError as exc:
+        raise bad(f"undecodable message ({exc})") from exc
+    if not isinstance(msg, want):
+        raise bad(f"holds a {type(msg).__name__} message")
+    if not isinstance(msg, Transfer):
+        return
+    if msg.stream_handle != e.stream_handle:
+        raise bad(f"message stream {msg.stream_handle} is not the entry's {e.stream_handle}")
+    ops = e.operands
+    if ops is None:
+        return  # recorded without shapes: an operand the runtime refused; replay refuses it too
+    if not isinstance(getattr(torch, ops.dtype, None), torch.dtype):
+        raise bad(f"dtype {ops.dtype!r} is not a torch dtype")
+    if not ops.paged or (ops.paged_kind == "tensor" and len(ops.paged) != 1):
+        raise bad(f"{len(ops.paged)} paged tensors for kind {ops.paged_kind!r}")
+    shapes = [*ops.paged, *ops.objects]
+    if any(d < 0 for shape in shapes for d in shape):
+        raise bad("a negative dimension")
+
+
+def _check_sizes(path: str, i: int, e: TraceEntry) -> None:
+    """The operands of a call recorded as ok fit its request.
+
+    Replay allocates them (the paged ones on the device): never far more than the request
+    describes, so a damaged file cannot make it allocate without bound. A call recorded as
+    failed may have had any operands (that can be why it failed) and is replayed as recorded.
+    """
+    if e.op != "transfer" or e.operands is None:
+        return
+    if e.operands.paged_kind == "kv_list" and len(e.operands.paged) % 2:
+        raise InvalidFileError(
+            f"{path}: record {i} (transfer): a K/V list of an odd number of tensors", path=path
+        )
+    msg = GATHER_REQUESTS.decode(e.message)
+    assert isinstance(msg, Transfer)  # checked by _check_call
+    sd, req = msg.request.shape, msg.request
+    block = max(sd.bs * sd.nh * sd.hs, sd.block_stride_elems)  # elements of one block
+    pool = sd.kv_size * sd.nl * sd.nb * block
+    tokens = len(req.block_ids) * sd.bs + req.chunk_size  # the chunks' tokens, a partial one too
+    moved = sd.kv_size * sd.nl * tokens * sd.nh * sd.hs
+    paged = sum(math.prod(shape) for shape in e.operands.paged)
+    objects = sum(math.prod(shape) for shape in e.operands.objects)
+    if paged > _SLACK * max(pool, 1) or objects > _SLACK * max(moved, 1):
+        raise InvalidFileError(
+            f"{path}: record {i} (transfer): operands of {paged} + {objects} elements for a "
+            f"request that describes {pool} paged and about {moved} chunk elements",
+            path=path,
+        )
 
 
 def replay_backend(header: TraceHeader, kind: str, default: Backend | None = None) -> Backend:
@@ -393,8 +469,9 @@ async def _replay(
         if e.op == "transfer":
             msg = GATHER_REQUESTS.decode(e.message)
             assert isinstance(msg, Transfer)
-            assert e.operands is not None
-            paged, objects = operands.get(e.operands)
+            # No shapes: operands the recording could not describe, which the runtime refused;
+            # no operands here, which it refuses too.
+            paged, objects = operands.get(e.operands) if e.operands is not None else (None, [])
             return asyncio.ensure_future(
                 rt.atransfer(msg.request, paged, objects, stream_handle=handle(e.stream_handle))
             )

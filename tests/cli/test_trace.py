@@ -5,6 +5,7 @@ from __future__ import annotations
 import json
 import os
 import pathlib
+import random
 import subprocess
 import sys
 
@@ -17,6 +18,7 @@ from kvactors.cli.demo import DemoConfig, run_demo
 from kvactors.core.layouts import KVFormat, ShapeDesc
 from kvactors.core.plans import TransferRequest
 from kvactors.core.protocols.gather import Fence, Transfer
+from kvactors.errors import TransferValidationError
 from kvactors.observe.trace import (
     TraceEntry,
     TraceHeader,
@@ -277,3 +279,70 @@ def test_replay_applies_the_recorded_layout_source_not_the_environment(
         replay_backend(
             TraceHeader(device="mlu", created=0.0, settings={"layout_source": "x"}), "mlu"
         )
+
+
+def _inflate(path: pathlib.Path, factor: int) -> None:
+    """Rewrite the trace with every transfer's paged operand shapes ``factor`` times larger."""
+    header, entries = read_trace(str(path))
+    out = []
+    for e in [header, *entries]:
+        if isinstance(e, TraceEntry) and e.operands is not None:
+            paged = [[s[0] * factor, *s[1:]] for s in e.operands.paged]
+            e = msgspec.structs.replace(
+                e, operands=msgspec.structs.replace(e.operands, paged=paged)
+            )
+        b = msgspec.msgpack.encode(e)
+        out.append(len(b).to_bytes(4, "little") + b)
+    path.write_bytes(b"".join(out))
+
+
+def test_damaged_operand_sizes_are_refused_before_allocating(tmp_path: pathlib.Path) -> None:
+    path = tmp_path / "t.trace"
+    _record(path)
+    _inflate(path, 2)  # within the slack: replayed (and refused by the runtime, as a mismatch)
+    read_trace(str(path))
+    _inflate(path, 1000)  # 2000 times the pool the requests describe
+    with pytest.raises(ValueError, match="elements for a request that describes"):
+        read_trace(str(path))
+    assert main(["replay", str(path)]) == 2
+
+
+def test_a_recorded_refusal_of_mismatched_operands_replays_as_recorded(
+    tmp_path: pathlib.Path,
+) -> None:
+    path = tmp_path / "t.trace"
+    big = [torch.ones(2, 80, 4, 2, 8, dtype=torch.bfloat16) for _ in range(2)]  # nb 80, not 8
+    objs = [torch.zeros(2, 2, 8, 16, dtype=torch.bfloat16) for _ in range(2)]
+    with (
+        Runtime("cpu") as rt,
+        TraceRecorder(str(path)).attach(rt),
+        pytest.raises(TransferValidationError),
+    ):
+        rt.transfer(_req(1, (3, 1, 6, 0)), big, objs)
+    with Runtime("cpu") as fresh:
+        report = replay(str(path), fresh)
+    assert report.ok, report.outcome_mismatches
+    assert report.calls == 1
+
+
+def test_bit_flipped_traces_end_in_a_clean_exit(
+    tmp_path: pathlib.Path, capsys: pytest.CaptureFixture[str]
+) -> None:
+    # A seeded loop of byte mutations and truncations of a real trace: replay answers 0, 1 or
+    # 2 (a clean "bad input" message), never a traceback.
+    path = tmp_path / "t.trace"
+    _record(path)
+    data = path.read_bytes()
+    rng = random.Random(29)
+    codes = []
+    for i in range(40):
+        b = bytearray(data)
+        for _ in range(rng.randint(1, 4)):
+            b[rng.randrange(len(b))] = rng.randrange(256)
+        if i % 4 == 3:
+            b = b[: rng.randrange(len(b))]
+        (tmp_path / "f").write_bytes(bytes(b))
+        codes.append(main(["replay", str(tmp_path / "f")]))
+    assert set(codes) <= {0, 1, 2}
+    assert 2 in codes
+    assert "Traceback" not in capsys.readouterr().err
