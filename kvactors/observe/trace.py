@@ -42,6 +42,7 @@ if TYPE_CHECKING:
     from collections.abc import Callable, Iterator, Mapping
 
     from kvactors.devices.base import Backend, StreamLike
+    from kvactors.devices.mlu.layouts import LayoutSource
     from kvactors.observe import Call
     from kvactors.runtime import Runtime
 
@@ -84,7 +85,8 @@ class TraceHeader(msgspec.Struct, frozen=True, kw_only=True):
     device: str
     created: float
     settings: dict[str, str] = msgspec.field(default_factory=dict)
-    """The recording backend's :data:`BACKEND_SETTINGS` that were set (name -> value)."""
+    """The recording backend's :data:`BACKEND_SETTINGS` (name -> value, ``""`` for unset);
+    empty when the recorder was not attached with :meth:`TraceRecorder.attach`."""
 
 
 class OperandShapes(msgspec.Struct, frozen=True, kw_only=True):
@@ -173,10 +175,9 @@ class TraceRecorder:
     def attach(self, rt: Runtime) -> TraceRecorder:
         """Start recording ``rt``'s calls (the header takes its backend's settings)."""
         backend = rt.backend
-        settings = {
-            name: str(value)
+        settings = {  # "" records a setting left unset (None)
+            name: "" if (value := getattr(backend, name, None)) is None else str(value)
             for name in BACKEND_SETTINGS.get(backend.kind, ())
-            if (value := getattr(backend, name, None)) is not None
         }
         with self._lock:
             self._header_locked(self._device or backend.kind, settings)
@@ -371,30 +372,36 @@ def _check_sizes(path: str, i: int, e: TraceEntry) -> None:
 def replay_backend(header: TraceHeader, kind: str, default: Backend | None = None) -> Backend:
     """A backend of ``kind`` with the settings ``header`` recorded (see :data:`BACKEND_SETTINGS`).
 
+    A recorded setting wins over the replaying environment (on MLU, over
+    ``KVACTORS_MLU_LAYOUT_SOURCE``), and one recorded as unset stays unset, so a transfer is
+    accepted or refused as it was when recorded.
+
     Args:
         header: The trace's header.
         kind: The device kind to replay on.
-        default: The backend to use when the trace was recorded on another kind, or records no
-            setting for this one (default: ``get_backend(kind)``).
+        default: The backend to use when the trace was recorded on another kind or holds no
+            settings for this one (default: ``get_backend(kind)``).
 
     Raises:
         InvalidFileError: a recorded setting this kvactors does not accept (a ValueError).
     """
-    names = BACKEND_SETTINGS.get(kind, ())
-    if header.device != kind or not names:
+    if header.device != kind or kind != "mlu" or "layout_source" not in header.settings:
         return default if default is not None else get_backend(kind)
-    if kind == "mlu":
-        from kvactors.devices.mlu import MluBackend
-        from kvactors.devices.mlu.layouts import LAYOUT_SOURCE_ENV
+    from kvactors.devices.mlu import MluBackend
+    from kvactors.devices.mlu.layouts import LAYOUT_SOURCE_ENV
 
-        source = header.settings.get("layout_source")
-        if source not in (None, "legacy", "resolved"):
-            raise InvalidFileError(f"trace records layout_source {source!r}", path="")
-        # Not the replaying environment's layout source: the recording's (None stays
-        # ambiguous, so format 1 is refused as it was when recorded).
-        env = {k: v for k, v in os.environ.items() if k != LAYOUT_SOURCE_ENV}
-        return MluBackend(layout_source=source, env=env)  # type: ignore[arg-type]
-    return default if default is not None else get_backend(kind)
+    recorded = header.settings["layout_source"]
+    if recorded not in _LAYOUT_SOURCES:
+        raise InvalidFileError(f"the trace records layout_source {recorded!r}", path="")
+    env = {k: v for k, v in os.environ.items() if k != LAYOUT_SOURCE_ENV}
+    return MluBackend(layout_source=_LAYOUT_SOURCES[recorded], env=env)
+
+
+_LAYOUT_SOURCES: Mapping[str, LayoutSource | None] = {
+    "": None,
+    "legacy": "legacy",
+    "resolved": "resolved",
+}
 
 
 class ReplayReport(msgspec.Struct, kw_only=True):

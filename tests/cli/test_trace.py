@@ -272,9 +272,14 @@ def test_replay_applies_the_recorded_layout_source_not_the_environment(
     backend = replay_backend(resolved, "mlu")
     assert isinstance(backend, MluBackend)
     assert backend.layout_source == "resolved"
-    unset = replay_backend(TraceHeader(device="mlu", created=0.0), "mlu")
+    unset = replay_backend(
+        TraceHeader(device="mlu", created=0.0, settings={"layout_source": ""}), "mlu"
+    )
     assert isinstance(unset, MluBackend)
     assert unset.layout_source is None  # ambiguous when recorded: ambiguous when replayed
+    unknown = replay_backend(TraceHeader(device="mlu", created=0.0), "mlu")  # not attached
+    assert isinstance(unknown, MluBackend)
+    assert unknown.layout_source == "legacy"  # nothing recorded: the environment decides
     with pytest.raises(ValueError, match="layout_source"):
         replay_backend(
             TraceHeader(device="mlu", created=0.0, settings={"layout_source": "x"}), "mlu"
