@@ -29,8 +29,11 @@ where a test wants it::
 
     manual = ManualBackend()
     with Runtime(manual) as rt:
-        ...                                    # launch transfers: nothing has run yet
-        manual.release()                       # now the queued copies run, in order
+        rt.transfer(request, paged, chunks, complete=False)  # enqueued: nothing ran yet
+        manual.release()                                     # now the queued copies run
+        rt.fence(request.block_ids)
+
+(``docs/testing.md`` walks through it.)
 
 Fixtures ``fake_mlu`` and ``fake_musa``: :mod:`kvactors.testing.pytest_plugin`.
 :func:`check_backend` (loaded on first access) is the conformance suite behind
