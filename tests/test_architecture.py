@@ -4,6 +4,7 @@ from __future__ import annotations
 
 import ast
 import pathlib
+import re
 
 ROOT = pathlib.Path(__file__).resolve().parents[1]
 PURE = [
@@ -131,8 +132,6 @@ def test_the_naming_rule_scan_sees_a_reach_into_another_package() -> None:
 
 def test_the_layer_table_names_paths_that_exist() -> None:
     # docs/architecture.md's floors name packages and modules by path: each one is there.
-    import re
-
     text = (ROOT / "docs" / "architecture.md").read_text()
     table = text[text.index("## Layers") : text.index("**Naming rule.**")]
     paths = set(re.findall(r"`((?:kvactors|adapters)/[\w/.]*)`", table))
