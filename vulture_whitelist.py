@@ -92,7 +92,3 @@ _.__class__  # engine.patch_llvmlite_lib: the llvmlite library object's class is
 _.stored_as  # tap.Mismatch fields: read by name from the report (Mismatch.__dict__)
 _.restore_call  # tap.Mismatch field, read by name from the report
 _.differing_bytes  # tap.Mismatch field, read by name from the report
-
-# ---- kvactors.testing.ManualBackend: public counters its users' tests read -----------------
-_.closed_under_work  # ManualBackend: IPC owners closed while device work was queued
-_.sync_waiters  # ManualBackend: lane threads blocked in synchronize (tests wait on it)
