@@ -75,6 +75,8 @@ _.flags  # musaHostRegister(ptr, size, flags) signature
 _.inject_error  # FakeVendor.inject_error: sticky device errors for users' fault tests
 _.counting  # FakeVendor.counting: device operations per call, for users' budget tests
 _.as_dict  # OpCounts.as_dict: the counts by name, for users' budget tests
+_.closed_under_work  # ManualBackend: IPC owners closed under queued work, read by users' tests
+_.sync_waiters  # ManualBackend: threads blocked in a sync, what users' tests wait_for
 
 # ---- reached through entry points, serialisation or after close -----------------------------
 _.kvactors_op_transfer  # adapter baseline.py: entry point kvactors_op of kvactors.baselines (bench)

@@ -15,9 +15,9 @@ After each run every committed chunk is compared with the KV it was stored from.
 must show corrupted chunks, the kvactors run none. The device runs a few milliseconds behind
 the host, as an accelerator does, so the race is reliable rather than lucky:
 
-* ``--device cpu``: a CPU device whose stream lags (the test suite's step-by-step
-  ``ManualBackend``, ``kvactors/testing/manual.py``, stepped by a device-clock thread
-  ``--lag-ms`` behind the launch); the real CPU backend copies synchronously on its lane
+* ``--device cpu``: a CPU device whose stream lags (the deterministic fake
+  :class:`kvactors.testing.ManualBackend`, stepped by a device-clock thread ``--lag-ms``
+  behind the launch); the real CPU backend copies synchronously on its lane
   thread and would race only by chance.
 * ``--device mlu`` / ``--device musa``: the fake vendor modules of :mod:`kvactors.testing`
   (asynchronous streams with a seeded per-op delay) when no hardware is present; on hardware,
@@ -41,7 +41,6 @@ import random
 import sys
 import threading
 import time
-from pathlib import Path
 from typing import TYPE_CHECKING, Any
 
 import torch
@@ -50,11 +49,7 @@ from kvactors.core.layouts import Direction, KVFormat, ShapeDesc
 from kvactors.core.plans import TransferRequest
 from kvactors.devices import get_backend
 from kvactors.runtime import Runtime
-from kvactors.testing import fake_vendor
-
-# The lagging CPU device is the test suite's ManualBackend (a test double, not a backend).
-sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
-from kvactors.testing.manual import ManualBackend
+from kvactors.testing import ManualBackend, fake_vendor
 
 if TYPE_CHECKING:
     from collections.abc import Iterator

@@ -1,4 +1,7 @@
-"""kvactors: an asyncio actor runtime for KV-cache transfers on MLU, MUSA and CPU.
+"""kvactors: an actor runtime for KV-cache transfers on MLU, MUSA and CPU.
+
+Per device, a few actors with bounded mailboxes; idle actors' turns run on the calling thread,
+queued copies on one lane thread per stream, and ``a*`` calls through an asyncio loop thread.
 
 The public surface: :class:`Runtime` (one per device and process, thread-safe blocking calls
 plus ``a*`` asyncio twins) and :func:`get_runtime` (the process-wide one), the transfer

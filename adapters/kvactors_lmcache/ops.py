@@ -5,8 +5,10 @@ Each ``multi_layer_block_kv_transfer`` (from any LMCache thread) is converted in
 accelerators the caller's current stream handle goes with it and the call returns once the
 copies are enqueued on that stream, as LMCache's own MLU/MUSA ops do
 (``complete_on_return=True`` or ``KVACTORS_LMCACHE_COMPLETE_ON_RETURN=1`` waits instead); on
-CPU it is complete on return. Tensor mode only (raw pointers are a ``TypeError``). Completions
-and events are published sync-then-publish by the runtime's StreamActor.
+CPU it is complete on return. Operands are tensors; raw pointers are a ``TypeError``, except
+on MUSA for the device pointers a kvactors cache context registered (the handle path,
+:mod:`kvactors_lmcache.handle`). Completions and events are published sync-then-publish by
+the runtime's StreamActor.
 """
 
 from __future__ import annotations
@@ -190,7 +192,6 @@ class KvactorsDeviceOps(DeviceOps):
         self._runtime_factory = runtime_factory or _default_runtime_factory
         self._lock = threading.Lock()
         self._runtimes: dict[int, Runtime] = {}
-        self._home: Runtime | None = None
         self._count_keys = (f"{self.kvactors_backend}:H2D", f"{self.kvactors_backend}:D2H")
         self._requests: dict[tuple[Any, ...], TransferRequest] = {}
 
@@ -238,12 +239,18 @@ class KvactorsDeviceOps(DeviceOps):
         index = self._device_index(device)
         return self._runtimes.get(index) or self._runtime(index), index
 
-    def _home_runtime(self) -> Runtime:
-        home = self._home
-        if home is None:
-            home = self._runtime(self._current_index())
-            self._home = home
-        return home
+    def _current_runtime(self) -> Runtime:
+        """The runtime of the calling thread's current device, resolved per call.
+
+        A record's handle names a stream of that device: 0 its default stream, a nonzero
+        handle the caller's stream (which LMCache takes from the current device).
+        """
+        index = self._current_index()
+        return self._runtimes.get(index) or self._runtime(index)
+
+    def _all_runtimes(self) -> list[Runtime]:
+        with self._lock:
+            return list(self._runtimes.values())
 
     def _stream_handle(self, rt: Runtime, index: int) -> int:
         if not self.uses_streams:
@@ -342,13 +349,13 @@ class KvactorsDeviceOps(DeviceOps):
             raise OperandTypeError(
                 f"stream_ptr must be an int, got {stream_ptr!r}", field="stream_ptr"
             )
-        self._home_runtime().record_completion(stream_ptr, str(kind), bytes(payload))
+        self._current_runtime().record_completion(stream_ptr, str(kind), bytes(payload))
 
     def drain_recorded_completions(self) -> list[tuple[str, bytes]]:
-        """Every published completion since the last drain, in submission order."""
-        if self._home is None:
-            return []
-        return [(str(k), bytes(p)) for k, p in self._home.drain_completions()]
+        """Every published completion since the last drain, in submission order per device."""
+        return [
+            (str(k), bytes(p)) for rt in self._all_runtimes() for k, p in rt.drain_completions()
+        ]
 
     def record_event_on_stream(
         self,
@@ -376,15 +383,14 @@ class KvactorsDeviceOps(DeviceOps):
             str_fields=dict(str_metadata),
             int_fields=dict(int_metadata),
         )
-        self._home_runtime().record_event(stream_ptr, record)
+        self._current_runtime().record_event(stream_ptr, record)
 
     def drain_recorded_events(self) -> list[tuple[str, str, float, dict[str, str], dict[str, int]]]:
-        """Every published event since the last drain, in submission order."""
-        if self._home is None:
-            return []
+        """Every published event since the last drain, in submission order per device."""
         return [
             (r.event_type, r.session_id, r.wall_ts, dict(r.str_fields), dict(r.int_fields))
-            for r in self._home.drain_events()
+            for rt in self._all_runtimes()
+            for r in rt.drain_events()
         ]
 
     # -- raw pointers ----------------------------------------------------------------------

@@ -1,4 +1,8 @@
-"""``kvactors replay TRACE``: replay a recorded trace (:mod:`kvactors.observe.trace`) afresh."""
+"""``kvactors replay TRACE``: replay a recorded trace (:mod:`kvactors.observe.trace`) afresh.
+
+The runtime's backend takes the settings the trace recorded (``replay_backend``; on MLU the
+layout source), so a trace of ``kvactors demo --device mlu`` replays as it ran.
+"""
 
 from __future__ import annotations
 
@@ -9,7 +13,7 @@ from typing import TYPE_CHECKING
 import msgspec
 
 from kvactors.cli._devenv import device_env
-from kvactors.observe.trace import replay
+from kvactors.observe.trace import read_trace, replay, replay_backend
 from kvactors.runtime import Runtime
 
 if TYPE_CHECKING:
@@ -21,8 +25,11 @@ __all__ = ("run",)
 def run(args: argparse.Namespace) -> int:
     """``kvactors replay TRACE``: 0 when every call had its recorded outcome."""
     try:
-        with device_env(args.device) as env, Runtime(env.kind) as rt:
-            report = replay(args.trace, rt, env=env)
+        header, _ = read_trace(args.trace)
+        with device_env(args.device) as env:
+            backend = replay_backend(header, env.kind, default=env.backend())
+            with Runtime(backend) as rt:
+                report = replay(args.trace, rt, env=env)
     except (OSError, ValueError) as exc:
         print(f"kvactors replay: {exc}", file=sys.stderr)
         return 2

@@ -44,6 +44,7 @@ __all__ = (
 )
 
 _MAGIC = "kvactors_kv_dump"
+_KEYS = frozenset({_MAGIC, "block_ids", "block_dim", "layers"})
 _BITS = {1: torch.uint8, 2: torch.int16, 4: torch.int32, 8: torch.int64}
 
 
@@ -143,18 +144,67 @@ def save_dump(dump: KVDump, path: str) -> None:
 
 
 def load_dump(path: str) -> KVDump:
-    """Read a dump written by :func:`save_dump`.
+    """Read a dump written by :func:`save_dump`, checking its structure before any comparison.
+
+    The file is loaded with ``weights_only=True`` (no pickled code runs), then checked: exactly
+    the keys :func:`save_dump` writes, ``block_ids`` a list of ints, ``layers`` a non-empty list
+    of dense tensors of a fixed-size dtype, ``block_dim`` an axis of every layer whose length is
+    the number of block ids.
 
     Raises:
-        InvalidFileError: the file is not a kvactors KV dump (a ValueError).
+        InvalidFileError: the file is unreadable as a dump, or not a well-formed kvactors KV
+            dump (a ValueError).
+        OSError: the file cannot be opened.
     """
-    data = torch.load(path, map_location="cpu", weights_only=True)
+    with open(path, "rb") as f:  # an unreadable path is an OSError; all else is the content
+        try:
+            data = torch.load(f, map_location="cpu", weights_only=True)
+        except Exception as exc:  # unpickling, EOF, a damaged zip: "not a dump we can read"
+            raise _unreadable(path, exc) from exc
+
+    def bad(what: str) -> InvalidFileError:
+        return InvalidFileError(f"{path}: malformed kvactors KV dump: {what}", path=path)
+
     if not isinstance(data, dict) or data.get(_MAGIC) != 1:
         raise InvalidFileError(
             f"{path}: not a kvactors KV dump (written by kvactors.cli.validate.save_dump)",
             path=path,
         )
-    return KVDump(tuple(data["block_ids"]), list(data["layers"]), int(data["block_dim"]))
+    keys = set(data)
+    if keys != _KEYS:
+        missing, extra = sorted(map(str, _KEYS - keys)), sorted(map(str, keys - _KEYS))
+        raise bad(f"keys missing {missing}, unexpected {extra}")
+    ids, layers, bdim = data["block_ids"], data["layers"], data["block_dim"]
+    if not isinstance(ids, list) or not all(_is_int(b) for b in ids):
+        raise bad("block_ids must be a list of ints")
+    if not _is_int(bdim):
+        raise bad(f"block_dim must be an int, got {type(bdim).__name__}")
+    if not isinstance(layers, list) or not layers:
+        raise bad("layers must be a non-empty list of tensors")
+    for i, t in enumerate(layers):
+        if not isinstance(t, torch.Tensor) or t.layout != torch.strided:
+            raise bad(f"layer {i} is not a dense tensor ({type(t).__name__})")
+        if t.element_size() not in _BITS:
+            raise bad(f"layer {i} has dtype {t.dtype}, whose elements cannot be compared as bits")
+        if not 0 <= bdim < t.dim():
+            raise bad(f"block_dim {bdim} is not an axis of layer {i} (shape {list(t.shape)})")
+        if t.shape[bdim] != len(ids):
+            raise bad(
+                f"layer {i} holds {t.shape[bdim]} blocks along block_dim {bdim}, "
+                f"but there are {len(ids)} block ids"
+            )
+    return KVDump(tuple(int(b) for b in ids), list(layers), int(bdim))
+
+
+def _unreadable(path: str, exc: Exception) -> InvalidFileError:
+    first = str(exc).splitlines()[0][:200] if str(exc) else "no details"
+    return InvalidFileError(
+        f"{path}: not a readable kvactors KV dump ({type(exc).__name__}: {first})", path=path
+    )
+
+
+def _is_int(x: object) -> bool:
+    return isinstance(x, int) and not isinstance(x, bool)
 
 
 def compare_kv(stored: KVDump, restored: KVDump, *, max_report: int = 50) -> ValidationReport:

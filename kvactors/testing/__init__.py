@@ -22,6 +22,19 @@ falls back to :class:`FakeDevice`. Every fake counts its device operations
         torch_musa.current_stream().synchronize()
         assert torch.equal(host, torch.arange(8.0))
 
+:class:`ManualBackend` is the deterministic fake: a CPU-backed backend whose streams run only
+when the test calls ``release()``, which counts work the runtime dropped before it ran
+(``use_after_free``) and IPC owners closed under queued work. Use it to put a race exactly
+where a test wants it::
+
+    manual = ManualBackend()
+    with Runtime(manual) as rt:
+        rt.transfer(request, paged, chunks, complete=False)  # enqueued: nothing ran yet
+        manual.release()                                     # now the queued copies run
+        rt.fence(request.block_ids)
+
+(``docs/testing.md`` walks through it.)
+
 Fixtures ``fake_mlu`` and ``fake_musa``: :mod:`kvactors.testing.pytest_plugin`.
 :func:`check_backend` (loaded on first access) is the conformance suite behind
 ``kvactors selftest``: ``check_backend("musa").ok``.
@@ -29,19 +42,16 @@ Fixtures ``fake_mlu`` and ``fake_musa``: :mod:`kvactors.testing.pytest_plugin`.
 
 from __future__ import annotations
 
-import contextlib
-import dataclasses
-from typing import TYPE_CHECKING, Any
+from typing import Any
 
 from kvactors.testing._counters import OpCounter, OpCounts
 from kvactors.testing._device import FakeDevice, FakeDeviceError
+from kvactors.testing._install import fake_vendor
 from kvactors.testing._ipc import FakeMUSAIPCTensor, MUSAIPCTensorHandle
 from kvactors.testing._streams import FakeEvent, FakeStream
 from kvactors.testing._tensor import FakeDeviceTensor
+from kvactors.testing.manual import ManualBackend
 from kvactors.testing.vendor import FakeKnobs, FakeVendor
-
-if TYPE_CHECKING:
-    from collections.abc import Iterator
 
 __all__ = (
     "BackendReport",
@@ -55,6 +65,7 @@ __all__ = (
     "FakeStream",
     "FakeVendor",
     "MUSAIPCTensorHandle",
+    "ManualBackend",
     "OpCounter",
     "OpCounts",
     "check_backend",
@@ -75,42 +86,3 @@ def __getattr__(name: str) -> Any:
 
         return getattr(importlib.import_module(module), name)
     raise AttributeError(f"module {__name__!r} has no attribute {name!r}")
-
-
-@contextlib.contextmanager
-def fake_vendor(kind: str, **knobs: Any) -> Iterator[FakeVendor]:
-    """Install a fake ``torch_mlu`` or ``torch_musa`` for the duration of the block.
-
-    Args:
-        kind: ``"mlu"`` or ``"musa"``.
-        **knobs: fields of :class:`FakeKnobs` (``seed``, ``delay``, ``jitter``, ``lazy``,
-            ``devices``, ``available``, ``strided_d2h_bug``, ``pageable_async``,
-            ``pool_size``, ``vendor_constructor``, ``ipc``, ``event_ipc``, ``musart``,
-            ``uuid``).
-
-    Yields:
-        The :class:`FakeVendor` behind the module, for inspection and fault injection.
-
-    Raises:
-        RuntimeError: the real (or another fake) module of that kind is already present.
-        TypeError: an unknown knob.
-
-    On exit every stream is drained and its thread joined, and ``sys.modules``, ``torch``
-    and the patched torch entry points are restored.
-    """
-    from kvactors.testing._assembly import Installation
-
-    names = {f.name for f in dataclasses.fields(FakeKnobs)}
-    unknown = sorted(set(knobs) - names)
-    if unknown:
-        raise TypeError(f"unknown fake_vendor knobs: {unknown}")
-    vendor = FakeVendor(kind, FakeKnobs(**knobs))
-    inst = Installation(vendor)
-    try:
-        inst.install()
-        yield vendor
-    finally:
-        try:
-            vendor.close()
-        finally:
-            inst.uninstall()

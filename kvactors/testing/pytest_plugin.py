@@ -20,7 +20,7 @@ from typing import TYPE_CHECKING
 
 import pytest
 
-from kvactors.testing import fake_vendor
+from kvactors.testing._install import fake_vendor
 
 if TYPE_CHECKING:
     from collections.abc import Iterator

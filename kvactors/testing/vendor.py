@@ -15,6 +15,7 @@ import contextlib
 import dataclasses
 import functools
 import itertools
+import os
 import threading
 import types
 from typing import TYPE_CHECKING, Any
@@ -138,6 +139,9 @@ class FakeVendor:
         self._pool_next: dict[int, int] = {}
         self._workers: list[StreamWorker] = []
         self._handles = itertools.count(1)
+        # Stream handles are addresses of this process (as native queue pointers are): a
+        # handle carried to another process names no stream there.
+        self._stream_base = 0x7F00_0000_0000 + ((os.getpid() & 0xFFFF) << 24)
         self._closed = False
         self._initialized = False
         self.torch_devices = False  # set by the installation (claim_device_name)
@@ -236,7 +240,7 @@ class FakeVendor:
 
     def next_stream_handle(self) -> int:
         """A fresh nonzero native stream handle."""
-        return 0x7F00_0000_0000 + 0x40 * next(self._handles)
+        return self._stream_base + 0x40 * next(self._handles)
 
     def next_event_handle(self) -> int:
         """A fresh nonzero native event handle."""
@@ -250,7 +254,7 @@ class FakeVendor:
             self._initialized = True
             worker = StreamWorker(
                 f"fake-{self.kind}{stream.device_index}-stream-{stream.handle:#x}",
-                seed=hash((self.knobs.seed, stream.handle)) & 0xFFFF_FFFF,
+                seed=hash((self.knobs.seed, stream.handle - self._stream_base)) & 0xFFFF_FFFF,
                 delay=self.knobs.delay,
                 jitter=self.knobs.jitter,
                 lazy=self.knobs.lazy,

@@ -413,3 +413,46 @@ def test_a_refused_call_is_not_counted(cpu_ops: Any) -> None:
     assert transfer_counts().get("cpu:D2H", 0) == before
     _gather(cpu_ops, layers, [4, 5, 6, 7], objs)
     assert transfer_counts()["cpu:D2H"] == before + 1
+
+
+def test_handle_zero_records_on_the_current_device_after_a_switch() -> None:
+    """Handle 0 is the default stream of the calling thread's current device, per call.
+
+    Device work runs only once waited for (lazy fake). After the thread switches to device 1,
+    a record on handle 0 must wait for device 1's default stream: syncing device 0 alone
+    must not publish it, and it is drained once device 1 ran its work.
+    """
+    from kvactors.devices.mlu.backend import MluBackend
+    from kvactors.runtime import Runtime
+    from kvactors.testing import fake_vendor
+    from kvactors_lmcache.ops import KvactorsMluOps
+
+    with fake_vendor("mlu", lazy=True, devices=2) as fake:
+        rts: dict[int, Runtime] = {}
+
+        def factory(_kind: str, index: int) -> Runtime:
+            return rts.setdefault(
+                index, Runtime(MluBackend(layout_source="resolved"), device_index=index).start()
+            )
+
+        try:
+            ops = KvactorsMluOps(runtime_factory=factory)
+            torch.mlu.set_device(0)  # type: ignore[attr-defined]
+            ops.record_completion_on_stream(0, "warm", b"0")
+            factory("mlu", 0).synchronize(0)
+            assert ops.drain_recorded_completions() == [("warm", b"0")]
+            torch.mlu.set_device(1)  # type: ignore[attr-defined]
+            x = fake.to_device(torch.zeros(4), index=1)
+            x.fill_(7.0)  # queued on device 1's default stream, not run yet
+            ops.record_completion_on_stream(0, "store", b"1")
+            rts[0].synchronize(0)  # device 0's default stream: not the one the record names
+            early = ops.drain_recorded_completions()
+            ran = bool((fake.peek(x) == 7.0).all())
+            assert not early or ran, "published before device 1's default stream ran"
+            factory("mlu", 1).synchronize(0)
+            got = early + ops.drain_recorded_completions()
+            assert got == [("store", b"1")]
+            assert bool((fake.peek(x) == 7.0).all())
+        finally:
+            for rt in rts.values():
+                rt.close()

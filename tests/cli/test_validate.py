@@ -2,6 +2,8 @@
 
 from __future__ import annotations
 
+import os
+import random
 from typing import TYPE_CHECKING
 
 import pytest
@@ -10,6 +12,7 @@ import torch
 from kvactors.cli import main
 from kvactors.cli.validate import KVDump, compare_kv, dump_paged, load_dump, save_dump
 from kvactors.core.layouts import KVFormat
+from kvactors.errors import InvalidFileError
 
 if TYPE_CHECKING:
     import pathlib
@@ -97,3 +100,114 @@ def test_bad_file_is_exit_2(tmp_path: pathlib.Path) -> None:
     with pytest.raises(ValueError, match="not a kvactors KV dump"):
         load_dump(str(p))
     assert main(["validate", str(p), str(p)]) == 2
+
+
+_M = "kvactors_kv_dump"
+
+
+def _good() -> dict[str, object]:
+    return {_M: 1, "block_ids": [4, 1, 5, 0, 2, 3], "block_dim": 1, "layers": _layers()}
+
+
+def _malformed() -> dict[str, dict[str, object] | object]:
+    g = _good()
+    layers = g["layers"]
+    assert isinstance(layers, list)
+
+    def but(**kw: object) -> dict[str, object]:
+        d = {**g, **kw}
+        return {k: v for k, v in d.items() if v is not _DROP}
+
+    return {
+        "a list": [1, 2],
+        "no magic": but(**{_M: _DROP}),
+        "magic 2": but(**{_M: 2}),
+        "no block_ids": but(block_ids=_DROP),
+        "no layers": but(layers=_DROP),
+        "no block_dim": but(block_dim=_DROP),
+        "an extra key": but(extra=1),
+        "block_ids a string": but(block_ids="abc"),
+        "block_ids of floats": but(block_ids=[4.0, 1.0, 5.0]),
+        "block_ids of bools": but(block_ids=[True, False, True]),
+        "block_ids too few": but(block_ids=[4, 1, 5]),
+        "block_dim 9": but(block_dim=9),
+        "block_dim -1": but(block_dim=-1),
+        "block_dim a string": but(block_dim="1"),
+        "block_dim a bool": but(block_dim=True),
+        "layers empty": but(layers=[]),
+        "layers of ints": but(layers=[1, 2, 3]),
+        "layers a tensor": but(layers=layers[0]),
+        "a 0-dim layer": but(layers=[torch.tensor(1.0)], block_dim=0),
+        "a complex128 layer": but(layers=[torch.zeros(2, 3, dtype=torch.complex128)]),
+        "a sparse layer": but(layers=[torch.zeros(2, 3).to_sparse()], block_dim=0),
+        "layers of unequal blocks": but(layers=[layers[0], layers[1][:, :2]]),
+    }
+
+
+_DROP = object()
+
+
+@pytest.mark.parametrize("name", sorted(_malformed()))
+def test_malformed_dump_is_invalid_file_and_exit_2(
+    name: str, tmp_path: pathlib.Path, capsys: pytest.CaptureFixture[str]
+) -> None:
+    ok, bad = tmp_path / "ok", tmp_path / "bad"
+    torch.save(_good(), str(ok))
+    torch.save(_malformed()[name], str(bad))
+    assert load_dump(str(ok)).block_ids == (4, 1, 5, 0, 2, 3)  # only the mutation is wrong
+    with pytest.raises(InvalidFileError):
+        load_dump(str(bad))
+    assert main(["validate", str(bad), str(ok)]) == 2
+    assert main(["validate", str(ok), str(bad)]) == 2
+    err = capsys.readouterr().err
+    assert err.count("kvactors validate: ") == 2
+    assert "Traceback" not in err
+
+
+class _Evil:
+    def __init__(self, mark: str) -> None:
+        self.mark = mark
+
+    def __reduce__(self) -> tuple[object, tuple[str]]:
+        return (os.system, (f"touch {self.mark}",))
+
+
+def test_hostile_and_damaged_files_are_exit_2_and_run_no_code(tmp_path: pathlib.Path) -> None:
+    ok = tmp_path / "ok"
+    torch.save(_good(), str(ok))
+    mark = tmp_path / "PWNED"
+    files = {"empty": b"", "random": random.Random(1).randbytes(500)}
+    evil = tmp_path / "evil"
+    torch.save({**_good(), "x": _Evil(str(mark))}, str(evil))
+    files["evil pickle"] = evil.read_bytes()
+    for name, data in files.items():
+        p = tmp_path / name
+        p.write_bytes(data)
+        with pytest.raises(InvalidFileError):
+            load_dump(str(p))
+        assert main(["validate", str(p), str(ok)]) == 2, name
+    assert not mark.exists()
+
+
+def test_bit_flipped_dumps_never_escape_as_other_errors(tmp_path: pathlib.Path) -> None:
+    # A seeded loop of byte mutations: every damaged file either still loads as a well-formed
+    # dump (a flip in padding or metadata) or is an InvalidFileError; the CLI answers 0, 1 or 2.
+    ok = tmp_path / "ok"
+    torch.save(_good(), str(ok))
+    data = ok.read_bytes()
+    rng = random.Random(29)
+    invalid = 0
+    for i in range(60):
+        b = bytearray(data)
+        for _ in range(rng.randint(1, 6)):
+            b[rng.randrange(len(b))] = rng.randrange(256)
+        if i % 5 == 4:
+            b = b[: rng.randrange(len(b))]  # truncated as well
+        p = tmp_path / f"flip{i}"
+        p.write_bytes(bytes(b))
+        try:
+            load_dump(str(p))
+        except InvalidFileError:
+            invalid += 1
+        assert main(["validate", str(p), str(ok)]) in (0, 1, 2)
+    assert invalid > 0

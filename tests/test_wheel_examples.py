@@ -1,0 +1,107 @@
+"""Every example runs from an installed wheel, outside the source tree, with its defaults.
+
+The wheel is built from this checkout (``pip wheel --no-deps``, hatchling from the configured
+index) and installed with its dependencies into a fresh virtual environment that sees no
+site-packages of this one, so a dependency the wheel does not declare fails here. torch is
+pinned to the main venv's version (``scripts/setup.sh``'s default), whose CPU wheel is on
+local disk; the torch-matrix venvs test other versions with the rest of the suite. Each file of
+``examples/`` is copied into an empty directory and run there with no ``PYTHONPATH``, so an
+example that reaches into ``tests/`` or the checkout fails here.
+"""
+
+from __future__ import annotations
+
+import os
+import pathlib
+import shutil
+import subprocess
+import sys
+import venv
+from typing import TYPE_CHECKING
+
+import pytest
+
+if TYPE_CHECKING:
+    from collections.abc import Iterator
+
+ROOT = pathlib.Path(__file__).resolve().parents[1]
+EXAMPLES = sorted((ROOT / "examples").glob("*.py"))
+
+pytestmark = [pytest.mark.slow, pytest.mark.timeout(900)]
+
+TORCH = "2.13.0"
+"""The torch of the main venv (``make_venv``'s default in ``scripts/setup.sh``)."""
+
+
+def _clean_env() -> dict[str, str]:
+    env = {
+        k: v
+        for k, v in os.environ.items()
+        if k not in ("PYTHONPATH", "VIRTUAL_ENV", "PYTHONHOME")
+        and not k.startswith(("KVACTORS_", "LMCACHE_"))
+    }
+    env["LMCACHE_TRACK_USAGE"] = "false"
+    return env
+
+
+def _run(args: list[str], cwd: pathlib.Path, timeout: float) -> subprocess.CompletedProcess[str]:
+    try:
+        proc = subprocess.run(
+            args,
+            cwd=cwd,
+            env=_clean_env(),
+            capture_output=True,
+            text=True,
+            timeout=timeout,
+            check=False,
+        )
+    except subprocess.TimeoutExpired as exc:
+        pytest.fail(f"{args} did not finish within {timeout:.0f} s: {exc.stdout!r}")
+    assert proc.returncode == 0, f"{args}: exit {proc.returncode}\n{proc.stdout}\n{proc.stderr}"
+    return proc
+
+
+@pytest.fixture(scope="module")
+def installed(tmp_path_factory: pytest.TempPathFactory) -> Iterator[pathlib.Path]:
+    """The ``python`` of a fresh venv holding the wheel of this checkout (removed after)."""
+    base = tmp_path_factory.mktemp("wheel")
+    dist = base / "dist"
+    _run(
+        [sys.executable, "-m", "pip", "wheel", "-q", "--no-deps", "-w", str(dist), str(ROOT)],
+        base,
+        300,
+    )
+    (wheel,) = dist.glob("kvactors-*.whl")
+    env_dir = base / "venv"
+    venv.EnvBuilder(with_pip=True, system_site_packages=False, symlinks=True).create(env_dir)
+    python = env_dir / "bin" / "python"
+    _run([str(python), "-m", "pip", "install", "-q", str(wheel), f"torch=={TORCH}"], base, 600)
+    yield python
+    shutil.rmtree(base, ignore_errors=True)  # about 1 GB, torch mostly
+
+
+def test_the_wheel_is_what_runs(installed: pathlib.Path, tmp_path: pathlib.Path) -> None:
+    out = _run(
+        [str(installed), "-c", "import kvactors, kvactors.testing; print(kvactors.__file__)"],
+        tmp_path,
+        120,
+    ).stdout
+    assert pathlib.Path(out.strip()).is_relative_to(installed.parents[1])
+    demo = _run([str(installed.parent / "kvactors"), "demo", "--requests", "8"], tmp_path, 120)
+    assert "PASS" in demo.stdout
+
+
+@pytest.mark.parametrize("example", EXAMPLES, ids=lambda p: p.name)
+def test_example_runs_from_the_installed_wheel(
+    example: pathlib.Path, installed: pathlib.Path, tmp_path: pathlib.Path
+) -> None:
+    shutil.copy(example, tmp_path / example.name)
+    out = _run([str(installed), example.name], tmp_path, 300).stdout
+    results = [line.strip() for line in out.splitlines() if line.strip().startswith("RESULT:")]
+    assert results, out
+    assert results[-1].endswith("OK"), out
+
+
+def test_the_torch_pin_is_the_main_venvs() -> None:
+    setup = (ROOT / "scripts" / "setup.sh").read_text()
+    assert f'torch_version="${{3:-{TORCH}}}"' in setup
