@@ -15,9 +15,19 @@ from typing import TYPE_CHECKING
 import msgspec
 
 if TYPE_CHECKING:
-    from collections.abc import Sequence
+    from collections.abc import Callable, Sequence
 
 __all__ = ("build_parser", "main", "parse_args")
+
+#: The module whose ``run(args)`` runs each command but ``doctor`` (imported when it runs).
+_RUN = {
+    "demo": "kvactors.cli._demo_cli",
+    "bench": "kvactors.cli.bench.command",
+    "validate": "kvactors.cli.validate",
+    "validate-serving": "kvactors.cli.serving",
+    "selftest": "kvactors.cli.selftest",
+    "replay": "kvactors.cli.replay",
+}
 
 
 def build_parser() -> argparse.ArgumentParser:
@@ -134,29 +144,10 @@ def main(argv: Sequence[str] | None = None) -> int:
     )
     if args.command == "doctor":
         return _doctor(args)
-    if args.command == "demo":
-        from kvactors.cli._demo_cli import run as run_demo
+    import importlib
 
-        return run_demo(args)
-    if args.command == "bench":
-        from kvactors.cli.bench.command import run as run_bench
-
-        return run_bench(args)
-    if args.command == "validate":
-        from kvactors.cli.validate import run as run_validate
-
-        return run_validate(args)
-    if args.command == "validate-serving":
-        from kvactors.cli.serving import run as run_serving
-
-        return run_serving(args)
-    if args.command == "selftest":
-        from kvactors.cli.selftest import run as run_selftest
-
-        return run_selftest(args)
-    from kvactors.cli.replay import run as run_replay
-
-    return run_replay(args)
+    run: Callable[[argparse.Namespace], int] = importlib.import_module(_RUN[args.command]).run
+    return run(args)
 
 
 def _doctor(args: argparse.Namespace) -> int:

@@ -1,10 +1,8 @@
-"""The one harness of ``kvactors bench``: the timing loop, result records, baselines.
+"""The one harness of ``kvactors bench``: the timing loop, result records, baselines, tables.
 
-Every figure is a ratio of contenders measured in the same run. :func:`rates` runs windows of
-calls in one or more threads at once (each thread a :class:`Lane`, looping inside its own
-context, e.g. its own stream), the contenders' windows rotated every round (two contenders run
-ABBA), so drift hits all alike; it reports aggregate calls per second and each call's host time
-until it returned.
+:func:`rates` runs windows of calls on one or more threads at once (each a :class:`Lane`, in
+its own context, e.g. its own stream), the contenders' windows rotated every round (two
+contenders run ABBA), and reports aggregate calls/s and each call's host time.
 """
 
 from __future__ import annotations
@@ -12,7 +10,6 @@ from __future__ import annotations
 import contextlib
 import dataclasses
 import statistics
-import sys
 import threading
 import time
 from importlib.metadata import entry_points
@@ -21,9 +18,9 @@ from typing import TYPE_CHECKING, Any, TypeVar
 import msgspec
 
 if TYPE_CHECKING:
-    from collections.abc import Callable, Hashable, Mapping, Sequence
+    from collections.abc import Callable, Hashable, Iterable, Mapping, Sequence
 
-__all__ = ("Lane", "Timing", "baseline", "progress", "rates")
+__all__ = ("Lane", "Timing", "baseline", "rates", "table")
 
 K = TypeVar("K", bound="Hashable")
 
@@ -117,12 +114,14 @@ def baseline(name: str) -> Callable[..., Callable[[], object]] | None:
     return None
 
 
-def progress(total: int) -> Callable[[str], None]:
-    """A step counter printing ``[done/total] seconds label`` on stderr per finished step."""
-    done, t0 = [0], time.perf_counter()
+def table(title: str, head: Sequence[str], rows: Iterable[Sequence[object]]) -> str:
+    """``title`` over a fixed-width text table (floats to 2 decimals, whole from 100 up);
+    empty when there are no rows."""
 
-    def step(label: str) -> None:
-        done[0] += 1
-        print(f"[{done[0]}/{total}] {time.perf_counter() - t0:6.1f}s {label}", file=sys.stderr)
+    def cell(c: object) -> str:
+        return f"{c:.{2 if abs(c) < 100 else 0}f}" if isinstance(c, float) else str(c)
 
-    return step
+    cells = [[str(c) for c in head]] + [[cell(c) for c in r] for r in rows]
+    widths = [max(len(r[i]) for r in cells) for i in range(len(head))]
+    lines = ["  ".join(c.rjust(w) for c, w in zip(r, widths, strict=True)) for r in cells]
+    return "\n".join([title, *lines]) if len(cells) > 1 else ""

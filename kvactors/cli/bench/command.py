@@ -6,6 +6,7 @@ Every figure is a ratio of contenders measured in the same run (:mod:`._harness`
 
 from __future__ import annotations
 
+import itertools
 import os
 import platform
 import sys
@@ -18,11 +19,12 @@ from kvactors.cli.bench._pools import FORMATS
 from kvactors.cli.bench.percall import CASES, PercallRow
 from kvactors.cli.bench.transfer import TransferRow
 from kvactors.cli.bench.vendor import VendorRow
+from kvactors.errors import MissingDependencyError
 
 if TYPE_CHECKING:
     import argparse
 
-__all__ = ("BenchReport", "add_arguments", "run")
+__all__ = ("BenchReport", "add_arguments", "plot", "run")
 
 
 class BenchReport(msgspec.Struct, kw_only=True):
@@ -32,7 +34,6 @@ class BenchReport(msgspec.Struct, kw_only=True):
     transfer: list[TransferRow] = []
     percall: list[PercallRow] = []
     vendor: list[VendorRow] = []
-    seconds: float = 0.0
 
 
 def add_arguments(ap: argparse.ArgumentParser) -> None:
@@ -59,18 +60,22 @@ def run(args: argparse.Namespace) -> int:
 
     from kvactors.cli._devenv import device_env
     from kvactors.cli.bench import percall, transfer, vendor
-    from kvactors.cli.bench._harness import progress
     from kvactors.errors import BackendUnavailableError
 
     layouts = tuple(args.layouts or FORMATS)
     cases = [c for c in CASES if c[1] in layouts] if not args.no_percall else []
     calls = args.calls or (100 if args.quick else 300)
     steps = 2 * (len(layouts) * (not args.percall) + len(cases)) + (not args.no_vendor)
-    step, t0 = progress(steps), time.perf_counter()
+    done, t0 = itertools.count(1), time.perf_counter()
+
+    def step(label: str) -> None:
+        print(f"[{next(done)}/{steps}] {time.perf_counter() - t0:6.1f}s {label}", file=sys.stderr)
+
     meta = {"host": platform.node(), "cpus": os.cpu_count(), "torch": str(torch.__version__)}
     when = time.strftime("%Y-%m-%dT%H:%M:%SZ", time.gmtime())
     report = BenchReport(meta={**meta, "device": args.device, "quick": args.quick, "when": when})
     rounds = 5 if args.quick else 9
+    report.meta |= {"calls": calls, "rounds": rounds}
     try:
         if not args.percall:
             with device_env(args.device) as env:
@@ -88,24 +93,67 @@ def run(args: argparse.Namespace) -> int:
     except BackendUnavailableError as exc:
         print(f"kvactors bench: {exc}", file=sys.stderr)
         return 2
-    report.seconds = time.perf_counter() - t0
+    report.meta["seconds"] = time.perf_counter() - t0
     os.makedirs(args.out, exist_ok=True)
     path = os.path.join(args.out, "bench.json")
     with open(path, "wb") as f:
         f.write(msgspec.json.format(msgspec.json.encode(report), indent=2))
-    if report.transfer:
-        print(transfer.format_transfer(report.transfer), end="\n\n")
-    if report.percall:
-        print(percall.format_percall(report.percall), end="\n\n")
-    if report.vendor:
-        print(vendor.format_vendor(report.vendor), end="\n\n")
+    tables = (transfer.format_transfer(report.transfer), percall.format_percall(report.percall))
+    for text in (*tables, vendor.format_vendor(report.vendor)):
+        print(text, end="\n\n" if text else "")
     if not args.no_plot:
-        from kvactors.cli.bench._plot import plot
-
-        png = os.path.join(args.out, "bench.png")
-        plot(report.transfer, report.percall, report.vendor, report.meta, png)
+        plot(report, os.path.join(args.out, "bench.png"))
         path += " and bench.png"
     for line in report.meta.get("vendors_left_out", []):
         print(f"fake vendor {line}")
-    print(f"wrote {path} in {report.seconds:.1f}s")
+    print(f"wrote {path} in {report.meta['seconds']:.1f}s")
     return 0
+
+
+def plot(report: BenchReport, path: str) -> None:
+    """The run's figure (GB/s, per-call ratios, kvactors over LMCache on the fakes) as a PNG;
+    matplotlib (``pip install kvactors[bench]``, Agg) or MissingDependencyError."""
+    try:
+        import matplotlib
+    except ImportError as exc:
+        raise MissingDependencyError(
+            "the bench plot needs matplotlib: pip install 'kvactors[bench]'", package="matplotlib"
+        ) from exc
+    matplotlib.use("Agg")
+    import matplotlib.pyplot as plt
+
+    t, pc, m = report.transfer, report.percall, report.meta
+    vendor = {(r.vendor, r.layout, r.direction, r.contender): r.host_us for r in report.vendor}
+    keys = [k[:3] for k in vendor if k[3] == "kvactors"]
+    panels = [
+        ("GB/s", [f"{r.layout}\n{r.direction}" for r in t], None,
+         {n: [r.gbps.get(n, 0.0) for r in t] for n in ("kvactors", "raw", "lmcache")}),
+        ("per call on CPU, ratio", [f"{r.model} {r.layout}\n{r.direction}" for r in pc], 1.0,
+         {"kvactors / torch, 1 caller": [r.vs_torch["1"] for r in pc],
+          "kvactors / torch, 4 callers": [r.vs_torch["4"] for r in pc],
+          "kvactors calls/s, 4 callers / 1": [r.scaling["kvactors"] for r in pc]}),
+        ("fake vendors, ratio", [f"{v} {lay}\n{d}" for v, lay, d in keys], 0.5,
+         {f"kvactors / LMCache host us, {n} thread(s)":
+          [vendor[(*k, "kvactors")][n] / vendor[(*k, "lmcache")][n] for k in keys] for n in "14"}),
+    ]  # fmt: skip
+    panels = [p for p in panels if p[1]]
+    fig, axes = plt.subplots(len(panels), 1, figsize=(12, 3.6 * len(panels)), squeeze=False)
+    for ax, (ylabel, labels, line, series) in zip(axes[:, 0], panels, strict=True):
+        width = 0.8 / len(series)
+        for i, (name, vals) in enumerate(series.items()):
+            xs = [x + (i - (len(series) - 1) / 2) * width for x in range(len(labels))]
+            ax.bar(xs, vals, width, label=name)
+        if line is not None:
+            ax.axhline(line, color="grey", lw=0.8)
+        ax.set_xticks(range(len(labels)), labels, fontsize=6.5)
+        ax.set_ylabel(ylabel, fontsize=8)
+        ax.legend(fontsize=7)
+        ax.grid(axis="y", alpha=0.3)
+    fig.suptitle(
+        f"kvactors bench{' --quick' if m.get('quick') else ''}: {m.get('cpus')} CPUs, "
+        f"torch {m.get('torch')}, {m.get('when')} (ratios from one run)",
+        fontsize=10,
+    )
+    fig.tight_layout()
+    fig.savefig(path, dpi=100)
+    plt.close(fig)

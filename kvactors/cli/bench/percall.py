@@ -1,13 +1,9 @@
 """Per-call host cost on CPU: kvactors through LMCache's op against the single torch call.
 
-On an accelerator the copy is asynchronous, so the host time of a call bounds throughput.
-Per case (model, layout, direction; one chunk of 256 bf16 tokens, other block ids on every
-call) two contenders: ``torch``, the one ``index_select`` / ``index_copy_`` on the stacked
-pool making the same bytes (its index tensor built from the call's ids, as any caller must),
-and ``kvactors``, the ``kvactors_cpu`` plugin's op called as LMCache calls it (without
-LMCache: ``Runtime.transfer``). Each runs with 1 and with 4 caller threads, the four windows
-rotated every round. Figures: kvactors' time per call over torch's with 1 caller (medians of
-the calls) and with 4 (of aggregate calls/s), and each one's aggregate calls/s with 4 over 1.
+Per case (model, layout, direction; one chunk of 256 bf16 tokens, other block ids every call):
+``torch``, the one ``index_select`` / ``index_copy_`` on the stacked pool making the same bytes,
+and ``kvactors``, the ``kvactors_cpu`` op called as LMCache calls it (without LMCache:
+``Runtime.transfer``), each with 1 and with 4 caller threads, the windows rotated.
 """
 
 from __future__ import annotations
@@ -19,7 +15,7 @@ from typing import TYPE_CHECKING
 import msgspec
 import torch
 
-from kvactors.cli.bench._harness import Lane, baseline, rates
+from kvactors.cli.bench._harness import Lane, baseline, rates, table
 from kvactors.cli.bench._pools import BS, Pool
 
 if TYPE_CHECKING:
@@ -42,9 +38,6 @@ class PercallRow(msgspec.Struct, frozen=True, kw_only=True):
     layout: str
     direction: str
     kvactors_via: str
-    nbytes: int
-    calls: int
-    rounds: int
     us: dict[str, float]
     calls_per_s: dict[str, float]
     vs_torch: dict[str, float]
@@ -118,9 +111,6 @@ def run_percall(
                     layout=layout,
                     direction=d,
                     kvactors_via=mine[0][0],
-                    nbytes=ours.objects[0].nbytes,
-                    calls=n,
-                    rounds=rounds,
                     us={k: t.p50_us["call"] for k, t in got.items()},
                     calls_per_s=cps,
                     vs_torch={
@@ -138,16 +128,11 @@ def run_percall(
 
 def format_percall(rows: Sequence[PercallRow]) -> str:
     """The rows as a text table: us per call with 1 caller, and the ratios."""
-    lines = [
-        "per call on CPU: us with 1 caller; kva/t: kvactors' time per call over torch's "
-        "(4 callers: aggregate calls/s); 4/1: aggregate calls/s with 4 callers over 1",
-        f"{'model':<6}{'layout':<8}{'dir':<8}{'via':<8}{'torch':>7}{'kva':>7}{'kva/t 1':>8}"
-        f"{'kva/t 4':>8}{'kva 4/1':>8}{'t 4/1':>7}",
-    ]
-    for r in rows:
-        lines.append(
-            f"{r.model:<6}{r.layout:<8}{r.direction:<8}{r.kvactors_via:<8}"
-            f"{r.us['torch@1']:>7.0f}{r.us['kvactors@1']:>7.0f}{r.vs_torch['1']:>8.2f}"
-            f"{r.vs_torch['4']:>8.2f}{r.scaling['kvactors']:>8.2f}{r.scaling['torch']:>7.2f}"
-        )
-    return "\n".join(lines)
+    head = ("model", "layout", "dir", "via", "torch us", "kva us", "kva/t 1", "kva/t 4")
+    return table(
+        "per call on CPU (kva/t: time per call over torch's; 4/1: calls/s, 4 callers over 1)",
+        (*head, "kva 4/1", "t 4/1"),
+        ((r.model, r.layout, r.direction, r.kvactors_via, r.us["torch@1"], r.us["kvactors@1"],
+          r.vs_torch["1"], r.vs_torch["4"], r.scaling["kvactors"], r.scaling["torch"])
+         for r in rows),
+    )  # fmt: skip

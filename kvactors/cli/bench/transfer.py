@@ -1,9 +1,6 @@
-"""GB/s per layout and direction through :class:`~kvactors.runtime.Runtime`, against a raw
-contiguous copy of the same bytes and (on CPU) LMCache's torch path on the same operands.
-
-A Llama-8B-like cache (32 layers, 8 KV heads of 128, bf16; MLA one 576-wide latent), 4
-chunks of 256 tokens per call; each call timed with a device synchronize after it, the
-contenders' calls rotated; medians of one run.
+"""GB/s per layout and direction through :class:`~kvactors.runtime.Runtime` against a raw
+contiguous copy of the same bytes and (on CPU) LMCache's torch path on the same operands: 4
+chunks of 256 tokens a call, each call timed with a device synchronize after it.
 """
 
 from __future__ import annotations
@@ -15,7 +12,7 @@ from typing import TYPE_CHECKING
 import msgspec
 import torch
 
-from kvactors.cli.bench._harness import Lane, baseline, rates
+from kvactors.cli.bench._harness import Lane, baseline, rates, table
 from kvactors.cli.bench._pools import Pool
 
 if TYPE_CHECKING:
@@ -28,7 +25,7 @@ __all__ = ("TransferRow", "format_transfer", "run_transfer")
 
 class TransferRow(msgspec.Struct, frozen=True, kw_only=True):
     """One layout x direction on one device: GB/s per contender (``kvactors``, ``raw``,
-    ``lmcache`` where measured); ``vs``: kvactors' GB/s over each other's."""
+    ``lmcache`` where measured)."""
 
     device: str
     simulated: bool
@@ -37,7 +34,6 @@ class TransferRow(msgspec.Struct, frozen=True, kw_only=True):
     nbytes: int
     reps: int
     gbps: dict[str, float]
-    vs: dict[str, float]
 
 
 def run_transfer(
@@ -78,7 +74,6 @@ def run_transfer(
                 lanes = {k: [Lane([("call", fn)], done=env.synchronize)] for k, fn in fns.items()}
                 got = rates(lanes, 1, reps)
                 gbps = {k: nbytes * t.calls_per_s / 1e9 for k, t in got.items()}
-                vs = {k: gbps["kvactors"] / v for k, v in gbps.items() if k != "kvactors"}
                 row = TransferRow(
                     device=env.kind,
                     simulated=env.simulated,
@@ -87,7 +82,6 @@ def run_transfer(
                     nbytes=nbytes,
                     reps=reps,
                     gbps=gbps,
-                    vs=vs,
                 )
                 rows.append(row)
                 if progress is not None:
@@ -98,16 +92,12 @@ def run_transfer(
 
 def format_transfer(rows: Sequence[TransferRow]) -> str:
     """The rows as a text table (GB/s; ``vs``: kvactors' GB/s over the other's)."""
-    nan = float("nan")
-    lines = [f"{'device':<7}{'layout':<13}{'dir':<8}{'MiB':>5}{'kvactors':>9}{'raw':>7}"]
-    lines[0] += f"{'lmcache':>8}{'vs raw':>8}{'vs lmc':>8}"
-    for r in rows:
-        g, v, dev = r.gbps, r.vs, r.device + ("*" if r.simulated else "")
-        lines.append(
-            f"{dev:<7}{r.layout:<13}{r.direction:<8}{r.nbytes >> 20:>5}{g['kvactors']:>9.2f}"
-            f"{g['raw']:>7.2f}{g.get('lmcache', nan):>8.2f}{v['raw']:>8.2f}"
-            f"{v.get('lmcache', nan):>8.2f}"
-        )
-    if any(r.simulated for r in rows):
-        lines.append("* SIMULATED device (fake vendor): compare contenders, not GB/s")
-    return "\n".join(lines)
+    sim = " (SIMULATED: compare contenders, not GB/s)" if any(r.simulated for r in rows) else ""
+    head = ("device", "layout", "dir", "MiB", "kvactors", "raw", "lmcache", "vs raw", "vs lmc")
+    g = [(r, r.gbps["kvactors"], r.gbps["raw"], r.gbps.get("lmcache")) for r in rows]
+    return table(
+        f"GB/s through the runtime{sim}",
+        head,
+        ((r.device, r.layout, r.direction, r.nbytes >> 20, k, raw, lm or "-", k / raw,
+          k / lm if lm else "-") for r, k, raw, lm in g),
+    )  # fmt: skip

@@ -1,16 +1,15 @@
 """kvactors' op against LMCache's own ``MluDeviceOps`` / ``MusaDeviceOps`` on the fake vendors.
 
-Per vendor and layout LMCache serves there, the ``kvactors_mlu`` / ``kvactors_musa`` op and
-LMCache's move the same blocks with LMCache's argument types (8 layers in one allocation, 2
-chunks of 4 blocks, bf16, other ids every call), each call returning once its copies are
-enqueued on the caller's current stream. Patterns, windows rotated: the engine's (three store
-threads and one retrieving thread, each on its own stream: ``4``) and one thread making that
-mix alone (``1``); a window ends with the streams synchronized. Fake times compare contenders,
-not cards. One vendor per interpreter (``python -m kvactors.cli.bench.vendor mlu``).
+Per layout LMCache serves there, both ops move the same blocks with LMCache's argument types
+(8 layers in one allocation, 2 chunks of 4 blocks, bf16, other ids every call), returning once
+the copies are enqueued on the caller's stream: the engine's pattern (three store threads and
+one retrieving thread, each on its own stream: ``4``) and one thread making that mix (``1``).
+One vendor per interpreter (``python -m kvactors.cli.bench.vendor mlu``).
 """
 
 from __future__ import annotations
 
+import functools
 import os
 import random
 import subprocess
@@ -20,7 +19,7 @@ from typing import TYPE_CHECKING, Any
 import msgspec
 import torch
 
-from kvactors.cli.bench._harness import Lane, baseline, rates
+from kvactors.cli.bench._harness import Lane, baseline, rates, table
 from kvactors.cli.bench._pools import Pool
 from kvactors.errors import BackendUnavailableError
 
@@ -55,7 +54,7 @@ def pool(fake: FakeVendor, layout: str) -> Pool:
 
 
 def _patterns(
-    makers: dict[str, Any], sets: list[Any], mod: Any
+    makers: dict[str, Any], p: Pool, dev: Any, sets: list[Any], mod: Any
 ) -> dict[tuple[str, str], list[Lane]]:
     """Per contender: ``1`` one thread making the engine's mix, ``4`` the engine's threads;
     every thread on its own stream, its windows ending with that stream synchronized."""
@@ -66,8 +65,9 @@ def _patterns(
 
     out: dict[tuple[str, str], list[Lane]] = {}
     for name, make in makers.items():
-        mix = [("store", make("gather", sets[k::4])) for k in range(3)]
-        mix.append(("retrieve", make("scatter", sets[3::4])))
+        store = [make(p.request(1, sets[k]), p.paged, p.objects, dev, sets[k::4]) for k in range(3)]
+        mix = [("store", f) for f in store]
+        mix.append(("retrieve", make(p.request(0, sets[3]), p.paged, p.objects, dev, sets[3::4])))
         out[name, "1"], out[name, "4"] = [lane(mix)], [lane([c]) for c in mix]
     return out
 
@@ -75,6 +75,7 @@ def _patterns(
 def measure_vendor(kind: str, *, calls: int = 30, rounds: int = 3) -> list[VendorRow]:
     """Measure every layout of ``kind`` in this process (see the module docstring); the fake
     must own torch's device name here, and LMCache must have the vendor's ops."""
+    from kvactors.cli._devenv import DeviceEnv
     from kvactors.runtime import Runtime
     from kvactors.testing import fake_vendor
 
@@ -87,11 +88,7 @@ def measure_vendor(kind: str, *, calls: int = 30, rounds: int = 3) -> list[Vendo
         if not fake.torch_devices:
             reason = f"torch's device name is taken; set KVACTORS_FAKE_VENDOR={kind}"
             raise BackendUnavailableError(backend=kind, reason=reason)
-        backend: Any = kind
-        if kind == "mlu":  # the operands are real NHD memory: format 1 declared resolved
-            from kvactors.devices.mlu import MluBackend
-
-            backend = MluBackend(layout_source="resolved")
+        backend = DeviceEnv(kind, fake, "").backend()  # MLU: NHD memory, format 1 resolved
         dev = torch.device(kind, 0)
         with Runtime(backend, default_timeout=120.0) as rt:
             for layout in VENDOR_LAYOUTS[kind]:
@@ -99,15 +96,12 @@ def measure_vendor(kind: str, *, calls: int = 30, rounds: int = 3) -> list[Vendo
                 rng = random.Random(0)
                 sets = [tuple(rng.sample(range(64), 8)) for _ in range(64)]  # two chunks a call
 
-                def make(who: str, d: str, sets: list[Any], p: Pool = p) -> Callable[[], object]:
-                    req = p.request(1 if d == "gather" else 0, sets[0])
-                    if who == "kvactors":
-                        return ours(rt, req, p.paged, p.objects, dev, sets)
-                    return theirs(req, p.paged, p.objects, dev, sets)
-
-                makers = {w: lambda d, s, w=w: make(w, d, s) for w in ("kvactors", "lmcache")}
-                makers["lmcache"]("gather", sets)  # MissingDependencyError: no such ops here
-                got = rates(_patterns(makers, sets, getattr(torch, kind)), calls, rounds)
+                makers: dict[str, Any] = {
+                    "kvactors": functools.partial(ours, rt),
+                    "lmcache": theirs,
+                }
+                makers["lmcache"](p.request(1, sets[0]), p.paged, p.objects, dev)  # ops here?
+                got = rates(_patterns(makers, p, dev, sets, getattr(torch, kind)), calls, rounds)
                 for name in makers:
                     for d, tag in (("gather", "store"), ("scatter", "retrieve")):
                         host = {n: got[name, n].p50_us[tag] for n in "14"}
@@ -118,18 +112,12 @@ def measure_vendor(kind: str, *, calls: int = 30, rounds: int = 3) -> list[Vendo
     return rows
 
 
-def run_vendor(
-    kinds: Sequence[str] = ("mlu", "musa"),
-    *,
-    calls: int = 30,
-    rounds: int = 3,
-    python: str | None = None,
-) -> tuple[list[VendorRow], list[str]]:
-    """Run :func:`measure_vendor` for each kind in its own interpreter (``python``, default
-    this one); returns the rows and why a kind was left out (e.g. its LMCache lacks the ops)."""
+def run_vendor(calls: int, rounds: int, python: str | None) -> tuple[list[VendorRow], list[str]]:
+    """:func:`measure_vendor` for each vendor in its own interpreter (``python``, default
+    this one): the rows, and why a vendor was left out (e.g. its LMCache lacks the ops)."""
     rows: list[VendorRow] = []
     skipped: list[str] = []
-    for kind in kinds:
+    for kind in VENDOR_LAYOUTS:
         env = {**os.environ, "KVACTORS_FAKE_VENDOR": kind, "LMCACHE_TRACK_USAGE": "false"}
         cmd = [python or sys.executable, "-m", "kvactors.cli.bench.vendor", kind]
         cmd += [str(calls), str(rounds)]
@@ -149,19 +137,26 @@ def format_vendor(rows: Sequence[VendorRow]) -> str:
     """Host us per call (1 thread / the engine's 4) of both contenders, kvactors' over
     LMCache's, and kvactors' aggregate calls/s with 4 threads over 1."""
     by = {(r.vendor, r.layout, r.direction, r.contender): r for r in rows}
-    lines = [
-        "fake vendors: host us per call until it returned, 1 thread / the engine's 4 threads",
-        f"{'vendor':7}{'layout':9}{'dir':8}{'kva 1':>7}{'kva 4':>7}{'lmc 1':>7}{'lmc 4':>7}"
-        f"{'kva/lmc 1':>10}{'4':>6}{'kva calls/s 4/1':>16}",
-    ]
-    for key in dict.fromkeys((r.vendor, r.layout, r.direction) for r in rows):
-        k, lm = by[(*key, "kvactors")].host_us, by[(*key, "lmcache")].host_us
-        cps = by[(*key, "kvactors")].calls_per_s
-        lines.append(
-            f"{key[0]:7}{key[1]:9}{key[2]:8}{k['1']:7.0f}{k['4']:7.0f}{lm['1']:7.0f}{lm['4']:7.0f}"
-            f"{k['1'] / lm['1']:10.2f}{k['4'] / lm['4']:6.2f}{cps['4'] / cps['1']:16.2f}"
-        )
-    return "\n".join(lines)
+    keys = [k[:3] for k in by if k[3] == "kvactors"]
+    g = [(k, by[(*k, "kvactors")], by[(*k, "lmcache")].host_us) for k in keys]
+    head = (
+        "vendor",
+        "layout",
+        "dir",
+        "kva 1",
+        "kva 4",
+        "lmc 1",
+        "lmc 4",
+        "kva/lmc 1",
+        "4",
+        "kva 4/1",
+    )
+    return table(
+        "fake vendors: host us per call until it returned (1 thread / the engine's 4)",
+        head,
+        ((*k, r.host_us["1"], r.host_us["4"], m["1"], m["4"], r.host_us["1"] / m["1"],
+          r.host_us["4"] / m["4"], r.calls_per_s["4"] / r.calls_per_s["1"]) for k, r, m in g),
+    )  # fmt: skip
 
 
 if __name__ == "__main__":  # python -m kvactors.cli.bench.vendor KIND [CALLS [ROUNDS]]
