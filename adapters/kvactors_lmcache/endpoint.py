@@ -2,7 +2,9 @@
 
 ``KVACTORS_METRICS_PORT=PORT`` (in the environment of the process LMCache makes the kvactors
 ops in: vLLM's worker, the engine-core process under ``vllm serve``) starts one HTTP server per
-process at ``http://127.0.0.1:PORT/metrics`` when the first ops instance is made. Every runtime
+process at ``http://127.0.0.1:PORT/metrics`` when the ops make their first runtime (at the first
+transfer: LMCache makes the ops in every process that imports it, the API server's too, and only
+the worker moves KV; a port that cannot be bound fails that transfer, loudly). Every runtime
 those ops create is watched: its statistics (transfers, bytes, failures, mailboxes) are read at
 scrape time and a :class:`~kvactors.observe.metrics.CallMetrics` observer adds per-call counts,
 errors and the latency histogram. ``KVACTORS_METRICS_HOST`` may name another loopback address.

@@ -193,8 +193,6 @@ class KvactorsDeviceOps(DeviceOps):
         self._home: Runtime | None = None
         self._count_keys = (f"{self.kvactors_backend}:H2D", f"{self.kvactors_backend}:D2H")
         self._requests: dict[tuple[Any, ...], TransferRequest] = {}
-        #: The worker's metrics endpoint (``KVACTORS_METRICS_PORT``), None when off.
-        self._metrics = endpoint.start_from_env()
 
     # -- runtime plumbing ---------------------------------------------------------------
 
@@ -202,10 +200,13 @@ class KvactorsDeviceOps(DeviceOps):
         with self._lock:
             rt = self._runtimes.get(index)
             if rt is None:
+                # The endpoint starts with the first runtime: in the process that moves KV
+                # (LMCache makes these ops in every process that imports it).
+                metrics = endpoint.start_from_env()
                 rt = self._runtime_factory(self.kvactors_backend, index)
                 self._runtimes[index] = rt
-                if self._metrics is not None:
-                    self._metrics.watch(rt)
+                if metrics is not None:
+                    metrics.watch(rt)
             return rt
 
     def _current_index(self) -> int:

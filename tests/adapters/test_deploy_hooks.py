@@ -119,19 +119,31 @@ def test_the_metrics_endpoint_serves_the_workers_transfers_on_loopback(
 
 
 def test_a_second_ops_instance_shares_the_processs_endpoint(fresh_endpoint: int) -> None:
+    import kvactors_lmcache.endpoint as endpoint
+    from kvactors.runtime import Runtime
     from kvactors_lmcache.ops import KvactorsCpuOps
 
-    a, b = KvactorsCpuOps(), KvactorsCpuOps()
-    assert a._metrics is not None
-    assert a._metrics is b._metrics
-    assert a._metrics.port == fresh_endpoint
+    with Runtime("cpu") as rt:
+        assert endpoint._endpoint is None  # nothing listens before a runtime is made
+        KvactorsCpuOps(runtime_factory=lambda backend, index: rt)._runtime(0)
+        first = endpoint._endpoint
+        KvactorsCpuOps(runtime_factory=lambda backend, index: rt)._runtime(0)
+        assert first is not None
+        assert endpoint._endpoint is first
+        assert first.port == fresh_endpoint
+        assert len(first._watched) == 2
 
 
 def test_without_the_variable_nothing_listens(monkeypatch: pytest.MonkeyPatch) -> None:
+    import kvactors_lmcache.endpoint as endpoint
+    from kvactors.runtime import Runtime
     from kvactors_lmcache.ops import KvactorsCpuOps
 
     monkeypatch.delenv("KVACTORS_METRICS_PORT", raising=False)
-    assert KvactorsCpuOps()._metrics is None
+    monkeypatch.setattr(endpoint, "_endpoint", None)
+    with Runtime("cpu") as rt:
+        KvactorsCpuOps(runtime_factory=lambda backend, index: rt)._runtime(0)
+    assert endpoint._endpoint is None
 
 
 @pytest.mark.parametrize(
@@ -152,9 +164,11 @@ def test_a_bad_endpoint_setting_is_refused_clearly(
     monkeypatch.setattr(endpoint, "_endpoint", None)
     for k, v in env.items():
         monkeypatch.setenv(k, v)
+    ops = KvactorsCpuOps()  # LMCache makes the ops at import: nothing starts there
     with pytest.raises(InvalidSettingError, match=match):
-        KvactorsCpuOps()
+        ops._runtime(0)  # the first transfer's runtime: refused before any copy
     assert endpoint._endpoint is None
+    assert ops._runtimes == {}
 
 
 def test_the_tap_variable_taps_the_cpu_ops_and_compares_across_processes(
@@ -174,6 +188,7 @@ def test_the_tap_variable_taps_the_cpu_ops_and_compares_across_processes(
     a, b = KvactorsCpuOps(), KvactorsCpuOps()
     assert a._kvactors_tap is not b._kvactors_tap  # type: ignore[attr-defined]
     objs = _chunks(2)
+    assert read_reports(tmp_path) == []  # reports come from the ops that moved KV
     _call(a.multi_layer_block_kv_transfer, native, sd, paged, objs, [0, 1, 2, 3], d2h=True)
     _call(b.multi_layer_block_kv_transfer, native, sd, paged, objs, [6, 7, 8, 9], d2h=False)
     reports = read_reports(tmp_path)

@@ -331,8 +331,5 @@ def _install_on(ops: Any, *, corrupt_restore: bool, directory: Path | None) -> K
         reference = own.multi_layer_block_kv_transfer
     tap = KVTap(op=op, reference_op=reference, corrupt_restore=corrupt_restore, directory=directory)
     ops.multi_layer_block_kv_transfer = tap.wrap()
-    ops._kvactors_tap = tap
-    if directory is not None:
-        with tap._lock:
-            tap._write_report()
+    ops._kvactors_tap = tap  # the report is written from the first call on
     return tap
