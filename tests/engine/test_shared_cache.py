@@ -31,6 +31,8 @@ from typing import Any
 
 import pytest
 
+from .scenario_record import record
+
 pytestmark = pytest.mark.skipif(
     importlib.util.find_spec("vllm") is None or importlib.util.find_spec("lmcache") is None,
     reason="vLLM's CPU build is not installed here; run bash scripts/setup-engine.sh and use "
@@ -114,6 +116,13 @@ def shared(tmp_path_factory: pytest.TempPathFactory) -> Any:
             work, _spec(opts, "D", model, wl, port=srv3.port, phases=["warm_single"]), env
         )
         res["srv3_log"] = srv3.log()
+        record("items3-4-shared", {
+            name: {"requests": len(_warm(r)) if name != "A" else len(wl.store),
+                   "hits": [o["hit"] for o in _warm(r)] if name != "A" else [],
+                   "tap": r["tap"] | {"mismatches": len(r["tap"]["mismatches"])},
+                   "runtime": r["runtime"]}
+            for name, r in res.items() if name in ("A", "B", "C", "D")
+        } | {"redis_keys": res["redis_keys"]})  # fmt: skip
         yield res
 
 
