@@ -9,7 +9,7 @@ those ops create is watched: its statistics (transfers, bytes, failures, mailbox
 scrape time and a :class:`~kvactors.observe.metrics.CallMetrics` observer adds per-call counts,
 errors and the latency histogram. ``KVACTORS_METRICS_HOST`` may name another loopback address.
 With tensor parallelism every worker process needs its own port: ``PORT`` is the first, worker
-``rank`` (``LOCAL_RANK``, else ``RANK``) listens on ``PORT + rank``.
+``rank`` (``LOCAL_RANK``, else its ``torch.distributed`` rank) listens on ``PORT + rank``.
 """
 
 from __future__ import annotations
@@ -82,8 +82,21 @@ def _port_from_env(raw: str) -> int:
         raise InvalidSettingError(
             f"{METRICS_ENV} must be a TCP port (1-65535), got {raw!r}", setting=METRICS_ENV
         )
-    rank = os.environ.get("LOCAL_RANK") or os.environ.get("RANK") or "0"
-    return port + (int(rank) if rank.isdigit() else 0)
+    return port + _local_rank()
+
+
+def _local_rank() -> int:
+    """``LOCAL_RANK``, else this process's ``torch.distributed`` rank (vLLM's multiprocessing
+    executor initializes it in every worker before the first transfer and sets no variable),
+    else 0."""
+    raw = os.environ.get("LOCAL_RANK", "").strip()
+    if raw.isdigit():
+        return int(raw)
+    import torch.distributed as dist
+
+    if dist.is_available() and dist.is_initialized():
+        return int(dist.get_rank())
+    return 0
 
 
 def start_from_env() -> MetricsEndpoint | None:

@@ -86,7 +86,6 @@ def fresh_endpoint(monkeypatch: pytest.MonkeyPatch) -> Any:
     port = _free_port()
     monkeypatch.setenv("KVACTORS_METRICS_PORT", str(port))
     monkeypatch.delenv("LOCAL_RANK", raising=False)
-    monkeypatch.delenv("RANK", raising=False)
     monkeypatch.setattr(endpoint, "_endpoint", None)
     yield port
     if endpoint._endpoint is not None:
