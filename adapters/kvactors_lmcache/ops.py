@@ -32,7 +32,7 @@ from kvactors.errors import (
     TransferValidationError,
     UnsupportedOperationError,
 )
-from kvactors_lmcache import convert
+from kvactors_lmcache import convert, endpoint
 
 if TYPE_CHECKING:
     from kvactors.core.plans import TransferRequest
@@ -201,8 +201,13 @@ class KvactorsDeviceOps(DeviceOps):
         with self._lock:
             rt = self._runtimes.get(index)
             if rt is None:
+                # The endpoint starts with the first runtime: in the process that moves KV
+                # (LMCache makes these ops in every process that imports it).
+                metrics = endpoint.start_from_env()
                 rt = self._runtime_factory(self.kvactors_backend, index)
                 self._runtimes[index] = rt
+                if metrics is not None:
+                    metrics.watch(rt)
             return rt
 
     def _current_index(self) -> int:
@@ -270,6 +275,7 @@ class KvactorsDeviceOps(DeviceOps):
         lmcache_chunk_size: int,
         engine_kv_format: Any,
         skip_prefix_n_blocks: int,
+        layerwise: bool = False,
     ) -> None:
         """Gather (D2H) or scatter (H2D) whole blocks through the kvactors runtime.
 
@@ -277,10 +283,16 @@ class KvactorsDeviceOps(DeviceOps):
         queued on its current stream, and returning once the copies are enqueued there
         (complete on return with ``complete_on_return``).
 
+        ``layerwise`` is the keyword LMCache's next releases add (default False, every layer in
+        one call); ``layerwise=True`` is refused until kvactors supports it.
+
         Raises:
             TypeError: raw-pointer operands, or malformed operand structure.
             ValueError: the request fails validation (nothing is copied).
+            UnsupportedOperationError: ``layerwise=True`` (nothing is copied).
         """
+        if layerwise is not False:
+            _refuse_layerwise(layerwise, self.kvactors_backend)
         convert.check_tensor_operands(paged_buffer_ptrs_tensor, lmcache_objects_ptrs)
         # The engine repeats every argument but the block ids and the chunks: a request
         # converted for the same arguments is reused with this call's ids (checked).
@@ -531,6 +543,20 @@ class KvactorsCpuOps(KvactorsDeviceOps):
     kvactors_backend: ClassVar[str] = "cpu"
     uses_streams: ClassVar[bool] = False
 
+    def __init__(
+        self,
+        *,
+        runtime_factory: RuntimeFactory | None = None,
+        complete_on_return: bool | None = None,
+    ) -> None:
+        super().__init__(runtime_factory=runtime_factory, complete_on_return=complete_on_return)
+        if os.environ.get("KVACTORS_SERVING_TAP", "").strip():
+            # The serving validation's KV tap, in the process LMCache made these ops in (vLLM's
+            # engine core under ``vllm serve``): kvactors_lmcache.serving.tap.
+            from kvactors_lmcache.serving.tap import install_from_env
+
+            install_from_env(self)
+
 
 class KvactorsMusaOps(KvactorsDeviceOps):
     """MUSA: transfers ordered on the caller's current stream; a call returns once its copies
@@ -551,12 +577,15 @@ class KvactorsMusaOps(KvactorsDeviceOps):
         lmcache_chunk_size: int,
         engine_kv_format: Any,
         skip_prefix_n_blocks: int,
+        layerwise: bool = False,
     ) -> None:
         """As the base op; additionally serves the handle path's registered device pointers.
 
         Pointer operands are accepted only when *every* pointer is one a kvactors MUSA cache
         context registered (``kvactors_lmcache.handle``); anything else raises ``TypeError``.
         """
+        if layerwise is not False:
+            _refuse_layerwise(layerwise, self.kvactors_backend)
         if isinstance(lmcache_objects_ptrs, list) and any(
             isinstance(p, int) and not isinstance(p, bool) for p in lmcache_objects_ptrs
         ):
@@ -574,6 +603,16 @@ class KvactorsMusaOps(KvactorsDeviceOps):
             engine_kv_format,
             skip_prefix_n_blocks,
         )
+
+
+def _refuse_layerwise(layerwise: object, backend: str) -> None:
+    if layerwise is True:
+        raise UnsupportedOperationError(
+            "multi_layer_block_kv_transfer(layerwise=True) (one layer per call) is not supported "
+            "yet; call it with layerwise=False (every layer in one call, the default)",
+            backend=backend,
+        )
+    raise OperandTypeError(f"layerwise must be a bool, got {layerwise!r}", field="layerwise")
 
 
 MLU_LEGACY_MESSAGE = (

@@ -2,8 +2,11 @@
 
 kvactors never imports lmcache: when it is importable, the doctor runs LMCache's own detection
 in a fresh subprocess with the same environment (``kvactors_lmcache/detect.py``) and reports
-its answer. Everything else is read without side effects: package metadata, ``find_spec`` and
-the backends' probes.
+its answer. Everything else is read without side effects: package metadata, ``find_spec``, the
+backends' probes and the command lines of this host's LMCache servers (``/proc/*/cmdline``,
+for their ``--hash-algorithm``). When torch_mlu ships its CUDA-migration module
+(``torch_mlu.utils.gpu_migration``, which makes ``torch.cuda`` answer for the MLU), LMCache is
+asked a second time in a subprocess that imports it first.
 """
 
 from __future__ import annotations
@@ -34,11 +37,16 @@ __all__ = (
     "LMCACHE_TESTED",
     "DoctorReport",
     "Finding",
+    "LMCacheServerProcess",
     "RegisteredBackend",
     "Selection",
     "ask_lmcache",
     "collect",
+    "cuda_masquerades",
     "format_doctor",
+    "hash_findings",
+    "lmcache_servers",
+    "migration_findings",
 )
 
 BACKEND_ENV = "LMCACHE_DEVICE_BACKEND"
@@ -72,6 +80,11 @@ _DETECT_TIMEOUT_S = 180.0
 _RUN_FILE = (
     "import runpy, sys; sys.argv = sys.argv[1:]; runpy.run_path(sys.argv[0], run_name='__main__')"
 )
+CUDA_MIGRATION_MODULE = "torch_mlu.utils.gpu_migration"
+"""torch_mlu's CUDA-migration mode: importing it makes ``torch.cuda`` answer for the MLU."""
+_SERVER_MODULES = ("lmcache.v1.multiprocess.server",)
+_LMCACHE_DEFAULT_HASH = "blake3"  # the server's --hash-algorithm default (0.5.6, 0.5.7rc2)
+_RESTART_SAFE_HASHES = ("blake3", "sha256_cbor", "sha256_cbor_64bit", "sha256")
 
 
 class Finding(msgspec.Struct, frozen=True, kw_only=True):
@@ -116,6 +129,16 @@ class Selection(msgspec.Struct, frozen=True, kw_only=True):
     """Where the answer came from (``LMCache 0.5.6 detection, in a subprocess``)."""
 
 
+class LMCacheServerProcess(msgspec.Struct, frozen=True, kw_only=True):
+    """An LMCache MP server running on this host, read from its command line."""
+
+    pid: int
+    hash_algorithm: str
+    """``--hash-algorithm`` (LMCache's default when absent)."""
+    l2_adapters: int
+    """How many ``--l2-adapter`` it was given."""
+
+
 class DoctorReport(msgspec.Struct, frozen=True, kw_only=True):
     """Everything ``kvactors doctor`` found."""
 
@@ -137,6 +160,12 @@ class DoctorReport(msgspec.Struct, frozen=True, kw_only=True):
     findings: list[Finding]
     fake: str | None = None
     """The fake vendor module the report was taken under (``kvactors doctor --fake``)."""
+    lmcache_servers: list[LMCacheServerProcess] = msgspec.field(default_factory=list)
+    cuda_migration: str = "absent"
+    """torch_mlu's CUDA migration: ``active`` (``torch.cuda`` is torch_mlu's in this process),
+    ``available`` (the module is installed) or ``absent``."""
+    selection_under_migration: Selection | None = None
+    """LMCache's answer in a process that imported the migration module first."""
 
     @property
     def ok(self) -> bool:
@@ -185,13 +214,16 @@ def _detect_script() -> Path | None:
     return None
 
 
-def ask_lmcache(env: dict[str, str], *, fake: str | None = None) -> Selection:
+def ask_lmcache(
+    env: dict[str, str], *, fake: str | None = None, cuda_migration: bool = False
+) -> Selection:
     """Run LMCache's own device detection in a fresh interpreter with ``env``; never raises.
 
     Args:
         env: The environment of the LMCache process to answer for.
         fake: ``"mlu"`` or ``"musa"``: answer as on a host with one such device
             (kvactors' fake vendor module is installed in the subprocess first).
+        cuda_migration: import torch_mlu's CUDA-migration module before LMCache.
     """
     try:
         if importlib.util.find_spec("lmcache") is None:
@@ -203,7 +235,8 @@ def ask_lmcache(env: dict[str, str], *, fake: str | None = None) -> Selection:
         return Selection(
             outcome="unknown", error=f"the adapter package {_ADAPTER} (detect.py) cannot be found"
         )
-    cmd = [sys.executable, "-c", _RUN_FILE, str(script)] + (["--fake", fake] if fake else [])
+    run = f"import {CUDA_MIGRATION_MODULE}; " + _RUN_FILE if cuda_migration else _RUN_FILE
+    cmd = [sys.executable, "-c", run, str(script)] + (["--fake", fake] if fake else [])
     sub_env = {"LMCACHE_TRACK_USAGE": "false", **env}
     try:
         proc = subprocess.run(
@@ -236,6 +269,110 @@ def ask_lmcache(env: dict[str, str], *, fake: str | None = None) -> Selection:
         registry=registry,
         source=f"LMCache {raw.get('lmcache') or '?'} detection, in a subprocess",
     )
+
+
+def lmcache_servers(proc: Path = Path("/proc")) -> list[LMCacheServerProcess]:
+    """The LMCache MP servers running on this host (Linux ``/proc``; empty elsewhere)."""
+    out: list[LMCacheServerProcess] = []
+    with contextlib.suppress(OSError):
+        for entry in proc.iterdir():
+            if not entry.name.isdigit():
+                continue
+            try:
+                argv = (entry / "cmdline").read_bytes().split(b"\0")
+            except OSError:  # gone, or not ours to read
+                continue
+            words = [w.decode(errors="replace") for w in argv if w]
+            if not any(m in words for m in _SERVER_MODULES):
+                continue
+            out.append(
+                LMCacheServerProcess(
+                    pid=int(entry.name),
+                    hash_algorithm=_flag(words, "--hash-algorithm") or _LMCACHE_DEFAULT_HASH,
+                    l2_adapters=sum(
+                        1 for w in words if w == "--l2-adapter" or w.startswith("--l2-adapter=")
+                    ),
+                )
+            )
+    return sorted(out, key=lambda p: p.pid)
+
+
+def _flag(words: list[str], name: str) -> str | None:
+    for i, w in enumerate(words):
+        if w == name and i + 1 < len(words):
+            return words[i + 1]
+        if w.startswith(name + "="):
+            return w.split("=", 1)[1]
+    return None
+
+
+def hash_findings(servers: list[LMCacheServerProcess]) -> list[Finding]:
+    """Whether each server's token hash survives a restart (what its L2 holds stays findable)."""
+    out = []
+    for srv in servers:
+        where = f"LMCache server pid {srv.pid}"
+        tier = f", {srv.l2_adapters} L2 adapter(s)" if srv.l2_adapters else ""
+        if srv.hash_algorithm == "builtin":
+            out.append(
+                Finding(
+                    level="warn",
+                    topic="LMCache hash",
+                    message=f"{where} runs --hash-algorithm builtin{tier}: Python's hash() differs "
+                    "between processes, so after a restart it finds none of what its L2 holds",
+                    fix="restart it with --hash-algorithm blake3 (LMCache's default; the "
+                    "connector's lmcache.mp.hash_algorithm must name the same)",
+                )
+            )
+        elif srv.hash_algorithm in _RESTART_SAFE_HASHES:
+            out.append(
+                Finding(
+                    level="ok",
+                    topic="LMCache hash",
+                    message=f"{where} hashes with {srv.hash_algorithm}{tier}: the same after a "
+                    "restart",
+                )
+            )
+        else:
+            out.append(
+                Finding(
+                    level="info",
+                    topic="LMCache hash",
+                    message=f"{where} hashes with {srv.hash_algorithm!r}{tier}, which the doctor "
+                    "does not know; make sure it is the same in every process and after a restart",
+                )
+            )
+    return out
+
+
+def cuda_masquerades() -> bool:
+    """Whether ``torch.cuda`` in this process is torch_mlu's (its CUDA-migration mode is on).
+
+    Reads only what is already imported: never imports torch_mlu.
+    """
+    if CUDA_MIGRATION_MODULE in sys.modules:
+        return True
+    torch = sys.modules.get("torch")
+    cuda = getattr(torch, "cuda", None)
+    for name in ("is_available", "current_device", "device_count"):
+        owner = getattr(getattr(cuda, name, None), "__module__", "") or ""
+        if owner.startswith("torch_mlu"):
+            return True
+    return False
+
+
+def _migration_state() -> str:
+    if cuda_masquerades():
+        return "active"
+    if "torch_mlu" not in sys.modules:  # find_spec of the submodule would import torch_mlu
+        try:
+            if importlib.util.find_spec("torch_mlu") is None:
+                return "absent"
+        except (ImportError, ValueError):
+            return "absent"
+    try:
+        return "available" if importlib.util.find_spec(CUDA_MIGRATION_MODULE) else "absent"
+    except (ImportError, ValueError):
+        return "absent"
 
 
 @contextlib.contextmanager
@@ -288,7 +425,17 @@ def collect(env: dict[str, str] | None = None, *, fake: str | None = None) -> Do
         | {k: v for k, v in e.items() if k.startswith("KVACTORS_")},
         findings=[],
         fake=fake,
+        lmcache_servers=lmcache_servers(),
     )
+    migration = _migration_state()
+    if migration != "absent" and packages.get("lmcache") is not None:
+        report = msgspec.structs.replace(
+            report,
+            cuda_migration=migration,
+            selection_under_migration=ask_lmcache(e, fake=fake, cuda_migration=True),
+        )
+    else:
+        report = msgspec.structs.replace(report, cuda_migration=migration)
     return msgspec.structs.replace(report, findings=_findings(report, e))
 
 
@@ -385,6 +532,19 @@ def _findings(r: DoctorReport, env: dict[str, str]) -> list[Finding]:
                 )
             )
     out += _selection_findings(r, env)
+    out += migration_findings(r)
+    out += hash_findings(r.lmcache_servers)
+    if not r.lmcache_servers and r.packages.get("lmcache") is not None:
+        out.append(
+            Finding(
+                level="info",
+                topic="LMCache hash",
+                message="no LMCache server runs on this host, so its --hash-algorithm is not "
+                "checked",
+                fix="start it with --hash-algorithm blake3 (never builtin: a restarted server "
+                "would find none of what its L2 holds)",
+            )
+        )
     accel = [p.backend for p in r.backends if p.available and p.backend != "cpu"]
     if env.get("KVACTORS_LMCACHE_CPU", "").strip() == "1" and accel:
         out.append(
@@ -457,6 +617,50 @@ def _selection_findings(r: DoctorReport, env: dict[str, str]) -> list[Finding]:
     ]
 
 
+def migration_findings(r: DoctorReport) -> list[Finding]:
+    """What LMCache selects under torch_mlu's CUDA migration, and whether that is kvactors."""
+    s = r.selection_under_migration
+    if r.cuda_migration == "absent":
+        return []
+    state = (
+        "is active in this process (torch.cuda is torch_mlu's)"
+        if r.cuda_migration == "active"
+        else f"is installed ({CUDA_MIGRATION_MODULE}; a worker that imports it has a torch.cuda "
+        "that answers for the MLU)"
+    )
+    if s is None or s.outcome in ("unknown", "error", "absent"):
+        why = s.error if s is not None else "not asked"
+        return [
+            Finding(
+                level="warn",
+                topic="CUDA migration",
+                message=f"torch_mlu's CUDA migration {state}; LMCache could not be asked under it: "
+                f"{why}",
+                fix=f"export {BACKEND_ENV}=kvactors_mlu in every LMCache worker process",
+            )
+        ]
+    who = s.backend or "StubCPUDevice"
+    if s.kvactors:
+        return [
+            Finding(
+                level="ok",
+                topic="CUDA migration",
+                message=f"torch_mlu's CUDA migration {state}; under it LMCache selects {who} "
+                f"(kvactors) for device type {s.device_type!r}",
+            )
+        ]
+    return [
+        Finding(
+            level="warn",
+            topic="CUDA migration",
+            message=f"torch_mlu's CUDA migration {state}; under it LMCache selects {who} for "
+            f"device type {s.device_type!r}, not kvactors",
+            fix=f"export {BACKEND_ENV}=kvactors_mlu in every LMCache worker process (LMCache then "
+            "takes the MLU plugin whatever torch.cuda claims)",
+        )
+    ]
+
+
 _MARK = {"ok": "[ ok ]", "info": "[info]", "warn": "[WARN]", "error": "[FAIL]"}
 
 
@@ -505,6 +709,22 @@ def format_doctor(r: DoctorReport) -> str:
             + (f"  (here: {' or '.join(picks)})" if picks else "")
         )
     )
+    if r.selection_under_migration is not None:
+        m = r.selection_under_migration
+        lines.append(
+            f"LMCache selection under torch_mlu's CUDA migration ({r.cuda_migration}): "
+            + (
+                f"{m.backend or 'StubCPUDevice'} [{m.device_type}]"
+                + (" (kvactors)" if m.kvactors else "")
+                if m.outcome in ("selected", "stub")
+                else f"{m.outcome.upper()}: {m.error}"
+            )
+        )
+    for srv in r.lmcache_servers:
+        lines.append(
+            f"LMCache server pid {srv.pid}: --hash-algorithm {srv.hash_algorithm}, "
+            f"{srv.l2_adapters} L2 adapter(s)"
+        )
     lines.append("environment:")
     lines += [f"  {k}={v}" for k, v in r.env.items()] or ["  (none of the relevant variables set)"]
     lines.append("findings:")

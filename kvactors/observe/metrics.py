@@ -4,17 +4,20 @@
 :class:`Sample` rows; :class:`CallMetrics` is an observer counting calls, errors and seconds
 per operation (admission to settled reply); :func:`register_prometheus` exposes both through
 ``prometheus_client`` (``kvactors[metrics]``), read at scrape time, and :func:`render_text`
-writes the text format without it.
+writes the text format without it; :func:`serve_http` serves that text on loopback (no
+``prometheus_client`` needed).
 """
 
 from __future__ import annotations
 
+import bisect
 import threading
+from http.server import BaseHTTPRequestHandler, ThreadingHTTPServer
 from typing import TYPE_CHECKING, Any, Literal
 
 import msgspec
 
-from kvactors.errors import MissingDependencyError
+from kvactors.errors import InvalidSettingError, MissingDependencyError
 from kvactors.observe import observe
 
 if TYPE_CHECKING:
@@ -25,21 +28,33 @@ if TYPE_CHECKING:
     from kvactors.runtime import Runtime
 
 __all__ = (
+    "LATENCY_BUCKETS",
     "CallMetrics",
     "Sample",
     "prometheus_available",
     "register_prometheus",
     "render_text",
     "samples",
+    "serve_http",
     "snapshot",
 )
 
+LATENCY_BUCKETS: tuple[float, ...] = (
+    1e-5, 2.5e-5, 5e-5, 1e-4, 2.5e-4, 5e-4, 1e-3, 2.5e-3, 5e-3, 1e-2, 2.5e-2, 5e-2, 0.1, 0.25,
+    0.5, 1.0, 2.5,
+)  # fmt: skip
+"""Upper bounds (seconds) of :class:`CallMetrics`' per-call latency histogram."""
+
 
 class Sample(msgspec.Struct, frozen=True):
-    """One metric value: name, kind (``counter``/``gauge``), help, labels, value."""
+    """One metric value: name, kind (``counter``/``gauge``/``histogram``), help, labels, value.
+
+    A histogram is written as its ``_bucket`` (label ``le``), ``_sum`` and ``_count`` samples,
+    each with kind ``histogram``.
+    """
 
     name: str
-    kind: Literal["counter", "gauge"]
+    kind: Literal["counter", "gauge", "histogram"]
     help: str
     labels: dict[str, str]
     value: float
@@ -266,6 +281,8 @@ class CallMetrics:
         self.errors: dict[str, int] = {}
         self.seconds: dict[str, float] = {}
         self.max_seconds: dict[str, float] = {}
+        #: Per operation, calls per latency bucket (LATENCY_BUCKETS, then +Inf), not cumulative.
+        self.buckets: dict[str, list[int]] = {}
 
     def call_started(self, call: Call) -> None:
         """Observer hook (nothing to do at start)."""
@@ -280,6 +297,10 @@ class CallMetrics:
                 self.errors[call.op] = self.errors.get(call.op, 0) + 1
             self.seconds[call.op] = self.seconds.get(call.op, 0.0) + seconds
             self.max_seconds[call.op] = max(self.max_seconds.get(call.op, 0.0), seconds)
+            counts = self.buckets.get(call.op)
+            if counts is None:
+                counts = self.buckets[call.op] = [0] * (len(LATENCY_BUCKETS) + 1)
+            counts[bisect.bisect_left(LATENCY_BUCKETS, seconds)] += 1
 
     def attach(self, rt: Runtime) -> Callable[[], None]:
         """Start observing ``rt``; returns the detach function."""
@@ -314,6 +335,7 @@ class CallMetrics:
                         self.seconds[op],
                     ),
                 ]
+                out += self._histogram(op, lab)
                 if op in ("synchronize", "fence"):
                     out.append(
                         Sample(
@@ -327,16 +349,39 @@ class CallMetrics:
                     )
         return out
 
+    def _histogram(self, op: str, lab: dict[str, str]) -> list[Sample]:
+        # Called with the lock held.
+        name, what = "kvactors_call_latency_seconds", "Per-call latency of facade calls"
+        out: list[Sample] = []
+        total = 0
+        bounds = [*(repr(b) for b in LATENCY_BUCKETS), "+Inf"]
+        for le, n in zip(bounds, self.buckets.get(op, []), strict=True):
+            total += n
+            out.append(Sample(f"{name}_bucket", "histogram", what, lab | {"le": le}, float(total)))
+        out.append(Sample(f"{name}_sum", "histogram", what, lab, self.seconds[op]))
+        out.append(Sample(f"{name}_count", "histogram", what, lab, float(total)))
+        return out
+
+
+def _family(s: Sample) -> str:
+    if s.kind != "histogram":
+        return s.name
+    for suffix in ("_bucket", "_sum", "_count"):
+        if s.name.endswith(suffix):
+            return s.name.removesuffix(suffix)
+    return s.name
+
 
 def render_text(items: list[Sample]) -> str:
     """Samples in the Prometheus text exposition format (no prometheus_client needed)."""
     lines: list[str] = []
     seen: set[str] = set()
     for s in items:
-        if s.name not in seen:
-            seen.add(s.name)
-            lines.append(f"# HELP {s.name} {s.help}")
-            lines.append(f"# TYPE {s.name} {s.kind}")
+        family = _family(s)
+        if family not in seen:
+            seen.add(family)
+            lines.append(f"# HELP {family} {s.help}")
+            lines.append(f"# TYPE {family} {s.kind}")
         labels = ",".join(f'{k}="{_escape(v)}"' for k, v in s.labels.items())
         lines.append(f"{s.name}{{{labels}}} {s.value!r}")
     return "\n".join(lines) + "\n"
@@ -373,6 +418,8 @@ class _Collector:
             items += self.calls.samples(stats.device)
         families: dict[str, Any] = {}
         for s in items:
+            if s.kind == "histogram":  # in serve_http's text; not rebuilt for prometheus_client
+                continue
             fam = families.get(s.name)
             if fam is None:
                 cls = CounterMetricFamily if s.kind == "counter" else GaugeMetricFamily
@@ -418,3 +465,58 @@ def register_prometheus(
             server[0].server_close()
 
     return unregister
+
+
+def serve_http(
+    collect: Callable[[], list[Sample]], *, port: int, host: str = "127.0.0.1"
+) -> tuple[int, Callable[[], None]]:
+    """Serve ``collect()`` in the Prometheus text format at ``http://host:port/metrics``.
+
+    A daemon thread answers; ``collect`` runs at every scrape. Loopback only.
+
+    Args:
+        collect: Returns the samples of one scrape.
+        port: The TCP port (0: a free one).
+        host: ``127.0.0.1`` or ``localhost`` (or ``::1``).
+
+    Returns:
+        The bound port and a function that stops the server.
+
+    Raises:
+        InvalidSettingError: ``host`` is not a loopback address.
+    """
+    if host not in ("127.0.0.1", "localhost", "::1"):
+        raise InvalidSettingError(
+            f"the metrics endpoint serves loopback only, got host {host!r}", setting="host"
+        )
+
+    class Handler(BaseHTTPRequestHandler):
+        def do_GET(self) -> None:
+            if self.path.split("?", 1)[0] not in ("/metrics", "/"):
+                self.send_error(404)
+                return
+            try:
+                body = render_text(collect()).encode()
+            except Exception as exc:  # a scrape must not end the server: report it
+                self.send_error(500, explain=f"{type(exc).__name__}: {exc}")
+                return
+            self.send_response(200)
+            self.send_header("Content-Type", "text/plain; version=0.0.4; charset=utf-8")
+            self.send_header("Content-Length", str(len(body)))
+            self.end_headers()
+            self.wfile.write(body)
+
+        def log_message(self, format: str, *args: Any) -> None:
+            """Scrapes are not logged."""
+
+    server = ThreadingHTTPServer((host, port), Handler)
+    server.daemon_threads = True
+    thread = threading.Thread(target=server.serve_forever, name="kvactors-metrics", daemon=True)
+    thread.start()
+
+    def stop() -> None:
+        server.shutdown()
+        server.server_close()
+        thread.join(timeout=5)
+
+    return int(server.server_address[1]), stop

@@ -242,3 +242,119 @@ def test_selection_device_type_falls_through_when_unavailable() -> None:
     env = _env(DEVICE_TYPE="cuda")
     sel = _same(both(env, "mlu"))
     assert sel["device_type"] == "mlu"
+
+
+# -- the LMCache server's hash, torch_mlu's CUDA migration (issue 30, items 5 and 6) ----------
+
+
+def _proc_tree(root: Path, procs: dict[int, list[str]]) -> Path:
+    for pid, argv in procs.items():
+        (root / str(pid)).mkdir(parents=True)
+        (root / str(pid) / "cmdline").write_bytes(b"\0".join(a.encode() for a in argv) + b"\0")
+    (root / "self").mkdir()
+    return root
+
+
+def test_lmcache_servers_are_read_from_their_command_lines(tmp_path: Path) -> None:
+    from kvactors.cli.doctor import lmcache_servers
+
+    server = ["python", "-m", "lmcache.v1.multiprocess.server", "--port", "6555"]
+    root = _proc_tree(
+        tmp_path,
+        {
+            11: [*server, "--hash-algorithm", "builtin", "--l2-adapter", '{"type":"resp"}'],
+            12: server,  # LMCache's default hash
+            13: [*server, "--hash-algorithm=sha256_cbor"],
+            14: ["python", "-m", "vllm.entrypoints.openai.api_server", "--hash-algorithm", "x"],
+        },
+    )
+    found = {s.pid: (s.hash_algorithm, s.l2_adapters) for s in lmcache_servers(root)}
+    assert found == {11: ("builtin", 1), 12: ("blake3", 0), 13: ("sha256_cbor", 0)}
+
+
+def test_a_builtin_hash_warns_that_l2_is_lost_on_restart_and_blake3_is_ok() -> None:
+    from kvactors.cli.doctor import LMCacheServerProcess, hash_findings
+
+    builtin, blake3 = hash_findings(
+        [
+            LMCacheServerProcess(pid=1, hash_algorithm="builtin", l2_adapters=1),
+            LMCacheServerProcess(pid=2, hash_algorithm="blake3", l2_adapters=1),
+        ]
+    )
+    assert builtin.level == "warn"
+    assert "after a restart it finds none of what its L2 holds" in builtin.message
+    assert "--hash-algorithm blake3" in builtin.fix
+    assert blake3.level == "ok"
+
+
+@pytest.mark.timeout(120)
+def test_doctor_warns_about_a_running_server_with_the_builtin_hash() -> None:
+    """As users run it: a process whose command line is an LMCache server's (a sleeper that
+    carries those arguments; the doctor reads only the command line)."""
+    argv = ["-c", "import sys, time; time.sleep(120)", "lmcache.v1.multiprocess.server",
+            "--hash-algorithm", "builtin"]  # fmt: skip
+    sleeper = subprocess.Popen([sys.executable, *argv])
+    try:
+        proc = subprocess.run(
+            [sys.executable, "-m", "kvactors.cli", "doctor", "--json"],
+            env=_env(), capture_output=True, text=True, timeout=100, check=False,
+        )  # fmt: skip
+    finally:
+        sleeper.kill()
+        sleeper.wait(timeout=10)
+    doc = json.loads(proc.stdout[proc.stdout.index("{") :])
+    mine = [s for s in doc["lmcache_servers"] if s["pid"] == sleeper.pid]
+    assert mine == [{"pid": sleeper.pid, "hash_algorithm": "builtin", "l2_adapters": 0}]
+    warns = [f for f in doc["findings"] if f["topic"] == "LMCache hash" and f["level"] == "warn"]
+    assert any(f"pid {sleeper.pid} " in f["message"] for f in warns), warns
+
+
+def _masquerade() -> bool:
+    return True
+
+
+def test_cuda_masquerade_is_seen_when_torch_cuda_is_torch_mlus(
+    monkeypatch: pytest.MonkeyPatch,
+) -> None:
+    import torch
+
+    from kvactors.cli.doctor import cuda_masquerades
+
+    assert not cuda_masquerades()
+    fn = _masquerade
+    monkeypatch.setattr(fn, "__module__", "torch_mlu.utils.gpu_migration")
+    monkeypatch.setattr(torch.cuda, "is_available", fn)
+    assert cuda_masquerades()
+
+
+@pytest.mark.parametrize(
+    ("backend", "kvactors", "level"), [("cuda", False, "warn"), ("kvactors_mlu", True, "ok")]
+)
+def test_the_selection_under_cuda_migration_is_judged(
+    backend: str, kvactors: bool, level: str
+) -> None:
+    from kvactors.cli.doctor import Selection, collect, migration_findings
+
+    base = collect(_env())
+    sel = Selection(outcome="selected", backend=backend, device_type="cuda", kvactors=kvactors)
+    report = msgspec.structs.replace(
+        base, cuda_migration="available", selection_under_migration=sel
+    )
+    (finding,) = migration_findings(report)
+    assert finding.level == level
+    assert f"LMCache selects {backend}" in finding.message
+    if level == "warn":
+        assert "LMCACHE_DEVICE_BACKEND=kvactors_mlu" in finding.fix
+    assert migration_findings(msgspec.structs.replace(report, cuda_migration="absent")) == []
+
+
+@needs_lmcache
+@pytest.mark.timeout(200)
+def test_asking_lmcache_under_cuda_migration_imports_the_module_first() -> None:
+    """Here torch_mlu is absent: the subprocess fails on that import, and says so."""
+    from kvactors.cli.doctor import CUDA_MIGRATION_MODULE, ask_lmcache
+
+    sel = ask_lmcache(_env(), cuda_migration=True)
+    assert sel.outcome == "unknown"
+    assert "torch_mlu" in sel.error
+    assert CUDA_MIGRATION_MODULE.startswith("torch_mlu.")

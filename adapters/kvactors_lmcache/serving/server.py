@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import contextlib
+import json
 import os
 import signal
 import socket
@@ -14,7 +15,12 @@ from pathlib import Path
 
 from kvactors.errors import BackendUnavailableError
 
-__all__ = ("LMCacheServer", "free_port", "server_command")
+__all__ = ("HASH_ALGORITHM", "LMCacheServer", "free_port", "server_command")
+
+HASH_ALGORITHM = "blake3"
+"""The server's token hash: the same in every process and after a restart (LMCache's
+``builtin`` is Python's ``hash()``, which is not, so a restarted server finds nothing its L2
+holds)."""
 
 
 def free_port() -> int:
@@ -24,28 +30,53 @@ def free_port() -> int:
         return int(s.getsockname()[1])
 
 
-def server_command(python: str, port: int, chunk_size: int) -> list[str]:
-    """The server's command line (engine-driven transfers, builtin hashing, no metrics)."""
-    return [
+def server_command(
+    python: str,
+    port: int,
+    chunk_size: int,
+    *,
+    hash_algorithm: str = HASH_ALGORITHM,
+    l2_adapters: tuple[dict[str, object], ...] = (),
+) -> list[str]:
+    """The server's command line (engine-driven transfers, blake3 hashing, no metrics; each of
+    ``l2_adapters`` one ``--l2-adapter`` JSON spec)."""
+    cmd = [
         python, "-m", "lmcache.v1.multiprocess.server",
         "--host", "127.0.0.1", "--port", str(port),
         "--chunk-size", str(chunk_size), "--l1-size-gb", "0.2",
         "--supported-transfer-mode", "engine_driven",
-        "--eviction-policy", "LRU", "--disable-metrics", "--hash-algorithm", "builtin",
+        "--eviction-policy", "LRU", "--disable-metrics", "--hash-algorithm", hash_algorithm,
     ]  # fmt: skip
+    for spec in l2_adapters:
+        cmd += ["--l2-adapter", json.dumps(spec)]
+    return cmd
 
 
 class LMCacheServer:
     """One server process; :meth:`wait_ready` polls its port, :meth:`stop` sends SIGTERM."""
 
-    def __init__(self, *, chunk_size: int, env: dict[str, str], python: str | None = None) -> None:
+    def __init__(
+        self,
+        *,
+        chunk_size: int,
+        env: dict[str, str],
+        python: str | None = None,
+        hash_algorithm: str = HASH_ALGORITHM,
+        l2_adapters: tuple[dict[str, object], ...] = (),
+    ) -> None:
         self.port = free_port()
         fd, name = tempfile.mkstemp(prefix="kvactors-lmcache-server-", suffix=".log")
         os.close(fd)
         self.log_path = Path(name)
         self._log = self.log_path.open("wb")
         self.proc = subprocess.Popen(
-            server_command(python or sys.executable, self.port, chunk_size),
+            server_command(
+                python or sys.executable,
+                self.port,
+                chunk_size,
+                hash_algorithm=hash_algorithm,
+                l2_adapters=l2_adapters,
+            ),
             env=env,
             stdout=self._log,
             stderr=subprocess.STDOUT,

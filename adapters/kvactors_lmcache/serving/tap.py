@@ -24,14 +24,23 @@ from __future__ import annotations
 
 import functools
 import hashlib
+import itertools
+import json
+import os
 import threading
 import time
 from dataclasses import dataclass, field
+from pathlib import Path
 from typing import Any
 
 import torch
 
-__all__ = ("KVTap", "Mismatch", "install")
+__all__ = ("TAP_ENV", "KVTap", "Mismatch", "install", "install_from_env", "read_reports")
+
+TAP_ENV = "KVACTORS_SERVING_TAP"
+"""A directory: the kvactors ops tap themselves, keep the stored blocks and reports there."""
+
+_numbers = itertools.count()
 
 
 @dataclass
@@ -75,8 +84,10 @@ class KVTap:
     corrupted: list[str] = field(default_factory=list)
     seconds: dict[str, float] = field(default_factory=lambda: {"store": 0.0, "retrieve": 0.0})
     calls: dict[str, int] = field(default_factory=lambda: {"store": 0, "retrieve": 0})
+    directory: Path | None = None  # shared blocks and the report file (KVACTORS_SERVING_TAP)
     _stored: dict[str, _Stored] = field(default_factory=dict)
     _lock: threading.Lock = field(default_factory=threading.Lock)
+    _report_path: Path | None = None
 
     def wrap(self) -> Any:
         """The wrapper that replaces the op (keeps its signature and annotations)."""
@@ -93,6 +104,7 @@ class KVTap:
             chunk_size: int,
             fmt: Any,
             skip_blocks: int,
+            **keywords: Any,  # layerwise (LMCache's next releases): passed through
         ) -> None:
             serve = self.reference_op if self.use_reference else op
             store = direction.name == "D2H"  # LMCache's TransferDirection (H2D 0, D2H 1)
@@ -107,20 +119,22 @@ class KVTap:
                 chunk_size,
                 fmt,
                 skip_blocks,
+                **keywords,
             )
             dt = time.perf_counter() - t0
             kind = "store" if store else "retrieve"
             with self._lock:
                 self.seconds[kind] += dt
                 self.calls[kind] += 1
-                if not self.check:
-                    return
-                ids = [int(b) for b in block_ids]
-                args = (paged, objects, ids, device, direction, shape_desc, chunk_size, fmt)
-                if store:
-                    self._after_store(*args)
-                else:
-                    self._after_restore(*args, int(skip_blocks))
+                if self.check:
+                    ids = [int(b) for b in block_ids]
+                    args = (paged, objects, ids, device, direction, shape_desc, chunk_size, fmt)
+                    if store:
+                        self._after_store(*args)
+                    else:
+                        self._after_restore(*args, int(skip_blocks))
+                if self.directory is not None:
+                    self._write_report()
 
         return tapped
 
@@ -155,10 +169,36 @@ class KVTap:
             blocks = ids[i * per : (i + 1) * per]
             key = _key(obj)
             where = f"store call {call}, chunk {i} (blocks {blocks}, {per * bs} tokens)"
-            self._stored[key] = _Stored(
-                [[_block(t, b).clone() for t in layers] for b in blocks], where
-            )
+            kept = _Stored([[_block(t, b).clone() for t in layers] for b in blocks], where)
+            self._stored[key] = kept
+            if self.directory is not None:
+                self._save(key, kept)
             self.chunks_stored += 1
+
+    def _save(self, key: str, kept: _Stored) -> None:
+        assert self.directory is not None
+        folder = self.directory / "blocks"
+        folder.mkdir(parents=True, exist_ok=True)
+        tmp = folder / f".{key}.{os.getpid()}.tmp"
+        torch.save({"blocks": kept.blocks, "where": f"pid {os.getpid()} {kept.where}"}, tmp)
+        tmp.replace(folder / f"{key}.pt")
+
+    def _load(self, key: str) -> _Stored | None:
+        if self.directory is None:
+            return None
+        path = self.directory / "blocks" / f"{key}.pt"
+        if not path.exists():
+            return None
+        data = torch.load(path, weights_only=True)
+        return _Stored(data["blocks"], str(data["where"]))
+
+    def _write_report(self) -> None:
+        assert self.directory is not None
+        if self._report_path is None:
+            self._report_path = self.directory / f"tap-{os.getpid()}-{next(_numbers)}.json"
+        tmp = self._report_path.with_suffix(".tmp")
+        tmp.write_text(json.dumps(self.report()))
+        tmp.replace(self._report_path)
 
     # -- restore ----------------------------------------------------------------------------
 
@@ -181,7 +221,7 @@ class KVTap:
         for i, obj in enumerate(objects):
             self.chunks_restored += 1
             key = _key(obj)
-            stored = self._stored.get(key)
+            stored = self._stored.get(key) or self._load(key)
             blocks = ids[i * per : (i + 1) * per]
             first = max(0, skip - i * per)  # blocks skipped in this chunk
             if self.corrupt_restore and not self.corrupted and first < len(blocks):
@@ -221,6 +261,7 @@ class KVTap:
             "corrupted": list(self.corrupted),
             "op_seconds": dict(self.seconds),
             "op_calls": dict(self.calls),
+            "pid": os.getpid(),
         }
 
 
@@ -250,12 +291,37 @@ def install(*, corrupt_restore: bool = False) -> KVTap:
     """Tap the CPU ops LMCache resolved in this process; returns the tap.
 
     ``reference_op`` is LMCache's own CPU op (``CpuDeviceOps``, what LMCache resolves on CPU
-    without a plugin).
+    without a plugin). When ``KVACTORS_SERVING_TAP`` already tapped them, that tap is returned.
     """
     from lmcache.v1.platform import resolve_device_ops
-    from lmcache.v1.platform.devices.cpu.device_ops import CpuDeviceOps
 
     ops = resolve_device_ops("cpu")
+    existing = getattr(ops, "_kvactors_tap", None)
+    if isinstance(existing, KVTap):
+        existing.corrupt_restore = corrupt_restore
+        return existing
+    return _install_on(ops, corrupt_restore=corrupt_restore, directory=None)
+
+
+def install_from_env(ops: Any) -> KVTap | None:
+    """Tap ``ops`` (a CPU ops instance LMCache just made) when ``KVACTORS_SERVING_TAP`` names a
+    directory; None otherwise."""
+    where = os.environ.get(TAP_ENV, "").strip()
+    if not where:
+        return None
+    directory = Path(where)
+    directory.mkdir(parents=True, exist_ok=True)
+    return _install_on(ops, corrupt_restore=False, directory=directory)
+
+
+def read_reports(directory: Path) -> list[dict[str, Any]]:
+    """Every tap report written under ``directory`` (one per tapped ops instance)."""
+    return [json.loads(p.read_text()) for p in sorted(directory.glob("tap-*.json"))]
+
+
+def _install_on(ops: Any, *, corrupt_restore: bool, directory: Path | None) -> KVTap:
+    from lmcache.v1.platform.devices.cpu.device_ops import CpuDeviceOps
+
     op = ops.multi_layer_block_kv_transfer
     if type(ops) is CpuDeviceOps:
         reference = op
@@ -263,6 +329,7 @@ def install(*, corrupt_restore: bool = False) -> KVTap:
         own = CpuDeviceOps()
         own.ensure_native()  # as LMCache's CPU spec does (DeviceSpec.get_ops)
         reference = own.multi_layer_block_kv_transfer
-    tap = KVTap(op=op, reference_op=reference, corrupt_restore=corrupt_restore)
+    tap = KVTap(op=op, reference_op=reference, corrupt_restore=corrupt_restore, directory=directory)
     ops.multi_layer_block_kv_transfer = tap.wrap()
+    ops._kvactors_tap = tap  # the report is written from the first call on
     return tap

@@ -1,0 +1,218 @@
+"""What a deployment switches on in the worker: the ``layerwise`` keyword of LMCache's next
+releases, the metrics endpoint (``KVACTORS_METRICS_PORT``) and the KV tap
+(``KVACTORS_SERVING_TAP``), in-process on the CPU ops."""
+
+from __future__ import annotations
+
+import inspect
+import urllib.request
+from typing import TYPE_CHECKING, Any
+
+import pytest
+import torch
+
+from .conftest import LMCACHE_MISSING, SKIP_REASON
+from .test_lmcache_ops import CHUNK, _desc, _layers, _native, _objs, _oracle
+
+if TYPE_CHECKING:
+    from pathlib import Path
+
+pytestmark = [pytest.mark.lmcache, pytest.mark.skipif(LMCACHE_MISSING, reason=SKIP_REASON)]
+
+
+def _gather(ops: Any, layers: list[torch.Tensor], ids: list[int], objs: list[torch.Tensor],
+            **kw: Any) -> None:  # fmt: skip
+    n = _native()
+    ops.multi_layer_block_kv_transfer(
+        layers, objs, ids, torch.device("cpu"), n.TransferDirection.D2H, _desc(layers[0].dtype),
+        CHUNK, n.EngineKVFormat.NL_X_TWO_NB_BS_NH_HS, 0, **kw,
+    )  # fmt: skip
+
+
+@pytest.mark.parametrize("cls", ["KvactorsCpuOps", "KvactorsMusaOps", "KvactorsMluOps"])
+def test_every_plugin_takes_the_layerwise_keyword_defaulting_to_false(cls: str) -> None:
+    import kvactors_lmcache.ops as ops_mod
+
+    sig = inspect.signature(getattr(ops_mod, cls).multi_layer_block_kv_transfer)
+    assert sig.parameters["layerwise"].default is False
+
+
+def test_layerwise_false_is_served_bit_exact() -> None:
+    from kvactors_lmcache.ops import KvactorsCpuOps
+
+    layers, mine, want = _layers(3), _objs(2), _objs(2)
+    _gather(KvactorsCpuOps(), layers, [0, 1, 2, 3], mine, layerwise=False)
+    _oracle(layers, [0, 1, 2, 3], want)
+    assert all(torch.equal(a, b) for a, b in zip(mine, want, strict=True))
+
+
+def test_layerwise_true_is_refused_clearly_before_any_copy() -> None:
+    from kvactors.errors import OperandTypeError, UnsupportedOperationError
+    from kvactors_lmcache.ops import KvactorsCpuOps, transfer_counts
+
+    ops, layers, objs = KvactorsCpuOps(), _layers(4), _objs(2, fill=-1.0)
+    before = transfer_counts().get("cpu:D2H", 0)
+    with pytest.raises(UnsupportedOperationError, match=r"layerwise=True.*not supported"):
+        _gather(ops, layers, [0, 1, 2, 3], objs, layerwise=True)
+    with pytest.raises(OperandTypeError, match="layerwise must be a bool"):
+        _gather(ops, layers, [0, 1, 2, 3], objs, layerwise=1)
+    assert all(bool((o == -1.0).all()) for o in objs)  # nothing copied
+    assert transfer_counts().get("cpu:D2H", 0) == before
+
+
+def _scrape(port: int) -> str:
+    with urllib.request.urlopen(f"http://127.0.0.1:{port}/metrics", timeout=10) as r:
+        return str(r.read().decode())
+
+
+def _value(text: str, prefix: str) -> float:
+    (line,) = [x for x in text.splitlines() if x.startswith(prefix)]
+    return float(line.rsplit(" ", 1)[1])
+
+
+def _free_port() -> int:
+    import socket
+
+    with socket.socket() as s:
+        s.bind(("127.0.0.1", 0))
+        return int(s.getsockname()[1])
+
+
+@pytest.fixture
+def fresh_endpoint(monkeypatch: pytest.MonkeyPatch) -> Any:
+    """KVACTORS_METRICS_PORT set to a free port; the process's endpoint stopped afterwards."""
+    import kvactors_lmcache.endpoint as endpoint
+
+    port = _free_port()
+    monkeypatch.setenv("KVACTORS_METRICS_PORT", str(port))
+    monkeypatch.delenv("LOCAL_RANK", raising=False)
+    monkeypatch.setattr(endpoint, "_endpoint", None)
+    yield port
+    if endpoint._endpoint is not None:
+        endpoint._endpoint.stop()
+
+
+@pytest.mark.timeout(60)
+def test_the_metrics_endpoint_serves_the_workers_transfers_on_loopback(
+    fresh_endpoint: int,
+) -> None:
+    from kvactors.runtime import Runtime
+    from kvactors_lmcache.ops import KvactorsCpuOps
+
+    with Runtime("cpu") as rt:
+        ops = KvactorsCpuOps(runtime_factory=lambda backend, index: rt)
+        layers, objs = _layers(5), _objs(2)
+        _gather(ops, layers, [0, 1, 2, 3], objs)
+        _gather(ops, layers, [4, 5, 6, 7], objs)
+        text = _scrape(fresh_endpoint)
+        stats = rt.statistics()
+    nbytes = sum(o.numel() * o.element_size() for o in objs) * 2
+    assert _value(text, 'kvactors_transfers_total{device="cpu:0",result="ok"}') == 2
+    assert _value(text, 'kvactors_transfers_total{device="cpu:0",result="failed"}') == 0
+    assert _value(text, 'kvactors_bytes_moved_total{device="cpu:0"}') == nbytes
+    assert stats.bytes_moved == nbytes
+    assert "# TYPE kvactors_call_latency_seconds histogram" in text
+    assert _value(text, 'kvactors_call_latency_seconds_count{device="cpu:0",op="transfer"}') == 2
+    inf = 'kvactors_call_latency_seconds_bucket{device="cpu:0",op="transfer",le="+Inf"}'
+    assert _value(text, inf) == 2
+
+
+def test_a_second_ops_instance_shares_the_processs_endpoint(fresh_endpoint: int) -> None:
+    import kvactors_lmcache.endpoint as endpoint
+    from kvactors.runtime import Runtime
+    from kvactors_lmcache.ops import KvactorsCpuOps
+
+    with Runtime("cpu") as rt:
+        assert endpoint._endpoint is None  # nothing listens before a runtime is made
+        KvactorsCpuOps(runtime_factory=lambda backend, index: rt)._runtime(0)
+        first = endpoint._endpoint
+        KvactorsCpuOps(runtime_factory=lambda backend, index: rt)._runtime(0)
+        assert first is not None
+        assert endpoint._endpoint is first
+        assert first.port == fresh_endpoint
+        assert len(first._watched) == 2
+
+
+def test_without_the_variable_nothing_listens(monkeypatch: pytest.MonkeyPatch) -> None:
+    import kvactors_lmcache.endpoint as endpoint
+    from kvactors.runtime import Runtime
+    from kvactors_lmcache.ops import KvactorsCpuOps
+
+    monkeypatch.delenv("KVACTORS_METRICS_PORT", raising=False)
+    monkeypatch.setattr(endpoint, "_endpoint", None)
+    with Runtime("cpu") as rt:
+        KvactorsCpuOps(runtime_factory=lambda backend, index: rt)._runtime(0)
+    assert endpoint._endpoint is None
+
+
+@pytest.mark.parametrize(
+    ("env", "match"),
+    [
+        ({"KVACTORS_METRICS_PORT": "http"}, "must be a TCP port"),
+        ({"KVACTORS_METRICS_PORT": "70000"}, "must be a TCP port"),
+        ({"KVACTORS_METRICS_PORT": "9400", "KVACTORS_METRICS_HOST": "0.0.0.0"}, "loopback only"),
+    ],
+)
+def test_a_bad_endpoint_setting_is_refused_clearly(
+    monkeypatch: pytest.MonkeyPatch, env: dict[str, str], match: str
+) -> None:
+    import kvactors_lmcache.endpoint as endpoint
+    from kvactors.errors import InvalidSettingError
+    from kvactors_lmcache.ops import KvactorsCpuOps
+
+    monkeypatch.setattr(endpoint, "_endpoint", None)
+    for k, v in env.items():
+        monkeypatch.setenv(k, v)
+    ops = KvactorsCpuOps()  # LMCache makes the ops at import: nothing starts there
+    with pytest.raises(InvalidSettingError, match=match):
+        ops._runtime(0)  # the first transfer's runtime: refused before any copy
+    assert endpoint._endpoint is None
+    assert ops._runtimes == {}
+
+
+def test_the_tap_variable_taps_the_cpu_ops_and_compares_across_processes(
+    monkeypatch: pytest.MonkeyPatch, tmp_path: Path
+) -> None:
+    """Two ops instances stand for two processes (they share nothing but the directory): the
+    second restores what the first stored, and its tap compares against the first's blocks;
+    a restore that brings back other bytes is named."""
+    from kvactors_lmcache.ops import KvactorsCpuOps
+    from kvactors_lmcache.serving.tap import read_reports
+
+    from .test_serving_tap import _call, _chunks, _setup
+
+    monkeypatch.setenv("KVACTORS_SERVING_TAP", str(tmp_path))
+    monkeypatch.delenv("KVACTORS_METRICS_PORT", raising=False)
+    native, _, sd, paged = _setup()  # format 12 blocks, as vLLM's CPU attention has them
+    a, b = KvactorsCpuOps(), KvactorsCpuOps()
+    assert a._kvactors_tap is not b._kvactors_tap  # type: ignore[attr-defined]
+    objs = _chunks(2)
+    assert read_reports(tmp_path) == []  # reports come from the ops that moved KV
+    _call(a.multi_layer_block_kv_transfer, native, sd, paged, objs, [0, 1, 2, 3], d2h=True)
+    _call(b.multi_layer_block_kv_transfer, native, sd, paged, objs, [6, 7, 8, 9], d2h=False)
+    reports = read_reports(tmp_path)
+    assert len(reports) == 2
+    stored, restored = sorted(reports, key=lambda r: r["restores"])
+    assert stored["chunks_stored"] == 2
+    assert stored["differential_chunks"] == 2
+    assert stored["differential_mismatches"] == []
+    assert restored["chunks_compared"] == 2
+    assert restored["chunks_unknown"] == 0
+    assert restored["layer_blocks_compared"] > 0
+    assert restored["mismatches"] == []
+    objs[1][0, 0, 0] += 1.0  # a chunk LMCache never stored: unknown, not compared
+    _call(b.multi_layer_block_kv_transfer, native, sd, paged, objs, [6, 7, 8, 9], d2h=False)
+    restored = next(r for r in read_reports(tmp_path) if r["restores"] == 2)
+    assert restored["chunks_unknown"] == 1
+    assert restored["chunks_compared"] == 3
+
+
+def test_without_the_tap_variable_the_op_is_the_plugins_own(
+    monkeypatch: pytest.MonkeyPatch,
+) -> None:
+    from kvactors_lmcache.ops import KvactorsCpuOps
+
+    monkeypatch.delenv("KVACTORS_SERVING_TAP", raising=False)
+    ops = KvactorsCpuOps()
+    assert "multi_layer_block_kv_transfer" not in vars(ops)
+    assert not hasattr(ops, "_kvactors_tap")

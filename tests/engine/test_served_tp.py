@@ -1,0 +1,95 @@
+"""Tensor parallelism under ``vllm serve``: two workers, each moving its own heads through its
+own kvactors runtime (``--tensor-parallel-size 2``).
+
+vLLM's CPU build refuses to bind the threads of two local workers automatically on a host with
+one NUMA node ("Not enough allowed NUMA nodes to bind threads of 2 local CPUWorkers"); a manual
+binding, one core per rank (``VLLM_CPU_OMP_THREADS_BIND=0|1``), runs. Checks: hits, tokens and
+logprob bits equal a native-prefix-caching server with the same parallelism; the tap ran in
+two worker processes, each restored every hit of its own heads, bit-identical to its stores;
+each worker's metrics endpoint (``KVACTORS_METRICS_PORT`` + its rank) counts its transfers.
+"""
+
+from __future__ import annotations
+
+import contextlib
+import importlib.util
+from typing import Any
+
+import pytest
+
+from .scenario_record import record, tap_totals
+from .test_served import MAX_TOKENS, _ok, _scrape
+
+pytestmark = pytest.mark.skipif(
+    importlib.util.find_spec("vllm") is None or importlib.util.find_spec("lmcache") is None,
+    reason="vLLM's CPU build is not installed here; run bash scripts/setup-engine.sh and use "
+    ".venv-vllm/bin/python -m pytest tests/engine",
+)
+
+TP_BIND = "0|1"  # one core per rank (vLLM's CPU syntax: ranks separated by "|")
+
+
+@pytest.fixture(scope="module")
+def tp(tmp_path_factory: pytest.TempPathFactory) -> dict[str, Any]:
+    from kvactors_lmcache.endpoint import METRICS_ENV
+    from kvactors_lmcache.serving.api_server import ApiServer
+    from kvactors_lmcache.serving.model import TINY_LLAMA, make_model
+    from kvactors_lmcache.serving.procedure import engine_env
+    from kvactors_lmcache.serving.server import LMCacheServer, free_port
+    from kvactors_lmcache.serving.tap import TAP_ENV, read_reports
+    from kvactors_lmcache.serving.workload import CHUNK, make_workload
+
+    work = tmp_path_factory.mktemp("tp")
+    model = make_model("llama", work / "model", seed=0)
+    wl = make_workload(seed=0, vocab=int(TINY_LLAMA["vocab_size"]), max_tokens=MAX_TOKENS)
+    bind = {"VLLM_CPU_OMP_THREADS_BIND": TP_BIND}
+    res: dict[str, Any] = {"wl": wl}
+    with contextlib.ExitStack() as stack:
+        lmc = LMCacheServer(chunk_size=CHUNK, env=engine_env(None))
+        stack.callback(lmc.stop)
+        native = ApiServer(model, env=engine_env(None) | bind, prefix_caching=True,
+                           name="vllm-native-tp2", tensor_parallel_size=2)  # fmt: skip
+        stack.callback(native.stop)
+        metrics_port = free_port()
+        env = engine_env("kvactors") | bind | {TAP_ENV: str(work / "tap"),
+                                               METRICS_ENV: str(metrics_port)}  # fmt: skip
+        lmc.wait_ready()
+        kv = ApiServer(model, env=env, lmcache_port=lmc.port, name="vllm-kvactors-tp2",
+                       tensor_parallel_size=2)  # fmt: skip
+        stack.callback(kv.stop)
+        native.wait_ready()
+        kv.wait_ready()
+        for name, srv in (("native", native), ("kvactors", kv)):
+            res[name] = [
+                srv.complete(list(p.tokens), max_tokens=MAX_TOKENS) for p in (*wl.store, *wl.warm)
+            ]
+        res["tap"] = read_reports(work / "tap")
+        # rank r listens on metrics_port + r (its torch.distributed rank: vLLM sets no variable)
+        res["metrics"] = [_scrape(metrics_port + rank) for rank in (0, 1)]
+    record("item3-tp2", {"requests": 2 * len(res["native"]),
+                         "hits": [a.hit for a in res["kvactors"][len(wl.store):]],
+                         "tap": tap_totals(res["tap"])})  # fmt: skip
+    return res
+
+
+@pytest.mark.timeout(900)
+def test_two_tp_workers_each_move_their_heads_bit_identical_to_native(tp: dict[str, Any]) -> None:
+    from kvactors_lmcache.serving.workload import CHUNK
+
+    wl = tp["wl"]
+    n_store = len(wl.store)
+    for p, n, k in zip(wl.warm, tp["native"][n_store:], tp["kvactors"][n_store:], strict=True):
+        assert n.hit == k.hit == p.expected_hit, p.label
+    for n, k in zip(tp["native"], tp["kvactors"], strict=True):
+        assert n.bits() == k.bits()
+    hits = sum(k.hit for k in tp["kvactors"][n_store:])
+    reports = tp["tap"]
+    assert len({r["pid"] for r in reports}) == 2  # one tapped ops instance per worker process
+    for r in reports:
+        assert r["chunks_restored"] * CHUNK == hits > 0  # each rank restores its heads of all
+        assert r["chunks_compared"] == r["chunks_restored"]
+        assert r["chunks_unknown"] == 0
+        assert r["mismatches"] == []
+        assert r["differential_mismatches"] == []
+    calls = sorted(r["op_calls"]["store"] + r["op_calls"]["retrieve"] for r in reports)
+    assert sorted(_ok(m) for m in tp["metrics"]) == calls  # each rank's endpoint, its transfers
