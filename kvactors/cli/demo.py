@@ -22,10 +22,10 @@ import torch
 from kvactors.actors.group import DeviceStatistics
 from kvactors.cli._devenv import device_env
 from kvactors.cli._workload import Geometry, Request, chunk_content, chunk_object, make_requests
-from kvactors.cli.validate import KVDump, compare_kv
 from kvactors.core.layouts import Direction, KVFormat, ShapeDesc
 from kvactors.core.plans import TransferRequest
 from kvactors.errors import InvalidSettingError
+from kvactors.observe.kvdump import KVDump, compare_kv
 from kvactors.runtime import Runtime
 
 if TYPE_CHECKING:

@@ -20,7 +20,7 @@ SURFACE = [
     "kvactors.observe.logs",
     "kvactors.observe.trace",
     "kvactors.cli.validate",
-    "kvactors.cli.validate",
+    "kvactors.observe.kvdump",
     "kvactors.observe",
     "kvactors.core.plugins",
 ]

@@ -176,11 +176,11 @@ def test_documented_adapter_names_resolve(doc: pathlib.Path) -> None:
 def test_the_name_checker_sees_broken_names() -> None:
     text = (
         "python -m kvactors.cli.validate\npython -m kvactors.no_such\n"
-        "    from kvactors.cli.validate import dump_paged, nope\nimport kvactors.gone\n"
+        "    from kvactors.observe.kvdump import dump_paged, nope\nimport kvactors.gone\n"
         "see `kvactors.observe.metrics.snapshot` and `kvactors.observe.metrics.missing`\n"
     )
     assert _name_problems(text) == [
-        "from kvactors.cli.validate import nope",
+        "from kvactors.observe.kvdump import nope",
         "import kvactors.gone",
         "kvactors.gone",
         "kvactors.no_such",

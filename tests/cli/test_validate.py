@@ -10,9 +10,9 @@ import pytest
 import torch
 
 from kvactors.cli import main
-from kvactors.cli.validate import KVDump, compare_kv, dump_paged, load_dump, save_dump
 from kvactors.core.layouts import KVFormat
 from kvactors.errors import InvalidFileError
+from kvactors.observe.kvdump import KVDump, compare_kv, dump_paged, load_dump, save_dump
 
 if TYPE_CHECKING:
     import pathlib

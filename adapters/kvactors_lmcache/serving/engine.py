@@ -158,6 +158,7 @@ def main(argv: list[str] | None = None) -> int:
         "phases": {},
     }
     tap = None
+    ops: Any = None
     if spec.get("port"):
         from lmcache.v1.platform import resolve_device_ops
 
@@ -220,21 +221,20 @@ def main(argv: list[str] | None = None) -> int:
         elif phase == "preempt_batched":
             phases["preempt_batched"] = generate(short)
         elif phase == "bench":
-            _counters(result, tap)  # the checks' counters exclude the A/B pairs
+            _counters(result, tap, ops)  # the checks' counters exclude the A/B pairs
             phases["bench"] = _bench(spec, tap, generate, SamplingParams)
     if "tap" not in result:
-        _counters(result, tap)
+        _counters(result, tap, ops)
     out_path.write_text(json.dumps(result))
     return 0
 
 
-def _counters(result: dict[str, Any], tap: Any) -> None:
+def _counters(result: dict[str, Any], tap: Any, ops: Any) -> None:
     """The tap's report, kvactors' per-process call counts and its runtime's statistics."""
     if tap is not None:
         result["tap"] = tap.report()
-        from kvactors_lmcache.ops import transfer_counts
-
-        result["plugin_calls"] = transfer_counts()
+        served = getattr(ops, "served_transfers", None)  # kvactors' ops only
+        result["plugin_calls"] = served() if served is not None else {}
         if result["ops"].startswith("kvactors_lmcache."):
             from kvactors.runtime import get_runtime
 
