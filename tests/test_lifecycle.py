@@ -16,7 +16,7 @@ from typing import TYPE_CHECKING, Any
 import pytest
 import torch
 
-import kvactors.runtime as runtime_mod
+import kvactors.runtime._runtime as runtime_mod
 from kvactors.actors.actor import Actor, Envelope
 from kvactors.actors.group import DeviceActors
 from kvactors.core.layouts import Direction, KVFormat, ShapeDesc

@@ -514,15 +514,31 @@ class Actor(Generic[M]):
                     self._failed += 1
             # Signalled before the reply is: whatever the replied-to caller sends next is
             # handled after the loop heard that this actor went idle.
-            self._signal()
-            if exc is None:
-                env.resolve(value)
-            else:
-                env.fail(exc)
-                if env.reply is None:
-                    self.break_with(exc)
+            try:
+                self._signal()
+            finally:
+                if exc is None:
+                    env.resolve(value)
+                else:
+                    env.fail(exc)
+                    if env.reply is None and isinstance(exc, Exception):
+                        self.break_with(exc)
 
         return settle
+
+    def holds(self, env: Envelope[M]) -> bool:
+        """Whether ``env``'s reply was taken over (:meth:`defer`) and is not settled yet."""
+        return env in self._deferred
+
+    def forget(self, env: Envelope[M], exc: BaseException) -> None:
+        """Give up ``env`` (an interrupted turn): fail its reply with ``exc`` if it is not
+        settled, whether taken over or not, without breaking the actor."""
+        with self._mutex:
+            self._deferred.discard(env)
+        try:
+            self._signal()
+        finally:
+            env.fail(exc)
 
     def break_with(self, cause: BaseException) -> None:
         """Mark the actor broken: queued and later sends fail with ``ActorBrokenError``."""
@@ -586,6 +602,12 @@ class Actor(Generic[M]):
             else:
                 env.fail(exc)
             handled = True
+        except BaseException as exc:
+            # An interrupt (KeyboardInterrupt, SystemExit): a reply the handler did not take
+            # over fails with it; the interrupt goes on to the thread's caller as itself.
+            if env not in self._deferred:
+                env.fail(exc)
+            raise
         else:
             if result is not DEFERRED:
                 env.resolve(result)

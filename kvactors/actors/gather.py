@@ -62,7 +62,7 @@ from kvactors.errors import ActorClosedError, OperandTypeError, TransferAbandone
 from kvactors.kernels.fast import ScratchCache, reused_kernel, run_fast
 
 if TYPE_CHECKING:
-    from collections.abc import Callable
+    from collections.abc import Callable, Iterable
 
     from kvactors.actors.directory import StreamDirectory
 
@@ -164,7 +164,7 @@ class GatherActor(Actor[GatherRequest]):
         handed to its stream, so it may still land (the drain before gave it the timeout).
         Release the staging buffers."""
         with self._ledger_lock:
-            running, self._running = self._running, {}
+            running = dict(self._running)  # each leaves _running when its stream answers
         # Staging buffers go with the runtime (a kernel still running keeps its own).
         self._scratch.clear()
         device = f"{self.backend.kind}:{self.index}"
@@ -250,43 +250,51 @@ class GatherActor(Actor[GatherRequest]):
         nbytes = plan.nbytes
         touched = plan.touched_blocks
         launch = Launch(transfer_id=tid, nbytes=nbytes)
-        settle = self.defer(env)
-        with self._ledger_lock:
-            self._ledger.begin(tid, touched)
-            self._running[tid] = settle
         answer = TransferDone(transfer_id=tid, nbytes=nbytes, blocks=len(touched))
+        settle: Callable[[BaseException | None, Any], None]
 
         def on_done(exc: BaseException | None, _value: Any) -> None:
-            released = self._finish(tid, exc is None, nbytes)
-            if exc is None:
-                settle(None, answer)
-            elif msg.complete or env in self._deferred:  # not answered when enqueued
-                settle(exc, None)
-            else:
-                _log.error("transfer %d failed after it was enqueued: %s", tid, exc)
+            try:
+                released = self._finish(tid, exc is None, nbytes)
+            finally:
+                if exc is None:
+                    settle(None, answer)
+                elif msg.complete or self.holds(env):  # not answered when enqueued
+                    settle(exc, None)
+                elif isinstance(exc, Exception):
+                    _log.error("transfer %d failed after it was enqueued: %s", tid, exc)
             if released:
                 self._release(released)
 
-        # Answered once enqueued (complete=False): the lease stays with the stream and the
-        # blocks stay in the ledger until the device completed (own until done, fence
-        # before reuse).
-        on_enqueued = None if msg.complete else functools.partial(settle, None, answer)
-
-        # Own until done (rule 3): the lane keeps ``work`` until the device completed it, and
-        # with it ``kernel``, which references the operands (through ``torch_kernel``, which
-        # every backend kernel wraps, and the plan ticket's tensors). No separate keepalive.
-        work = Work(kernel, on_enqueued=on_enqueued)
+        # Every exit settles: until the stream holds the Launch, an exception or an interrupt
+        # fails the transfer here (its ledger entry ends); from then on the stream answers.
+        sent = False
         try:
-            self._send(msg.stream_handle, _Callback(on_done), launch, work, env.waiter)
-        except Exception as exc:
-            on_done(exc, None)
+            settle = self.defer(env)
+            self._begin(tid, touched, settle)
+            # Answered once enqueued (complete=False): the lease stays with the stream and
+            # the blocks stay in the ledger until the device completed (own until done,
+            # fence before reuse).
+            on_enqueued = None if msg.complete else functools.partial(settle, None, answer)
+            # Own until done (rule 3): the lane keeps ``work`` until the device completed it,
+            # and with it ``kernel``, which references the operands (through
+            # ``torch_kernel``, which every backend kernel wraps, and the plan ticket's
+            # tensors). No separate keepalive.
+            work = Work(kernel, on_enqueued=on_enqueued)
+            sent = self._send(msg.stream_handle, _Callback(on_done), launch, work, env.waiter)
+        except BaseException as exc:
+            if not sent and self.holds(env):
+                on_done(exc, None)
+            if not isinstance(exc, Exception):
+                raise
         return DEFERRED
 
     def _send(
         self, handle: int, reply: _Callback, launch: Launch, work: Work, waiter: Waiter | None
-    ) -> None:
-        # The caller waiting for the transfer waits for this Launch too: a busy stream may
-        # hand it the Launch's turn (see kvactors.actors.actor).
+    ) -> bool:
+        # True once the stream holds the Launch. The caller waiting for the transfer waits
+        # for this Launch too: a busy stream may hand it the Launch's turn (see
+        # kvactors.actors.actor).
         stream = self._streams.get(handle)
         try:
             stream.ask_into(reply, launch, work, waiter=waiter)
@@ -296,10 +304,19 @@ class GatherActor(Actor[GatherRequest]):
             # The directory retired that idle actor between the lookup and the send (it
             # refused the message, nothing ran): the handle's new actor takes it.
             self._streams.get(handle).ask_into(reply, launch, work, waiter=waiter)
+        return True
+
+    def _begin(
+        self, tid: int, touched: Iterable[int], settle: Callable[[BaseException | None, Any], None]
+    ) -> None:
+        with self._ledger_lock:
+            self._ledger.begin(tid, touched)
+            self._running[tid] = settle
 
     def _finish(self, tid: int, ok: bool, nbytes: int) -> list[int]:
         with self._ledger_lock:
-            self._running.pop(tid, None)
+            if self._running.pop(tid, None) is None:
+                return []  # never begun, or finished already
             released = self._ledger.finish(tid)
             if ok:
                 self.transfers_ok += 1

@@ -188,6 +188,9 @@ class StreamActor(Actor[StreamRequest]):
         return DEFERRED
 
     def _launch(self, env: Envelope[StreamRequest], msg: Launch) -> Any:
+        # Every exit settles the reply: answered, failed, or left to the reaper once the
+        # launch may have enqueued device work; an interrupt (KeyboardInterrupt, SystemExit)
+        # then propagates as itself.
         work = env.operands
         if not isinstance(work, Work):
             raise OperandTypeError(
@@ -204,19 +207,18 @@ class StreamActor(Actor[StreamRequest]):
             # The sender's thread, nothing ahead of it on the lane or the reaper, and work
             # that is complete once launched (CPU: its launch is the call itself): answered
             # in this turn, no reply deferred.
-            failure: BaseException | None = None
             try:
                 work.fn()
             except BaseException as exc:
-                failure = exc
-            del work
-            if failure is None:
-                return Launched(transfer_id=tid, nbytes=nbytes)
-            with self._mutex:
-                self._failed += 1
-            env.fail(_failed(failure, tid, device))
-            return DEFERRED
-        settle = self.defer(env)
+                with self._mutex:
+                    self._failed += 1
+                env.fail(_failed(exc, tid, device))
+                if isinstance(exc, Exception):
+                    return DEFERRED
+                raise
+            return Launched(transfer_id=tid, nbytes=nbytes)
+        entered = False  # the launch job ran (it settles the reply on every exit)
+        settle: Callable[[BaseException | None, Any], None]
 
         def done(err: BaseException | None) -> None:
             if err is None:
@@ -225,80 +227,136 @@ class StreamActor(Actor[StreamRequest]):
                 settle(_failed(err, tid, device), None)
 
         def launch() -> None:
-            lease = work
+            nonlocal entered
+            owned = False  # the reply was settled, or the reaper holds the lease
+            maybe = False  # the launch may have enqueued device work
             try:
+                entered = True
+                if not self.holds(env):
+                    return  # failed before it ran (an interrupted turn): never launched
                 if not here and lane.bind_error is not None:
                     raise lane.bind_error
-                backend.launch(stream, lease.fn)
+                maybe = True
+                failure: Exception | None = None
+                try:
+                    backend.launch(stream, work.fn)
+                except Exception as exc:
+                    # What the launch enqueued before it failed (a kernel failing between
+                    # two copies) still runs: keep the lease and report once the stream is
+                    # past it.
+                    failure = exc
                 marker = backend.record_marker(stream)
-            except BaseException as exc:
-                # What the launch enqueued before it failed (a kernel failing between two
-                # copies) still runs: keep the lease and report once the stream is past it.
-                failure = exc
-                try:
-                    marker = backend.record_marker(stream)
-                except Exception:
-                    done(failure)  # no marker to wait on
+                if failure is not None:
+                    lane.watch(marker, work, lambda _err: done(failure))
+                    owned = True
                     return
-                lane.watch(marker, lease, lambda _err: done(failure))
-                return
-            if enqueued is not None:
-                enqueued()
-            if marker.query() and lane.reaper_idle():
-                # Already complete (CPU work is, when launched) and nothing earlier is still
-                # watched: answer from here. The synchronize returns at once, and it is where
-                # a stream error surfaces.
-                err: BaseException | None = None
-                try:
-                    marker.synchronize()
-                except BaseException as exc:
-                    err = exc
-                del lease
-                done(err)
-                return
-            lane.watch(marker, lease, done)
+                if enqueued is not None:
+                    enqueued()
+                if marker.query() and lane.reaper_idle():
+                    # Already complete (CPU work is, when launched) and nothing earlier is
+                    # still watched: answer from here. The synchronize returns at once, and
+                    # it is where a stream error surfaces.
+                    err: BaseException | None = None
+                    try:
+                        marker.synchronize()
+                    except Exception as exc:
+                        err = exc
+                    done(err)
+                    owned = True
+                    return
+                lane.watch(marker, work, done)
+                owned = True
+            except BaseException as exc:
+                if not owned:
+                    self._salvage(work, done, exc, maybe)
+                if not isinstance(exc, Exception):
+                    raise
 
-        if here:
-            launch()  # the sender's thread: nothing queued on the lane is ahead of it
-        else:
-            lane.submit(launch)
+        try:
+            settle = self.defer(env)
+            if here:
+                launch()  # the sender's thread: nothing queued on the lane is ahead of it
+            else:
+                lane.submit(launch)
+        except BaseException as exc:
+            if not entered and self.holds(env):
+                done(exc)  # a job never submitted, or one that will find its reply failed
+            raise
         return DEFERRED
 
-    def _record(self, env: Envelope[StreamRequest], outbox: Outbox[Any], record: Any) -> None:
-        seq = outbox.reserve()
-        mine = (outbox, seq)
-        self._records.add(mine)
-        settle = self.defer(env)
-
-        def publish() -> None:
+    def _salvage(
+        self,
+        work: Work,
+        done: Callable[[BaseException | None], None],
+        exc: BaseException,
+        maybe: bool,
+    ) -> None:
+        # A launch that ended early: fail it, once the stream is past whatever it may have
+        # enqueued (the lease stays with the reaper until then).
+        if maybe:
             try:
-                self._synchronize()
-            except BaseException as exc:
-                outbox.withdraw(seq)
-                self._records.discard(mine)
-                settle(_sync_failed(exc, self._device), None)
+                marker = self.backend.record_marker(self.stream)
+            except Exception:
+                pass
+            else:
+                self.lane.watch(marker, work, lambda _err: done(exc))
                 return
-            outbox.publish(seq, record)
-            self._records.discard(mine)
-            settle(None, None)
+        done(exc)
 
-        self.lane.submit(publish)
+    def _record(self, env: Envelope[StreamRequest], outbox: Outbox[Any], record: Any) -> None:
+        # An interrupt before the publish job was queued withdraws the slot (counted), so
+        # the records behind it are not held back.
+        seq = -1
+        queued = False
+        try:
+            seq = outbox.reserve()
+            mine = (outbox, seq)
+            self._records.add(mine)
+            settle = self.defer(env)
+
+            def publish() -> None:
+                try:
+                    self._synchronize()
+                except BaseException as exc:
+                    outbox.withdraw(seq)
+                    self._records.discard(mine)
+                    settle(_sync_failed(exc, self._device), None)
+                    return
+                outbox.publish(seq, record)
+                self._records.discard(mine)
+                settle(None, None)
+
+            self.lane.submit(publish)
+            queued = True
+        except BaseException as exc:
+            if not queued:
+                if seq >= 0 and outbox.withdraw(seq):
+                    self._records.discard((outbox, seq))
+                self.forget(env, exc)
+            raise
 
     def _sync(self, env: Envelope[StreamRequest]) -> None:
         lane = self.lane
-        settle = self.defer(env)
+        queued = False
+        try:
+            settle = self.defer(env)
 
-        def sync() -> None:
-            try:
-                self._synchronize()
-            except BaseException as exc:
-                settle(_sync_failed(exc, self._device), None)
-                return
-            # Answer from the reaper, so every lease of earlier work is dropped first:
-            # whoever acts on the barrier (an IPC close) finds no host reference left.
-            lane.after_reaped(lambda: settle(None, Synced(completed=lane.completed)))
+            def sync() -> None:
+                try:
+                    self._synchronize()
+                except BaseException as exc:
+                    settle(_sync_failed(exc, self._device), None)
+                    return
+                # Answer from the reaper, so every lease of earlier work is dropped first:
+                # whoever acts on the barrier (an IPC close) finds no host reference left.
+                lane.after_reaped(lambda: settle(None, Synced(completed=lane.completed)))
 
-        lane.submit(sync)
+            lane.submit(sync)
+            queued = True
+        except BaseException as exc:
+            if not queued:
+                self.forget(env, exc)
+            raise
 
 
 async def _off_loop(fn: Callable[[float], bool], arg: float, name: str) -> bool:

@@ -255,8 +255,15 @@ class Runtime:
             if call is not None:
                 observers.started(call)  # admission: in mailbox order
             pick(actors).ask_into(reply, msg, operands, waiter=reply)
-        except BaseException as exc:
+        except Exception as exc:
             reply.set_exception(exc)
+        except BaseException as exc:
+            # An interrupt in the turn this thread ran (the turn settled what it held): it
+            # reaches the caller as itself, even when the reply was settled already.
+            self._outstanding.pop(reply, None)
+            if call is not None:
+                observers.finished(call, None, exc)
+            raise
         try:
             result = reply.wait(t, type(msg).__name__)
         except BaseException as exc:
