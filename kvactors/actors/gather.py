@@ -299,7 +299,7 @@ class GatherActor(Actor[GatherRequest]):
         try:
             stream.ask_into(reply, launch, work, waiter=waiter)
         except ActorClosedError:
-            if self._streams.peek(handle) is stream:
+            if not self._streams.replaced(stream):
                 raise
             # The directory retired that idle actor between the lookup and the send (it
             # refused the message, nothing ran): the handle's new actor takes it.

@@ -57,7 +57,7 @@ from kvactors.errors import (
 
 if TYPE_CHECKING:
     from kvactors.actors.outbox import Outbox
-    from kvactors.devices.base import Backend, StreamLike
+    from kvactors.devices.base import Backend, Marker, StreamLike
 
 __all__ = ("StreamActor", "Work")
 
@@ -121,6 +121,15 @@ class StreamActor(Actor[StreamRequest]):
         t0 = time.perf_counter()
         try:
             self.backend.synchronize(self.stream)
+        finally:
+            self.sync_seconds += time.perf_counter() - t0
+            self.syncs += 1
+
+    def _wait(self, marker: Marker) -> None:
+        # Runs on the lane thread: a record's marker, never the (borrowed) stream itself.
+        t0 = time.perf_counter()
+        try:
+            marker.synchronize()
         finally:
             self.sync_seconds += time.perf_counter() - t0
             self.syncs += 1
@@ -312,21 +321,33 @@ class StreamActor(Actor[StreamRequest]):
             seq = outbox.reserve()
             mine = (outbox, seq)
             self._records.add(mine)
+            marker = env.operands  # a borrowed stream's marker, recorded in the caller's call
+            env.operands = None
             settle = self.defer(env)
+            lane = self.lane
+
+            def published() -> None:
+                outbox.publish(seq, record)
+                self._records.discard(mine)
+                settle(None, None)
 
             def publish() -> None:
                 try:
-                    self._synchronize()
+                    if marker is None:
+                        self._synchronize()
+                    else:
+                        self._wait(marker)
                 except BaseException as exc:
                     outbox.withdraw(seq)
                     self._records.discard(mine)
                     settle(_sync_failed(exc, self._device), None)
                     return
-                outbox.publish(seq, record)
-                self._records.discard(mine)
-                settle(None, None)
+                if marker is None:
+                    published()  # the stream synchronized: everything before ran
+                else:
+                    lane.after_reaped(published)  # and kvactors' earlier launches completed
 
-            self.lane.submit(publish)
+            lane.submit(publish)
             queued = True
         except BaseException as exc:
             if not queued:

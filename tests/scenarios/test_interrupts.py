@@ -17,7 +17,7 @@ both fakes, for transfers answered at completion and at enqueue. After each inte
 from __future__ import annotations
 
 import contextlib
-import linecache
+import dis
 import sys
 import time
 import types
@@ -60,11 +60,16 @@ def _codes(*, kernel: bool) -> frozenset[types.CodeType]:
     return frozenset(found)
 
 
-def _is_try(frame: types.FrameType) -> bool:
-    # A ``try:`` line is a NOP, where CPython never checks for a pending signal (nor does
-    # the enclosing handler cover an exception a tracer raises there): no interrupt lands.
-    line = linecache.getline(frame.f_code.co_filename, frame.f_lineno)
-    return line.strip() == "try:"
+def _nop_lines(code: types.CodeType) -> frozenset[int]:
+    # Lines that start with a NOP (``try:``): CPython never checks for a pending signal there
+    # (nor does the enclosing handler cover an exception a tracer raises there), so no
+    # interrupt lands on them.
+    first: dict[int, str] = {}
+    for ins in dis.get_instructions(code):
+        line = ins.positions.lineno if ins.positions is not None else None
+        if line is not None and line not in first:
+            first[line] = ins.opname
+    return frozenset(line for line, op in first.items() if op == "NOP")
 
 
 class _Interrupt:
@@ -72,6 +77,7 @@ class _Interrupt:
 
     def __init__(self, codes: frozenset[types.CodeType], at: int, exc: type[BaseException]):
         self.codes, self.at, self.exc = codes, at, exc
+        self.skip = {code: _nop_lines(code) for code in codes}
         self.lines = 0
         self.fired: tuple[str, int] | None = None
 
@@ -79,7 +85,11 @@ class _Interrupt:
         return self._line if frame.f_code in self.codes else None
 
     def _line(self, frame: types.FrameType, event: str, arg: Any) -> Any:
-        if event == "line" and self.fired is None and not _is_try(frame):
+        if (
+            event == "line"
+            and self.fired is None
+            and frame.f_lineno not in self.skip.get(frame.f_code, ())
+        ):
             self.lines += 1
             if self.lines == self.at:
                 self.fired = (frame.f_code.co_name, frame.f_lineno)
