@@ -1,8 +1,9 @@
 """GatherActor: validate, plan and order gathers/scatters; own operands; fence block ids.
 
-Theory of operation. A ``Transfer`` is validated and planned on the event loop from tensor
-metadata alone (``plan_transfer`` reads shapes, strides, dtypes and devices, never data), so a
-bad request fails its ask before anything is enqueued (rule 5, fail closed). A valid plan
+Theory of operation. A ``Transfer`` is validated and planned in the GatherActor's turn (on
+the caller's thread when the actor is idle, see Threads below) from tensor metadata alone
+(``plan_transfer`` reads shapes, strides, dtypes and devices, never data), so a bad request
+fails its ask before anything is enqueued (rule 5, fail closed). A valid plan
 becomes one ``Launch`` on the StreamActor of the requested stream, with the kernel and the
 operands in its lease. The transfer enters the :class:`~kvactors.core.ordering.BlockLedger` on the
 blocks it touches and leaves it when the StreamActor answers, that is, after the device
@@ -56,8 +57,6 @@ from kvactors.core.protocols.gather import (
     TransferDone,
 )
 from kvactors.core.protocols.stream import Launch
-from kvactors.devices.base import Backend
-from kvactors.devices.cpu import completes_on_launch
 from kvactors.errors import ActorClosedError, OperandTypeError, TransferAbandonedError
 from kvactors.kernels.fast import ScratchCache, reused_kernel, run_fast
 
@@ -65,6 +64,7 @@ if TYPE_CHECKING:
     from collections.abc import Callable, Iterable
 
     from kvactors.actors.directory import StreamDirectory
+    from kvactors.devices.base import Backend
 
 __all__ = ("GatherActor", "TransferOperands")
 
@@ -136,17 +136,12 @@ class GatherActor(Actor[GatherRequest]):
         self.bytes_moved = 0
         self.transfers_ok = 0
         self.transfers_failed = 0
-        # Which of the backend's transfer hooks are the defaults, decided once: a backend
-        # whose launch runs the work at once (CPU) and that adds no layout rule or native
-        # kernel runs the specialised kernel of a reused plan.
-        cls = type(backend)
-        self._prepares = cls.prepare_transfer is not Backend.prepare_transfer
-        self._native = cls.transfer_kernel is not Backend.transfer_kernel
-        self._plain = (
-            cls.prepare_transfer is Backend.prepare_transfer
-            and cls.transfer_kernel is Backend.transfer_kernel
-            and completes_on_launch(backend)
-        )
+        # The backend's declared capabilities: a backend whose launch runs the work at once
+        # (CPU) and that adds no layout rule or native kernel runs the specialised kernel of
+        # a reused plan.
+        self._prepares = backend.prepares_transfers
+        self._native = backend.native_kernels
+        self._plain = backend.plain_transfers
 
     @property
     def inflight(self) -> int:

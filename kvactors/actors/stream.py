@@ -47,7 +47,6 @@ from kvactors.core.protocols.stream import (
     Sync,
     Synced,
 )
-from kvactors.devices.cpu import completes_on_launch
 from kvactors.errors import (
     DeviceOpError,
     OperandTypeError,
@@ -102,7 +101,7 @@ class StreamActor(Actor[StreamRequest]):
         self.index = index
         self.stream = stream
         self.lane = Lane(name, backend, index, stream)
-        self._completes = completes_on_launch(backend)
+        self._completes = backend.completes_on_launch
         self._completions = completions
         self._events = events
         self._stop_timeout = stop_timeout
