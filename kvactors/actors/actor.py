@@ -287,6 +287,25 @@ class Actor(Generic[M]):
         return self._state
 
     @property
+    def loop(self) -> asyncio.AbstractEventLoop | None:
+        """The loop the actor was started on (None before :meth:`start`)."""
+        return self._loop
+
+    def idle(self) -> bool:
+        """Whether the actor runs and holds nothing: no turn, no envelope, no reply."""
+        return (
+            self._state is ActorState.RUNNING
+            and not self._busy
+            and not self._fifo
+            and not self._deferred
+        )
+
+    def count_failure(self) -> None:
+        """Count a reply the subclass failed itself (in ``statistics().failed``)."""
+        with self._mutex:
+            self._failed += 1
+
+    @property
     def pending(self) -> int:
         """Envelopes queued plus replies taken over and not settled (counted by the bound)."""
         return len(self._fifo) + len(self._deferred)

@@ -215,7 +215,7 @@ class GatherActor(Actor[GatherRequest]):
             copy = self.backend.copy_
 
         torch_kernel: Callable[[], None]
-        loop = self._loop
+        loop = self.loop
         bound = None
         if memo is not None and loop is not None and _running_loop() is not loop:
             # A sender's thread, where the launch runs too: the kernel is bound now (a bind

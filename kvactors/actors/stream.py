@@ -35,7 +35,7 @@ from typing import TYPE_CHECKING, Any, final
 
 import msgspec
 
-from kvactors.actors.actor import DEFERRED, Actor, ActorState, Envelope, on_loop, unreachable
+from kvactors.actors.actor import DEFERRED, Actor, Envelope, on_loop, unreachable
 from kvactors.actors.lane import Lane
 from kvactors.core.protocols.stream import (
     EventRecord,
@@ -160,24 +160,14 @@ class StreamActor(Actor[StreamRequest]):
     def _signal(self) -> None:
         super()._signal()
         hook = self.on_idle
-        if (
-            hook is None
-            or self._busy
-            or self._fifo
-            or self._deferred
-            or self._state is not ActorState.RUNNING
-        ):
+        if hook is None or not self.idle():
             return
-        loop = self._loop
+        loop = self.loop
         if on_loop(loop):
             hook()
         elif loop is not None and not self.idle_noted:
             with contextlib.suppress(RuntimeError):  # a closed loop: nothing to retire
                 loop.call_soon_threadsafe(self._signal)
-
-    def idle(self) -> bool:
-        """Whether the actor holds nothing: no envelope queued, no reply outstanding."""
-        return self.state is ActorState.RUNNING and self.pending == 0 and not self._busy
 
     def receive(self, env: Envelope[StreamRequest]) -> Any:
         """Turn the message into one lane job, in mailbox order."""
@@ -209,7 +199,7 @@ class StreamActor(Actor[StreamRequest]):
         tid, nbytes, device = msg.transfer_id, msg.nbytes, self._device
         enqueued = work.on_enqueued
         work.on_enqueued = None
-        loop = self._loop
+        loop = self.loop
         here = (loop is None or _running_loop() is not loop) and lane.jobs_idle()
         if here and enqueued is None and self._completes and lane.reaper_idle():
             # The sender's thread, nothing ahead of it on the lane or the reaper, and work
@@ -218,8 +208,7 @@ class StreamActor(Actor[StreamRequest]):
             try:
                 work.fn()
             except BaseException as exc:
-                with self._mutex:
-                    self._failed += 1
+                self.count_failure()
                 env.fail(_failed(exc, tid, device))
                 if isinstance(exc, Exception):
                     return DEFERRED

@@ -60,19 +60,17 @@ class ReplyLock:
         if not self._done and next(self._claims) == 0:
             self._value = value
             self._done = True
-            self._wake()
+            try:  # noqa: SIM105 (the per-call path: no context manager)
+                self._lock.release()
+            except RuntimeError:  # a hand-off released it already
+                pass
 
     def set_exception(self, exc: BaseException) -> None:
         if not self._done and next(self._claims) == 0:
             self._exc = exc
             self._done = True
-            self._wake()
-
-    def _wake(self) -> None:
-        try:  # noqa: SIM105 (the per-call path: no context manager)
-            self._lock.release()
-        except RuntimeError:  # a hand-off released it already
-            pass
+            with contextlib.suppress(RuntimeError):  # a hand-off released it already
+                self._lock.release()
 
     def enlist(self) -> None:
         """A message of the caller queued (called on the caller's thread, before it waits):

@@ -367,8 +367,15 @@ class Runtime:
         msg = Transfer(
             transfer_id=tid, request=request, stream_handle=stream_handle, complete=complete
         )
+        # Rule 3 holds the tensors, not the caller's lists: see _operands (inlined here).
+        if isinstance(paged, list):
+            paged = (
+                tuple(map(tuple, paged)) if paged and isinstance(paged[0], list) else tuple(paged)
+            )
+        if isinstance(objects, list):
+            objects = tuple(objects)
         result: TransferDone = self._ask(
-            _gather, msg, _operands(paged, objects), timeout, stream_handle
+            _gather, msg, TransferOperands(paged, objects), timeout, stream_handle
         )
         return result
 
