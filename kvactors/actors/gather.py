@@ -32,7 +32,6 @@ with :class:`~kvactors.errors.TransferAbandonedError` (it may still land), never
 from __future__ import annotations
 
 import asyncio
-import contextlib
 import functools
 import itertools
 import logging
@@ -58,7 +57,8 @@ from kvactors.core.protocols.gather import (
 )
 from kvactors.core.protocols.stream import Launch
 from kvactors.errors import ActorClosedError, OperandTypeError, TransferAbandonedError
-from kvactors.kernels.fast import ScratchCache, reused_kernel, run_fast
+from kvactors.kernels.transfer import ScratchCache
+from kvactors.kernels.transfer import torch_kernel as make_kernel
 
 if TYPE_CHECKING:
     from collections.abc import Callable, Iterable
@@ -208,32 +208,23 @@ class GatherActor(Actor[GatherRequest]):
         # A plain backend's plan from the cache runs its specialised kernel (built where the
         # launch runs, never on the loop).
         memo = found.memo if self._plain else None
+        scratch = copy = None
         if memo is None:
             scratch = self._scratch.get(msg.stream_handle)
             if scratch is None:
                 scratch = self._scratch[msg.stream_handle] = ScratchCache()
             copy = self.backend.copy_
-
-        torch_kernel: Callable[[], None]
         loop = self.loop
-        bound = None
-        if memo is not None and loop is not None and _running_loop() is not loop:
-            # A sender's thread, where the launch runs too: the kernel is bound now (a bind
-            # that fails is bound again in the launch, which reports it as the copy's failure).
-            with contextlib.suppress(Exception):
-                bound = reused_kernel(plan, paged, objects, memo, inference=inference)
-        if bound is not None:
-            torch_kernel = functools.partial(bound, paged, objects)
-        else:
-
-            def torch_kernel() -> None:
-                if memo is not None:
-                    reused_kernel(plan, paged, objects, memo, inference=inference)(paged, objects)
-                    return
-                # Inference tensors (made under torch.inference_mode) are written only in it.
-                with torch.inference_mode(inference):
-                    run_fast(plan, paged, objects, copy=copy, scratch=scratch)
-
+        torch_kernel = make_kernel(
+            plan,
+            paged,
+            objects,
+            memo=memo,
+            inference=inference,
+            copy=copy,
+            scratch=scratch,
+            bind_now=memo is not None and loop is not None and _running_loop() is not loop,
+        )
         # The backend may put an opted-in native transfer first (it may decline).
         kernel = (
             self.backend.transfer_kernel(plan, paged, objects, torch_kernel)

@@ -28,6 +28,7 @@ import pytest
 from kvactors.actors.gather import GatherActor
 from kvactors.actors.stream import StreamActor
 from kvactors.core.layouts import Direction
+from kvactors.kernels import transfer as transfer_kernels
 from kvactors.runtime import Runtime
 from kvactors.testing import fake_vendor
 from kvactors.testing.manual import ManualBackend
@@ -47,7 +48,7 @@ def _codes(*, kernel: bool) -> frozenset[types.CodeType]:
     found: set[types.CodeType] = set()
 
     def walk(code: types.CodeType) -> None:
-        if code.co_name in _COMPLETION or (code.co_name == "torch_kernel" and not kernel):
+        if code.co_name in _COMPLETION:
             return
         found.add(code)
         for const in code.co_consts:
@@ -57,6 +58,8 @@ def _codes(*, kernel: bool) -> frozenset[types.CodeType]:
     for fn in (GatherActor.receive, GatherActor._transfer, StreamActor.receive):
         walk(fn.__code__)
     walk(StreamActor._launch.__code__)
+    if kernel:  # the torch kernel the transfer's launch runs
+        walk(transfer_kernels.torch_kernel.__code__)
     return frozenset(found)
 
 
