@@ -5,7 +5,8 @@ in a ``concurrent.futures.Future`` (:class:`~kvactors.runtime._bridge.FutureSlot
 settle from whichever thread saw the outcome. Made on a thread running an asyncio loop, the
 awaitable is ``asyncio.wrap_future`` of it. Made anywhere else (trio, or a plain thread whose
 reply is awaited later), it is :class:`Reply`, which picks the awaiting loop's wake-up when it
-is awaited: ``asyncio.wrap_future`` under asyncio, ``TrioToken.run_sync_soon`` under trio.
+is awaited: ``loop.call_soon_threadsafe`` under asyncio, ``TrioToken.run_sync_soon`` under
+trio.
 Either way the settling thread only schedules the wake-up, never waits for the awaiting loop,
 and cancelling the await drops the answer.
 """
@@ -40,8 +41,25 @@ class Reply(Generic[T]):
 
     def __await__(self) -> Generator[Any, None, T]:
         if asyncio._get_running_loop() is not None:
-            return asyncio.wrap_future(self._cf).__await__()
+            return self._asyncio_wait().__await__()
         return self._trio_wait().__await__()
+
+    async def _asyncio_wait(self) -> T:
+        cf = self._cf
+        loop = asyncio.get_running_loop()
+        fut: asyncio.Future[T] = loop.create_future()
+
+        def wake(_f: concurrent.futures.Future[T]) -> None:
+            # Schedules, from any thread (the loop's own included), and never waits.
+            with contextlib.suppress(RuntimeError):  # a closed loop: nobody awaits
+                loop.call_soon_threadsafe(_copy, cf, fut)
+
+        cf.add_done_callback(wake)
+        try:
+            return await fut
+        except BaseException:
+            cf.cancel()  # nobody wants the answer now
+            raise
 
     async def _trio_wait(self) -> T:
         import trio
@@ -65,6 +83,18 @@ class Reply(Generic[T]):
             cf.cancel()  # nobody wants the answer now
             raise
         return cf.result()
+
+
+def _copy(cf: concurrent.futures.Future[T], fut: asyncio.Future[T]) -> None:
+    # On the awaiting loop: the settled reply into the awaited future (unless cancelled).
+    if fut.done():
+        return
+    if cf.cancelled():
+        fut.cancel()
+    elif (exc := cf.exception()) is not None:
+        fut.set_exception(exc)
+    else:
+        fut.set_result(cf.result())
 
 
 def reply_awaitable(cf: concurrent.futures.Future[T]) -> Awaitable[T]:
