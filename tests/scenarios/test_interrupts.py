@@ -5,7 +5,8 @@ handler) lands on the thread that runs a turn, which is the caller's own thread 
 actors are idle. The test delivers one at the N-th line the caller's thread executes in the
 GatherActor's and the StreamActor's turn functions (``sys.settrace`` on their code objects),
 for N = 1, 2, ... until a transfer runs without reaching line N, on CPU, ManualBackend and
-both fakes, for transfers answered at completion and at enqueue. After each interrupt:
+both fakes, for transfers answered at completion and at enqueue (and the same for a record's
+and a synchronize's stream turn on CPU and ManualBackend). After each interrupt:
 
 - the caller saw that exception, as itself (never a ``TransferFailedError``);
 - a fence on the transfer's blocks returns, nothing is in flight, no reply is held;
@@ -176,3 +177,66 @@ def test_an_interrupt_at_any_line_of_a_turn_reaches_the_caller_and_leaves_nothin
         while _one(kind, fake, at, complete):
             at += 1
         assert at > 10, f"only {at - 1} lines traced: the turn functions were not reached"
+
+
+def _record_once(kind: str, at: int, call: str) -> bool:
+    """Interrupt line ``at`` of a record's or a synchronize's stream turn."""
+    exc = KeyboardInterrupt if at % 2 else SystemExit
+    rt = Runtime(_backend(kind), stop_timeout=_STOP).start()
+    where = f"{kind} {call} line {at}"
+    try:
+        rt.record_completion(0, "warm", b"0")
+        rt.synchronize(0)
+        assert rt.drain_completions() == [("warm", b"0")]
+        trace = _Interrupt(_record_codes(), at, exc)
+        raised = False
+        sys.settrace(trace)
+        try:
+            if call == "record":
+                rt.record_completion(0, "cut", b"1")
+            else:
+                rt.synchronize(0)
+        except exc:
+            raised = True
+        finally:
+            sys.settrace(None)
+        if trace.fired is None:
+            assert not raised, f"{where}: raised without the interrupt"
+            return False
+        assert raised, f"{where} {trace.fired}: the interrupt did not reach the caller"
+        rt.record_completion(0, "after", b"2")
+        rt.synchronize(0)
+        drained = rt.drain_completions()
+        assert drained, f"{where}: a later record is held back"
+        assert drained[-1] == ("after", b"2"), (where, drained)
+        # The interrupted record was published, withdrawn (counted), or never reserved.
+        cut = 1 if call == "record" else 0
+        assert len(drained) - 1 + rt.records_withdrawn <= cut, (where, drained)
+        stats = rt.statistics()
+        assert stats.completions_pending == 0, (where, stats)
+        for actor in stats.actors:
+            assert actor.deferred_pending == 0, (where, actor)
+            assert actor.mailbox_depth == 0, (where, actor)
+    finally:
+        t0 = time.monotonic()
+        rt.close()
+        waited = time.monotonic() - t0
+    assert waited < _STOP, f"{where}: close() waited out its stop timeout"
+    return True
+
+
+def _record_codes() -> frozenset[types.CodeType]:
+    return frozenset(
+        fn.__code__ for fn in (StreamActor.receive, StreamActor._record, StreamActor._sync)
+    )
+
+
+@pytest.mark.parametrize("call", ["record", "synchronize"])
+@pytest.mark.parametrize("kind", ["cpu", "manual"])
+def test_an_interrupt_at_any_line_of_a_record_or_sync_turn_loses_and_holds_nothing(
+    kind: str, call: str
+) -> None:
+    at = 1
+    while _record_once(kind, at, call):
+        at += 1
+    assert at > 3, f"only {at - 1} lines traced: the turn functions were not reached"
