@@ -2,17 +2,29 @@
 
 from __future__ import annotations
 
+import asyncio
+import concurrent.futures
+import contextlib
+import threading
+from typing import TYPE_CHECKING, Any
+
 import anyio
 import pytest
 import torch
 
 from kvactors.core.layouts import Direction
+from kvactors.core.protocols.gather import Pong
 from kvactors.errors import TransferValidationError
 from kvactors.runtime import Runtime
+from kvactors.runtime._awaitable import reply_awaitable
 from tests.scenarios._kv import expected_gather, objects, paged, request, same
+
+if TYPE_CHECKING:
+    from collections.abc import Callable
 
 pytest.importorskip("trio")
 IDS = (3, 5)
+_HANG = 10.0  # bounds a wait only a hang exhausts; never decides a result
 
 
 @pytest.mark.parametrize("backend", ["asyncio", "trio"])
@@ -57,3 +69,76 @@ def test_a_cancelled_trio_await_drops_the_answer() -> None:
             assert (await rt.afence(IDS)).block_ids == IDS  # the runtime still serves
 
         anyio.run(main, backend="trio")
+
+
+def _in_thread(fn: Callable[[], object]) -> object:
+    # Runs ``fn`` on a thread of its own; a hang (the bug these tests guard) fails the join.
+    box: list[object] = []
+    t = threading.Thread(target=lambda: box.append(fn()), daemon=True)
+    t.start()
+    t.join(_HANG)
+    assert not t.is_alive(), "the awaiting loop hung"
+    return box[0]
+
+
+def test_a_reply_made_off_loop_and_awaited_under_asyncio_never_blocks_the_loop() -> None:
+    """An ``a*`` call made on a plain thread (no loop there) and awaited under asyncio: a
+    reply settled already, one settled while awaited, and a cancelled await all return."""
+    with Runtime("cpu") as rt:
+        settled = rt.aping(1)
+        assert _in_thread(lambda: asyncio.run(_await_value(settled))) == Pong(seq=1)
+
+    pending: concurrent.futures.Future[int] = concurrent.futures.Future()
+    reply = reply_awaitable(pending)  # made here: no running loop on this thread
+
+    async def settled_while_awaited() -> int:
+        waiter = asyncio.ensure_future(_await_value(reply))
+        await asyncio.sleep(0)  # the await is parked on the reply
+        threading.Thread(target=pending.set_result, args=(7,)).start()
+        return await waiter
+
+    assert _in_thread(lambda: asyncio.run(settled_while_awaited())) == 7
+
+    never: concurrent.futures.Future[int] = concurrent.futures.Future()
+    dropped = reply_awaitable(never)
+
+    async def cancelled() -> str:
+        waiter = asyncio.ensure_future(_await_value(dropped))
+        await asyncio.sleep(0)
+        waiter.cancel()  # cancels the reply's future on the loop's own thread
+        with contextlib.suppress(asyncio.CancelledError):
+            await waiter
+        return "cancelled"
+
+    assert _in_thread(lambda: asyncio.run(cancelled())) == "cancelled"
+    assert never.cancelled()
+
+
+def test_settling_a_trio_reply_never_waits_for_the_trio_loop() -> None:
+    """The thread that settles a reply awaited under trio only schedules the wake-up: it
+    returns while trio's own thread is blocked (waiting for that very thread)."""
+    trio = pytest.importorskip("trio")
+    trio_testing = pytest.importorskip("trio.testing")
+    cf: concurrent.futures.Future[int] = concurrent.futures.Future()
+    reply = reply_awaitable(cf)
+
+    async def main() -> int:
+        got: list[int] = []
+
+        async def wait() -> None:
+            got.append(await reply)  # type: ignore[misc]
+
+        async with trio.open_nursery() as nursery:
+            nursery.start_soon(wait)
+            await trio_testing.wait_all_tasks_blocked()
+            settler = threading.Thread(target=cf.set_result, args=(3,))
+            settler.start()
+            settler.join(_HANG)  # blocks trio's thread: a settle that waits for it hangs
+            assert not settler.is_alive(), "the settling thread waited for trio's loop"
+        return got[0]
+
+    assert trio.run(main) == 3
+
+
+async def _await_value(reply: Any) -> Any:
+    return await reply

@@ -4,6 +4,7 @@ from __future__ import annotations
 
 import asyncio
 import threading
+from typing import Any
 
 import pytest
 import torch
@@ -315,3 +316,24 @@ def test_f1_ipc_owner_kept_open_when_the_sync_before_its_close_times_out() -> No
         backend.release()
         rt.close()
         shared.close()
+
+
+def test_backends_declare_the_capabilities_the_actors_read() -> None:
+    """The actors read a backend's declared capabilities: the CPU backend completes on
+    launch; a subclass replacing launch (ManualBackend) does not, one adding layout rules or
+    a native kernel says so, and only a plain backend runs the specialised kernel."""
+    from kvactors.devices.cpu import CpuBackend
+    from kvactors.testing.manual import ManualBackend
+
+    class Rules(CpuBackend):
+        def prepare_transfer(self, request: Any, paged: Any, objects: Any) -> Any:
+            return request, paged, objects
+
+    cpu, manual, rules = CpuBackend(), ManualBackend(), Rules()
+    assert cpu.completes_on_launch
+    assert cpu.plain_transfers
+    assert not manual.completes_on_launch
+    assert not manual.plain_transfers
+    assert rules.completes_on_launch
+    assert rules.prepares_transfers
+    assert not rules.plain_transfers

@@ -5,22 +5,33 @@ ordering an actor promises, and the actors built on this class derive their safe
 it. ``receive`` is synchronous and short: it answers at once (returns a value) or takes the
 reply over (returns :data:`DEFERRED`) and settles it later, from any thread.
 
-Who runs a turn. A sender that finds the actor idle (no turn running, nothing queued) runs the
-turn itself, on its own thread, when it is the actor's loop thread or when the actor takes
-turns on any thread (``turns_anywhere``); otherwise the envelope waits in the FIFO. A turn
-claimed by a thread that is inside a turn already runs right after that turn, on the same
-thread (the outer turn is released first; the claimed one holds its place in FIFO order).
+Who runs a turn: the turn's states and every transition, each made under the actor's lock
+(``_busy``, the FIFO and the lifecycle state are all there is; the Waiter decides a hand-off).
 
-When a turn ends (on any thread, or in the actor's task on the loop) the turn passes to the
-FIFO head: if that envelope's sender is a :class:`Waiter` (a thread that sleeps until its reply
-anyway) of an actor that takes turns anywhere, the turn is *handed* to that thread, which
-wakes, runs it and goes back to waiting; otherwise the actor's task on the loop runs it. A
-waiter that left (its deadline passed) refuses the hand-off, and the task runs its envelope.
-Either way FIFO holds: a turn is claimed under the actor's lock, and a message that arrives
-during a turn queues behind it. An idle actor is cheap to reach and a busy one costs no trip
-through the loop, with the same code, events and statistics in every case. Reply slots must
-accept a settle from any thread (:class:`~kvactors.runtime._bridge.ReplyLock`, the loop-bound slot
-:meth:`Actor.ask_nowait` makes).
+=========  ======================================================  ===========================
+state      event                                                   next
+=========  ======================================================  ===========================
+IDLE       a send from a thread that may run turns (the loop's,    CLAIMED: the sender runs it
+           or any thread when ``turns_anywhere``)                  now (or right after its own
+                                                                   turn, if it is inside one)
+IDLE       any other send (``here=False``: an ``a*`` call; or a    QUEUED; the task is woken
+           foreign thread of a loop-only actor)
+CLAIMED    a send                                                  CLAIMED; it is QUEUED behind
+CLAIMED    the turn ends, nothing queued                           IDLE
+CLAIMED    the turn ends; the FIFO head's sender is a waiting      HANDED to that thread
+           :class:`Waiter` of a ``turns_anywhere`` actor
+CLAIMED    the turn ends; any other head (or the waiter left)      QUEUED; the task runs it
+HANDED     the woken sender runs its own envelope                  CLAIMED
+any        stop / break_with                                       queued asks fail; sends
+                                                                   are refused
+=========  ======================================================  ===========================
+
+An interrupt (``KeyboardInterrupt``, ``SystemExit``) in a turn fails the envelope's reply
+unless the subclass took it over (it settles what it holds, see ``forget``), gives back the
+turns claimed inside it, and goes on to the thread's caller. FIFO holds in every row: a
+message that arrives during a turn queues behind it. Reply slots accept a settle from any
+thread, the first one winning (:class:`~kvactors.runtime._bridge.ReplyLock`, the loop-bound
+slot :meth:`Actor.ask_nowait` makes).
 
 The bound counts what the actor holds: envelopes queued plus replies it took over and has
 not settled yet. A send past the bound raises :class:`~kvactors.errors.MailboxFullError`
@@ -287,6 +298,25 @@ class Actor(Generic[M]):
         return self._state
 
     @property
+    def loop(self) -> asyncio.AbstractEventLoop | None:
+        """The loop the actor was started on (None before :meth:`start`)."""
+        return self._loop
+
+    def idle(self) -> bool:
+        """Whether the actor runs and holds nothing: no turn, no envelope, no reply."""
+        return (
+            self._state is ActorState.RUNNING
+            and not self._busy
+            and not self._fifo
+            and not self._deferred
+        )
+
+    def count_failure(self) -> None:
+        """Count a reply the subclass failed itself (in ``statistics().failed``)."""
+        with self._mutex:
+            self._failed += 1
+
+    @property
     def pending(self) -> int:
         """Envelopes queued plus replies taken over and not settled (counted by the bound)."""
         return len(self._fifo) + len(self._deferred)
@@ -514,15 +544,31 @@ class Actor(Generic[M]):
                     self._failed += 1
             # Signalled before the reply is: whatever the replied-to caller sends next is
             # handled after the loop heard that this actor went idle.
-            self._signal()
-            if exc is None:
-                env.resolve(value)
-            else:
-                env.fail(exc)
-                if env.reply is None:
-                    self.break_with(exc)
+            try:
+                self._signal()
+            finally:
+                if exc is None:
+                    env.resolve(value)
+                else:
+                    env.fail(exc)
+                    if env.reply is None and isinstance(exc, Exception):
+                        self.break_with(exc)
 
         return settle
+
+    def holds(self, env: Envelope[M]) -> bool:
+        """Whether ``env``'s reply was taken over (:meth:`defer`) and is not settled yet."""
+        return env in self._deferred
+
+    def forget(self, env: Envelope[M], exc: BaseException) -> None:
+        """Give up ``env`` (an interrupted turn): fail its reply with ``exc`` if it is not
+        settled, whether taken over or not, without breaking the actor."""
+        with self._mutex:
+            self._deferred.discard(env)
+        try:
+            self._signal()
+        finally:
+            env.fail(exc)
 
     def break_with(self, cause: BaseException) -> None:
         """Mark the actor broken: queued and later sends fail with ``ActorBrokenError``."""
@@ -586,6 +632,12 @@ class Actor(Generic[M]):
             else:
                 env.fail(exc)
             handled = True
+        except BaseException as exc:
+            # An interrupt (KeyboardInterrupt, SystemExit): a reply the handler did not take
+            # over fails with it; the interrupt goes on to the thread's caller as itself.
+            if env not in self._deferred:
+                env.fail(exc)
+            raise
         else:
             if result is not DEFERRED:
                 env.resolve(result)

@@ -13,6 +13,7 @@ from __future__ import annotations
 import asyncio
 import collections
 import threading
+import weakref
 from typing import TYPE_CHECKING
 
 from kvactors.actors.stream import StreamActor
@@ -58,6 +59,7 @@ class StreamDirectory:
         )
         self._retiring: set[asyncio.Task[None]] = set()
         self._listeners: list[Callable[[int], None]] = []
+        self._retired: weakref.WeakSet[StreamActor] = weakref.WeakSet()
         self._closed = False
         self._lock = threading.Lock()
         self._loop: asyncio.AbstractEventLoop | None = None
@@ -96,6 +98,12 @@ class StreamDirectory:
                 actor.on_idle = lambda: self._went_idle(handle)
             self._actors[handle] = actor
             return actor
+
+    def replaced(self, actor: object) -> bool:
+        """Whether ``actor`` is a StreamActor this directory retired: a message it refused
+        (nothing ran) goes to its handle's new actor without changing any order."""
+        with self._lock:  # retirement closes and forgets an actor under this lock
+            return actor in self._retired
 
     def peek(self, handle: int) -> StreamActor | None:
         """The StreamActor of ``handle`` if one runs (any thread; never creates one)."""
@@ -153,6 +161,7 @@ class StreamDirectory:
             if not actor.close_if_idle():  # used again meanwhile: keep it
                 return
             del self._actors[handle]
+            self._retired.add(actor)
         self.retired += 1
         task = asyncio.get_running_loop().create_task(
             actor.stop(graceful=True, timeout=self._stop_timeout), name=f"retire:{actor.name}"

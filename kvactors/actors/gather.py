@@ -1,8 +1,9 @@
 """GatherActor: validate, plan and order gathers/scatters; own operands; fence block ids.
 
-Theory of operation. A ``Transfer`` is validated and planned on the event loop from tensor
-metadata alone (``plan_transfer`` reads shapes, strides, dtypes and devices, never data), so a
-bad request fails its ask before anything is enqueued (rule 5, fail closed). A valid plan
+Theory of operation. A ``Transfer`` is validated and planned in the GatherActor's turn (on
+the caller's thread when the actor is idle, see Threads below) from tensor metadata alone
+(``plan_transfer`` reads shapes, strides, dtypes and devices, never data), so a bad request
+fails its ask before anything is enqueued (rule 5, fail closed). A valid plan
 becomes one ``Launch`` on the StreamActor of the requested stream, with the kernel and the
 operands in its lease. The transfer enters the :class:`~kvactors.core.ordering.BlockLedger` on the
 blocks it touches and leaves it when the StreamActor answers, that is, after the device
@@ -31,7 +32,6 @@ with :class:`~kvactors.errors.TransferAbandonedError` (it may still land), never
 from __future__ import annotations
 
 import asyncio
-import contextlib
 import functools
 import itertools
 import logging
@@ -56,15 +56,15 @@ from kvactors.core.protocols.gather import (
     TransferDone,
 )
 from kvactors.core.protocols.stream import Launch
-from kvactors.devices.base import Backend
-from kvactors.devices.cpu import completes_on_launch
 from kvactors.errors import ActorClosedError, OperandTypeError, TransferAbandonedError
-from kvactors.kernels.fast import ScratchCache, reused_kernel, run_fast
+from kvactors.kernels.transfer import ScratchCache
+from kvactors.kernels.transfer import torch_kernel as make_kernel
 
 if TYPE_CHECKING:
-    from collections.abc import Callable
+    from collections.abc import Callable, Iterable
 
     from kvactors.actors.directory import StreamDirectory
+    from kvactors.devices.base import Backend
 
 __all__ = ("GatherActor", "TransferOperands")
 
@@ -136,17 +136,12 @@ class GatherActor(Actor[GatherRequest]):
         self.bytes_moved = 0
         self.transfers_ok = 0
         self.transfers_failed = 0
-        # Which of the backend's transfer hooks are the defaults, decided once: a backend
-        # whose launch runs the work at once (CPU) and that adds no layout rule or native
-        # kernel runs the specialised kernel of a reused plan.
-        cls = type(backend)
-        self._prepares = cls.prepare_transfer is not Backend.prepare_transfer
-        self._native = cls.transfer_kernel is not Backend.transfer_kernel
-        self._plain = (
-            cls.prepare_transfer is Backend.prepare_transfer
-            and cls.transfer_kernel is Backend.transfer_kernel
-            and completes_on_launch(backend)
-        )
+        # The backend's declared capabilities: a backend whose launch runs the work at once
+        # (CPU) and that adds no layout rule or native kernel runs the specialised kernel of
+        # a reused plan.
+        self._prepares = backend.prepares_transfers
+        self._native = backend.native_kernels
+        self._plain = backend.plain_transfers
 
     @property
     def inflight(self) -> int:
@@ -164,7 +159,7 @@ class GatherActor(Actor[GatherRequest]):
         handed to its stream, so it may still land (the drain before gave it the timeout).
         Release the staging buffers."""
         with self._ledger_lock:
-            running, self._running = self._running, {}
+            running = dict(self._running)  # each leaves _running when its stream answers
         # Staging buffers go with the runtime (a kernel still running keeps its own).
         self._scratch.clear()
         device = f"{self.backend.kind}:{self.index}"
@@ -213,32 +208,23 @@ class GatherActor(Actor[GatherRequest]):
         # A plain backend's plan from the cache runs its specialised kernel (built where the
         # launch runs, never on the loop).
         memo = found.memo if self._plain else None
+        scratch = copy = None
         if memo is None:
             scratch = self._scratch.get(msg.stream_handle)
             if scratch is None:
                 scratch = self._scratch[msg.stream_handle] = ScratchCache()
             copy = self.backend.copy_
-
-        torch_kernel: Callable[[], None]
-        loop = self._loop
-        bound = None
-        if memo is not None and loop is not None and _running_loop() is not loop:
-            # A sender's thread, where the launch runs too: the kernel is bound now (a bind
-            # that fails is bound again in the launch, which reports it as the copy's failure).
-            with contextlib.suppress(Exception):
-                bound = reused_kernel(plan, paged, objects, memo, inference=inference)
-        if bound is not None:
-            torch_kernel = functools.partial(bound, paged, objects)
-        else:
-
-            def torch_kernel() -> None:
-                if memo is not None:
-                    reused_kernel(plan, paged, objects, memo, inference=inference)(paged, objects)
-                    return
-                # Inference tensors (made under torch.inference_mode) are written only in it.
-                with torch.inference_mode(inference):
-                    run_fast(plan, paged, objects, copy=copy, scratch=scratch)
-
+        loop = self.loop
+        torch_kernel = make_kernel(
+            plan,
+            paged,
+            objects,
+            memo=memo,
+            inference=inference,
+            copy=copy,
+            scratch=scratch,
+            bind_now=memo is not None and loop is not None and _running_loop() is not loop,
+        )
         # The backend may put an opted-in native transfer first (it may decline).
         kernel = (
             self.backend.transfer_kernel(plan, paged, objects, torch_kernel)
@@ -250,56 +236,73 @@ class GatherActor(Actor[GatherRequest]):
         nbytes = plan.nbytes
         touched = plan.touched_blocks
         launch = Launch(transfer_id=tid, nbytes=nbytes)
-        settle = self.defer(env)
-        with self._ledger_lock:
-            self._ledger.begin(tid, touched)
-            self._running[tid] = settle
         answer = TransferDone(transfer_id=tid, nbytes=nbytes, blocks=len(touched))
+        settle: Callable[[BaseException | None, Any], None]
 
         def on_done(exc: BaseException | None, _value: Any) -> None:
-            released = self._finish(tid, exc is None, nbytes)
-            if exc is None:
-                settle(None, answer)
-            elif msg.complete or env in self._deferred:  # not answered when enqueued
-                settle(exc, None)
-            else:
-                _log.error("transfer %d failed after it was enqueued: %s", tid, exc)
+            try:
+                released = self._finish(tid, exc is None, nbytes)
+            finally:
+                if exc is None:
+                    settle(None, answer)
+                elif msg.complete or self.holds(env):  # not answered when enqueued
+                    settle(exc, None)
+                elif isinstance(exc, Exception):
+                    _log.error("transfer %d failed after it was enqueued: %s", tid, exc)
             if released:
                 self._release(released)
 
-        # Answered once enqueued (complete=False): the lease stays with the stream and the
-        # blocks stay in the ledger until the device completed (own until done, fence
-        # before reuse).
-        on_enqueued = None if msg.complete else functools.partial(settle, None, answer)
-
-        # Own until done (rule 3): the lane keeps ``work`` until the device completed it, and
-        # with it ``kernel``, which references the operands (through ``torch_kernel``, which
-        # every backend kernel wraps, and the plan ticket's tensors). No separate keepalive.
-        work = Work(kernel, on_enqueued=on_enqueued)
+        # Every exit settles: until the stream holds the Launch, an exception or an interrupt
+        # fails the transfer here (its ledger entry ends); from then on the stream answers.
+        sent = False
         try:
-            self._send(msg.stream_handle, _Callback(on_done), launch, work, env.waiter)
-        except Exception as exc:
-            on_done(exc, None)
+            settle = self.defer(env)
+            self._begin(tid, touched, settle)
+            # Answered once enqueued (complete=False): the lease stays with the stream and
+            # the blocks stay in the ledger until the device completed (own until done,
+            # fence before reuse).
+            on_enqueued = None if msg.complete else functools.partial(settle, None, answer)
+            # Own until done (rule 3): the lane keeps ``work`` until the device completed it,
+            # and with it ``kernel``, which references the operands (through
+            # ``torch_kernel``, which every backend kernel wraps, and the plan ticket's
+            # tensors). No separate keepalive.
+            work = Work(kernel, on_enqueued=on_enqueued)
+            sent = self._send(msg.stream_handle, _Callback(on_done), launch, work, env.waiter)
+        except BaseException as exc:
+            if not sent and self.holds(env):
+                on_done(exc, None)
+            if not isinstance(exc, Exception):
+                raise
         return DEFERRED
 
     def _send(
         self, handle: int, reply: _Callback, launch: Launch, work: Work, waiter: Waiter | None
-    ) -> None:
-        # The caller waiting for the transfer waits for this Launch too: a busy stream may
-        # hand it the Launch's turn (see kvactors.actors.actor).
+    ) -> bool:
+        # True once the stream holds the Launch. The caller waiting for the transfer waits
+        # for this Launch too: a busy stream may hand it the Launch's turn (see
+        # kvactors.actors.actor).
         stream = self._streams.get(handle)
         try:
             stream.ask_into(reply, launch, work, waiter=waiter)
         except ActorClosedError:
-            if self._streams.peek(handle) is stream:
+            if not self._streams.replaced(stream):
                 raise
             # The directory retired that idle actor between the lookup and the send (it
             # refused the message, nothing ran): the handle's new actor takes it.
             self._streams.get(handle).ask_into(reply, launch, work, waiter=waiter)
+        return True
+
+    def _begin(
+        self, tid: int, touched: Iterable[int], settle: Callable[[BaseException | None, Any], None]
+    ) -> None:
+        with self._ledger_lock:
+            self._ledger.begin(tid, touched)
+            self._running[tid] = settle
 
     def _finish(self, tid: int, ok: bool, nbytes: int) -> list[int]:
         with self._ledger_lock:
-            self._running.pop(tid, None)
+            if self._running.pop(tid, None) is None:
+                return []  # never begun, or finished already
             released = self._ledger.finish(tid)
             if ok:
                 self.transfers_ok += 1

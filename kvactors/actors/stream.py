@@ -35,7 +35,7 @@ from typing import TYPE_CHECKING, Any, final
 
 import msgspec
 
-from kvactors.actors.actor import DEFERRED, Actor, ActorState, Envelope, on_loop, unreachable
+from kvactors.actors.actor import DEFERRED, Actor, Envelope, on_loop, unreachable
 from kvactors.actors.lane import Lane
 from kvactors.core.protocols.stream import (
     EventRecord,
@@ -47,7 +47,6 @@ from kvactors.core.protocols.stream import (
     Sync,
     Synced,
 )
-from kvactors.devices.cpu import completes_on_launch
 from kvactors.errors import (
     DeviceOpError,
     OperandTypeError,
@@ -57,7 +56,7 @@ from kvactors.errors import (
 
 if TYPE_CHECKING:
     from kvactors.actors.outbox import Outbox
-    from kvactors.devices.base import Backend, StreamLike
+    from kvactors.devices.base import Backend, Marker, StreamLike
 
 __all__ = ("StreamActor", "Work")
 
@@ -102,7 +101,7 @@ class StreamActor(Actor[StreamRequest]):
         self.index = index
         self.stream = stream
         self.lane = Lane(name, backend, index, stream)
-        self._completes = completes_on_launch(backend)
+        self._completes = backend.completes_on_launch
         self._completions = completions
         self._events = events
         self._stop_timeout = stop_timeout
@@ -121,6 +120,15 @@ class StreamActor(Actor[StreamRequest]):
         t0 = time.perf_counter()
         try:
             self.backend.synchronize(self.stream)
+        finally:
+            self.sync_seconds += time.perf_counter() - t0
+            self.syncs += 1
+
+    def _wait(self, marker: Marker) -> None:
+        # Runs on the lane thread: a record's marker, never the (borrowed) stream itself.
+        t0 = time.perf_counter()
+        try:
+            marker.synchronize()
         finally:
             self.sync_seconds += time.perf_counter() - t0
             self.syncs += 1
@@ -152,24 +160,14 @@ class StreamActor(Actor[StreamRequest]):
     def _signal(self) -> None:
         super()._signal()
         hook = self.on_idle
-        if (
-            hook is None
-            or self._busy
-            or self._fifo
-            or self._deferred
-            or self._state is not ActorState.RUNNING
-        ):
+        if hook is None or not self.idle():
             return
-        loop = self._loop
+        loop = self.loop
         if on_loop(loop):
             hook()
         elif loop is not None and not self.idle_noted:
             with contextlib.suppress(RuntimeError):  # a closed loop: nothing to retire
                 loop.call_soon_threadsafe(self._signal)
-
-    def idle(self) -> bool:
-        """Whether the actor holds nothing: no envelope queued, no reply outstanding."""
-        return self.state is ActorState.RUNNING and self.pending == 0 and not self._busy
 
     def receive(self, env: Envelope[StreamRequest]) -> Any:
         """Turn the message into one lane job, in mailbox order."""
@@ -188,6 +186,9 @@ class StreamActor(Actor[StreamRequest]):
         return DEFERRED
 
     def _launch(self, env: Envelope[StreamRequest], msg: Launch) -> Any:
+        # Every exit settles the reply: answered, failed, or left to the reaper once the
+        # launch may have enqueued device work; an interrupt (KeyboardInterrupt, SystemExit)
+        # then propagates as itself.
         work = env.operands
         if not isinstance(work, Work):
             raise OperandTypeError(
@@ -198,25 +199,23 @@ class StreamActor(Actor[StreamRequest]):
         tid, nbytes, device = msg.transfer_id, msg.nbytes, self._device
         enqueued = work.on_enqueued
         work.on_enqueued = None
-        loop = self._loop
+        loop = self.loop
         here = (loop is None or _running_loop() is not loop) and lane.jobs_idle()
         if here and enqueued is None and self._completes and lane.reaper_idle():
             # The sender's thread, nothing ahead of it on the lane or the reaper, and work
             # that is complete once launched (CPU: its launch is the call itself): answered
             # in this turn, no reply deferred.
-            failure: BaseException | None = None
             try:
                 work.fn()
             except BaseException as exc:
-                failure = exc
-            del work
-            if failure is None:
-                return Launched(transfer_id=tid, nbytes=nbytes)
-            with self._mutex:
-                self._failed += 1
-            env.fail(_failed(failure, tid, device))
-            return DEFERRED
-        settle = self.defer(env)
+                self.count_failure()
+                env.fail(_failed(exc, tid, device))
+                if isinstance(exc, Exception):
+                    return DEFERRED
+                raise
+            return Launched(transfer_id=tid, nbytes=nbytes)
+        entered = False  # the launch job ran (it settles the reply on every exit)
+        settle: Callable[[BaseException | None, Any], None]
 
         def done(err: BaseException | None) -> None:
             if err is None:
@@ -225,80 +224,148 @@ class StreamActor(Actor[StreamRequest]):
                 settle(_failed(err, tid, device), None)
 
         def launch() -> None:
-            lease = work
+            nonlocal entered
+            owned = False  # the reply was settled, or the reaper holds the lease
+            maybe = False  # the launch may have enqueued device work
             try:
+                entered = True
+                if not self.holds(env):
+                    return  # failed before it ran (an interrupted turn): never launched
                 if not here and lane.bind_error is not None:
                     raise lane.bind_error
-                backend.launch(stream, lease.fn)
+                maybe = True
+                failure: Exception | None = None
+                try:
+                    backend.launch(stream, work.fn)
+                except Exception as exc:
+                    # What the launch enqueued before it failed (a kernel failing between
+                    # two copies) still runs: keep the lease and report once the stream is
+                    # past it.
+                    failure = exc
                 marker = backend.record_marker(stream)
-            except BaseException as exc:
-                # What the launch enqueued before it failed (a kernel failing between two
-                # copies) still runs: keep the lease and report once the stream is past it.
-                failure = exc
-                try:
-                    marker = backend.record_marker(stream)
-                except Exception:
-                    done(failure)  # no marker to wait on
+                if failure is not None:
+                    lane.watch(marker, work, lambda _err: done(failure))
+                    owned = True
                     return
-                lane.watch(marker, lease, lambda _err: done(failure))
-                return
-            if enqueued is not None:
-                enqueued()
-            if marker.query() and lane.reaper_idle():
-                # Already complete (CPU work is, when launched) and nothing earlier is still
-                # watched: answer from here. The synchronize returns at once, and it is where
-                # a stream error surfaces.
-                err: BaseException | None = None
-                try:
-                    marker.synchronize()
-                except BaseException as exc:
-                    err = exc
-                del lease
-                done(err)
-                return
-            lane.watch(marker, lease, done)
+                if enqueued is not None:
+                    enqueued()
+                if marker.query() and lane.reaper_idle():
+                    # Already complete (CPU work is, when launched) and nothing earlier is
+                    # still watched: answer from here. The synchronize returns at once, and
+                    # it is where a stream error surfaces.
+                    err: BaseException | None = None
+                    try:
+                        marker.synchronize()
+                    except Exception as exc:
+                        err = exc
+                    done(err)
+                    owned = True
+                    return
+                lane.watch(marker, work, done)
+                owned = True
+            except BaseException as exc:
+                if not owned:
+                    self._salvage(work, done, exc, maybe)
+                if not isinstance(exc, Exception):
+                    raise
 
-        if here:
-            launch()  # the sender's thread: nothing queued on the lane is ahead of it
-        else:
-            lane.submit(launch)
+        try:
+            settle = self.defer(env)
+            if here:
+                launch()  # the sender's thread: nothing queued on the lane is ahead of it
+            else:
+                lane.submit(launch)
+        except BaseException as exc:
+            if not entered and self.holds(env):
+                done(exc)  # a job never submitted, or one that will find its reply failed
+            raise
         return DEFERRED
 
-    def _record(self, env: Envelope[StreamRequest], outbox: Outbox[Any], record: Any) -> None:
-        seq = outbox.reserve()
-        mine = (outbox, seq)
-        self._records.add(mine)
-        settle = self.defer(env)
-
-        def publish() -> None:
+    def _salvage(
+        self,
+        work: Work,
+        done: Callable[[BaseException | None], None],
+        exc: BaseException,
+        maybe: bool,
+    ) -> None:
+        # A launch that ended early: fail it, once the stream is past whatever it may have
+        # enqueued (the lease stays with the reaper until then).
+        if maybe:
             try:
-                self._synchronize()
-            except BaseException as exc:
-                outbox.withdraw(seq)
-                self._records.discard(mine)
-                settle(_sync_failed(exc, self._device), None)
+                marker = self.backend.record_marker(self.stream)
+            except Exception:
+                pass
+            else:
+                self.lane.watch(marker, work, lambda _err: done(exc))
                 return
-            outbox.publish(seq, record)
-            self._records.discard(mine)
-            settle(None, None)
+        done(exc)
 
-        self.lane.submit(publish)
+    def _record(self, env: Envelope[StreamRequest], outbox: Outbox[Any], record: Any) -> None:
+        # An interrupt before the publish job was queued withdraws the slot (counted), so
+        # the records behind it are not held back.
+        seq = -1
+        queued = False
+        try:
+            seq = outbox.reserve()
+            mine = (outbox, seq)
+            self._records.add(mine)
+            marker = env.operands  # a borrowed stream's marker, recorded in the caller's call
+            env.operands = None
+            settle = self.defer(env)
+            lane = self.lane
+
+            def published() -> None:
+                outbox.publish(seq, record)
+                self._records.discard(mine)
+                settle(None, None)
+
+            def publish() -> None:
+                try:
+                    if marker is None:
+                        self._synchronize()
+                    else:
+                        self._wait(marker)
+                except BaseException as exc:
+                    outbox.withdraw(seq)
+                    self._records.discard(mine)
+                    settle(_sync_failed(exc, self._device), None)
+                    return
+                if marker is None:
+                    published()  # the stream synchronized: everything before ran
+                else:
+                    lane.after_reaped(published)  # and kvactors' earlier launches completed
+
+            lane.submit(publish)
+            queued = True
+        except BaseException as exc:
+            if not queued:
+                if seq >= 0 and outbox.withdraw(seq):
+                    self._records.discard((outbox, seq))
+                self.forget(env, exc)
+            raise
 
     def _sync(self, env: Envelope[StreamRequest]) -> None:
         lane = self.lane
-        settle = self.defer(env)
+        queued = False
+        try:
+            settle = self.defer(env)
 
-        def sync() -> None:
-            try:
-                self._synchronize()
-            except BaseException as exc:
-                settle(_sync_failed(exc, self._device), None)
-                return
-            # Answer from the reaper, so every lease of earlier work is dropped first:
-            # whoever acts on the barrier (an IPC close) finds no host reference left.
-            lane.after_reaped(lambda: settle(None, Synced(completed=lane.completed)))
+            def sync() -> None:
+                try:
+                    self._synchronize()
+                except BaseException as exc:
+                    settle(_sync_failed(exc, self._device), None)
+                    return
+                # Answer from the reaper, so every lease of earlier work is dropped first:
+                # whoever acts on the barrier (an IPC close) finds no host reference left.
+                lane.after_reaped(lambda: settle(None, Synced(completed=lane.completed)))
 
-        lane.submit(sync)
+            lane.submit(sync)
+            queued = True
+        except BaseException as exc:
+            if not queued:
+                self.forget(env, exc)
+            raise
 
 
 async def _off_loop(fn: Callable[[float], bool], arg: float, name: str) -> bool:

@@ -12,7 +12,7 @@ runtime; across processes only an :class:`IPCHandle` travels, and ``ipc_open`` r
 from __future__ import annotations
 
 import abc
-from typing import TYPE_CHECKING, Any, Protocol, final
+from typing import TYPE_CHECKING, Any, ClassVar, Protocol, final
 
 import msgspec
 
@@ -77,6 +77,34 @@ class Backend(abc.ABC):
 
     kind: str = ""
 
+    # Capabilities the actors read (declared here, never inferred by the actors).
+    completes_on_launch: ClassVar[bool] = False
+    """``launch`` runs the work at once on the launching thread, and its marker is complete
+    when ``launch`` returns (the CPU backend): a caller may launch and answer in one turn."""
+    prepares_transfers: ClassVar[bool] = False
+    """:meth:`prepare_transfer` adds device layout rules (else it returns its arguments)."""
+    native_kernels: ClassVar[bool] = False
+    """:meth:`transfer_kernel` may replace the torch kernel (else it returns it)."""
+
+    def __init_subclass__(cls, **kwargs: Any) -> None:
+        # A subclass that overrides a hook without declaring the capability gets it (and a
+        # subclass that replaces launch, markers or synchronize no longer completes on launch).
+        super().__init_subclass__(**kwargs)
+        own = cls.__dict__
+        if "prepare_transfer" in own and "prepares_transfers" not in own:
+            cls.prepares_transfers = True
+        if "transfer_kernel" in own and "native_kernels" not in own:
+            cls.native_kernels = True
+        replaced = {"launch", "record_marker", "synchronize"} & own.keys()
+        if replaced and "completes_on_launch" not in own:
+            cls.completes_on_launch = False
+
+    @property
+    def plain_transfers(self) -> bool:
+        """Complete on launch, with no layout rule and no native kernel: a reused plan may
+        run its specialised torch kernel."""
+        return self.completes_on_launch and not self.prepares_transfers and not self.native_kernels
+
     @abc.abstractmethod
     def probe(self) -> Probe:
         """Report availability; never raises."""
@@ -135,7 +163,8 @@ class Backend(abc.ABC):
     def prepare_transfer(
         self, request: TransferRequest, paged: Any, objects: Sequence[torch.Tensor]
     ) -> tuple[TransferRequest, Any, Sequence[torch.Tensor]]:
-        """Device-specific layout rules, applied before planning (on the event loop).
+        """Device-specific layout rules, applied before planning (in the GatherActor's turn,
+        on whichever thread runs it).
 
         Reads metadata only and raises (``TransferValidationError``/``OperandTypeError``)
         before any memory is touched; may return a normalised request and operand *views*

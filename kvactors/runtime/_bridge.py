@@ -12,6 +12,7 @@ from __future__ import annotations
 
 import concurrent.futures
 import contextlib
+import itertools
 import threading
 import time
 from typing import TYPE_CHECKING, Any
@@ -36,12 +37,13 @@ class ReplyLock:
     turn handed to it is always run.
     """
 
-    __slots__ = ("_done", "_exc", "_gone", "_lock", "_mutex", "_turn", "_value")
+    __slots__ = ("_claims", "_done", "_exc", "_gone", "_lock", "_mutex", "_turn", "_value")
 
     def __init__(self) -> None:
         self._lock = threading.Lock()
         self._lock.acquire()
         self._done = False
+        self._claims = itertools.count()
         self._value: Any = None
         self._exc: BaseException | None = None
         # Made by ``enlist``: guards the hand-off against the caller leaving.
@@ -53,19 +55,21 @@ class ReplyLock:
         return self._done
 
     def set_result(self, value: Any) -> None:
-        if not self._done:
+        # The first settle wins: ``next`` on the claim counter is one atomic step (a C call
+        # under the GIL), so of two racing settles exactly one writes the reply.
+        if not self._done and next(self._claims) == 0:
             self._value = value
             self._done = True
             try:  # noqa: SIM105 (the per-call path: no context manager)
                 self._lock.release()
-            except RuntimeError:  # a racing settle released it first
+            except RuntimeError:  # a hand-off released it already
                 pass
 
     def set_exception(self, exc: BaseException) -> None:
-        if not self._done:
+        if not self._done and next(self._claims) == 0:
             self._exc = exc
             self._done = True
-            with contextlib.suppress(RuntimeError):  # a racing settle released it first
+            with contextlib.suppress(RuntimeError):  # a hand-off released it already
                 self._lock.release()
 
     def enlist(self) -> None:

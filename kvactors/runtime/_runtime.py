@@ -254,9 +254,24 @@ class Runtime:
         try:
             if call is not None:
                 observers.started(call)  # admission: in mailbox order
-            pick(actors).ask_into(reply, msg, operands, waiter=reply)
-        except BaseException as exc:
+            actor = pick(actors)
+            try:
+                actor.ask_into(reply, msg, operands, waiter=reply)
+            except ActorClosedError:
+                if not actors.streams.replaced(actor):
+                    raise
+                # A stream's idle actor retired between the lookup and the send (it refused
+                # the message, nothing ran): the handle's new actor takes it.
+                pick(actors).ask_into(reply, msg, operands, waiter=reply)
+        except Exception as exc:
             reply.set_exception(exc)
+        except BaseException as exc:
+            # An interrupt in the turn this thread ran (the turn settled what it held): it
+            # reaches the caller as itself, even when the reply was settled already.
+            self._outstanding.pop(reply, None)
+            if call is not None:
+                observers.finished(call, None, exc)
+            raise
         try:
             result = reply.wait(t, type(msg).__name__)
         except BaseException as exc:
@@ -269,17 +284,27 @@ class Runtime:
             observers.finished(call, result, None)
         return result
 
-    def _tell(self, pick: Callable[[DeviceActors], Actor[Any]], msg: Any) -> None:
-        # Returns once the message is queued (mailbox order = call order per thread); waits
-        # for mailbox space (on the loop) instead of dropping the message when it is full.
+    def _record(self, handle: int, msg: RecordCompletion | RecordEvent) -> None:
+        # Returns once the record is queued (mailbox order = call order per thread); waits
+        # for mailbox space (on the loop) instead of dropping the record when it is full.
+        # A borrowed stream (nonzero handle) is touched only here, inside the call: a marker
+        # recorded on it now stands for the caller's work, and the record is published once
+        # that marker and kvactors' earlier work on the stream completed.
         loop, actors = self._running()
-        actor = pick(actors)
+        actor = actors.streams.get(handle)
+        marker = self.backend.record_marker(actor.stream) if handle else None
         try:
-            actor.tell_nowait(msg)
+            try:
+                actor.tell_nowait(msg, marker)
+            except ActorClosedError:
+                if not actors.streams.replaced(actor):
+                    raise
+                actor = actors.streams.get(handle)  # retired between lookup and send
+                actor.tell_nowait(msg, marker)
             return
         except MailboxFullError:
             pass
-        cf = asyncio.run_coroutine_threadsafe(actor.tell(msg), loop)
+        cf = asyncio.run_coroutine_threadsafe(actor.tell(msg, marker), loop)
         reply = ReplyLock()
         with self._lock:
             self._outstanding[reply] = msg
@@ -342,6 +367,13 @@ class Runtime:
         msg = Transfer(
             transfer_id=tid, request=request, stream_handle=stream_handle, complete=complete
         )
+        # Rule 3 holds the tensors, not the caller's lists: see _operands (inlined here).
+        if isinstance(paged, list):
+            paged = (
+                tuple(map(tuple, paged)) if paged and isinstance(paged[0], list) else tuple(paged)
+            )
+        if isinstance(objects, list):
+            objects = tuple(objects)
         result: TransferDone = self._ask(
             _gather, msg, TransferOperands(paged, objects), timeout, stream_handle
         )
@@ -369,7 +401,7 @@ class Runtime:
             stream_handle=stream_handle,
             complete=complete,
         )
-        return self._aask(_gather, msg, TransferOperands(paged, objects), timeout)
+        return self._aask(_gather, msg, _operands(paged, objects), timeout)
 
     def fence(self, block_ids: Iterable[int], *, timeout: float | None = None) -> Fenced:
         """Return once every transfer begun earlier on ``block_ids`` has completed."""
@@ -400,7 +432,7 @@ class Runtime:
 
     def record_completion(self, stream_handle: int, kind: str, payload: bytes) -> None:
         """Queue a completion record; it is drainable once all earlier work on the stream ran."""
-        self._tell(_stream(stream_handle), RecordCompletion(kind=kind, payload=bytes(payload)))
+        self._record(stream_handle, RecordCompletion(kind=kind, payload=bytes(payload)))
 
     def drain_completions(self) -> list[tuple[str, bytes]]:
         """Return and clear the published completion records, in submission order.
@@ -412,7 +444,7 @@ class Runtime:
 
     def record_event(self, stream_handle: int, record: EventRecord) -> None:
         """Queue an event record; it is drainable once all earlier work on the stream ran."""
-        self._tell(_stream(stream_handle), RecordEvent(record=record))
+        self._record(stream_handle, RecordEvent(record=record))
 
     def drain_events(self) -> list[EventRecord]:
         """Return and clear the published event records, in submission order (also after
@@ -472,8 +504,15 @@ class Runtime:
         stream_handles: Sequence[int] = (0,),
         timeout: float | None = None,
     ) -> ContextClosed:
-        """Sync the streams, drop views, close every owner of the context (idempotent)."""
+        """Close every owner of the context (idempotent), after every transfer submitted
+        before this call ran on the named streams.
+
+        Ordered in two steps: a barrier through the GatherActor (answered in its turn, so
+        every transfer it accepted before has handed its copies to a stream), then the IPC
+        actor's close, which synchronizes ``stream_handles`` (and every stream that used the
+        views), drops the views and closes the owners."""
         msg = CloseContext(context_id=context_id, stream_handles=tuple(stream_handles))
+        self._ask(_gather, Ping(seq=context_id), None, timeout)
         result: ContextClosed = self._ask(_ipc, msg, None, timeout)
         return result
 
@@ -491,6 +530,15 @@ class Runtime:
         """A frozen snapshot of every actor of this runtime's device (read on the calling
         thread: it never waits for the loop)."""
         return self._outboxes().statistics()
+
+
+def _operands(paged: Any, objects: Sequence[torch.Tensor]) -> TransferOperands:
+    # Rule 3 holds the tensors, not the caller's lists: the structure is snapshotted at
+    # submission (tuples), so a caller that clears its lists once the call returned cannot
+    # free a chunk whose copy is still queued.
+    if isinstance(paged, list):
+        paged = tuple(map(tuple, paged)) if paged and isinstance(paged[0], list) else tuple(paged)
+    return TransferOperands(paged, tuple(objects) if isinstance(objects, list) else objects)
 
 
 def _finished(observers: Observers, call: Call, fut: Any) -> None:

@@ -7,19 +7,27 @@ still pending, never leave one neither. The tests wait for states, never on time
 
 from __future__ import annotations
 
+import asyncio
 import contextlib
 import inspect
 import threading
+import time
+from typing import TYPE_CHECKING, Any
 
+import msgspec
 import pytest
 import torch
 
+from kvactors.actors.actor import ActorState
 from kvactors.actors.directory import StreamDirectory
 from kvactors.core.layouts import Direction, KVFormat, ShapeDesc
 from kvactors.core.plans import TransferRequest
 from kvactors.errors import DeviceOpError
 from kvactors.runtime import Runtime
 from kvactors.testing.manual import ManualBackend
+
+if TYPE_CHECKING:
+    from kvactors.actors.stream import StreamActor
 
 
 def _lane_threads(
@@ -158,3 +166,75 @@ def test_a_lane_abandoned_by_a_timed_out_stop_ends_with_its_reaper_once_unblocke
     for t in threads:
         t.join(10)
     assert not any(t.is_alive() for t in threads), "a thread of the abandoned lane never ended"
+
+
+@pytest.mark.parametrize("call", ["record_completion", "synchronize"])
+def test_a_call_that_races_its_stream_actors_retirement_is_served_by_the_next_actor(
+    call: str,
+) -> None:
+    """The directory retires a borrowed stream's idle actor right between a call's lookup and
+    its send (the actor refuses: nothing ran): the call goes to the handle's new actor."""
+    with Runtime("cpu") as rt:
+        rt.synchronize(1)  # handle 1 has an actor, idle
+        actors, loop = rt._actors, rt._loop
+        assert actors is not None
+        assert loop is not None
+        streams = actors.streams
+        lookup = streams.get
+        raced: list[StreamActor] = []
+
+        def get(handle: int) -> StreamActor:
+            actor = lookup(handle)
+            if handle == 1 and not raced:
+                raced.append(actor)
+
+                async def retire() -> None:
+                    streams._retire(1)
+
+                asyncio.run_coroutine_threadsafe(retire(), loop).result(10)
+            return actor
+
+        streams.get = get  # type: ignore[method-assign]
+        if call == "record_completion":
+            rt.record_completion(1, "done", b"1")
+        rt.synchronize(1)
+        assert raced, "the call never looked its stream up"
+        assert raced[0].state is not ActorState.RUNNING, "the race did not happen"
+        if call == "record_completion":
+            assert rt.drain_completions() == [("done", b"1")]
+
+
+class _SyncLog(ManualBackend):
+    """ManualBackend logging every stream synchronize by handle."""
+
+    def __init__(self) -> None:
+        super().__init__()
+        self.synced: list[int] = []
+
+    def synchronize(self, stream: Any) -> None:
+        self.synced.append(self.stream_handle(stream))
+        super().synchronize(stream)
+
+
+def test_a_record_never_touches_a_borrowed_stream_after_its_call_returned() -> None:
+    """A record on a borrowed stream (nonzero handle) marks the stream inside the call; it is
+    published once that marker and the copy queued before it completed, and kvactors never
+    synchronizes the caller's stream (which the caller may destroy once the call returned)."""
+    backend = _SyncLog()
+    with Runtime(backend) as rt:
+        paged = [torch.zeros(2, 4, 2, 1, 4, dtype=torch.bfloat16)]
+        objs = [torch.ones(2, 1, 2, 4, dtype=torch.bfloat16)]
+        req = msgspec.structs.replace(_request(), direction=int(Direction.H2D))
+        rt.transfer(req, paged, objs, stream_handle=5, complete=False)
+        rt.record_completion(5, "stored", b"1")
+        assert backend.queued(5) == 1  # the copy has not run: the record must wait for it
+        assert rt.drain_completions() == []
+        backend.release(stream_handle=5)
+        drained: list[tuple[str, bytes]] = []
+        end = time.monotonic() + 10  # bounds a wait only a hang would exhaust
+        while not drained and time.monotonic() < end:
+            drained = rt.drain_completions()
+            backend.wait_for(lambda b: True, 0.001)
+        assert drained == [("stored", b"1")]
+        assert torch.equal(paged[0][:, 1], torch.ones(2, 2, 1, 4, dtype=torch.bfloat16))
+        assert 5 not in backend.synced, "kvactors synchronized the caller's stream itself"

@@ -10,6 +10,8 @@ condition variable (``wait_for``) and on reply futures, never on wall-clock slee
 from __future__ import annotations
 
 import asyncio
+import threading
+import time
 from typing import TYPE_CHECKING, Any
 
 import pytest
@@ -19,12 +21,19 @@ from kvactors.actors.directory import StreamDirectory
 from kvactors.actors.ipc_owner import IPCOwnerActor
 from kvactors.actors.outbox import Outbox
 from kvactors.actors.stream import Work
+from kvactors.core.layouts import Direction
 from kvactors.core.protocols.ipc import CloseContext, ContextClosed, Opened, OpenHandle
 from kvactors.core.protocols.stream import Launch
+from kvactors.devices.musa.backend import MusaBackend
+from kvactors.runtime import Runtime
+from kvactors.testing import fake_vendor
 from kvactors.testing.manual import ManualBackend
+from tests.scenarios._kv import BS, CHUNK, DTYPE, HS, NB, NH, expected_gather, request, same, shape
 
 if TYPE_CHECKING:
     from collections.abc import AsyncIterator
+
+_WAIT = 10.0  # bounds a wait only a hang would exhaust; never decides a result
 
 
 class _Rig:
@@ -121,3 +130,98 @@ async def test_second_close_waits_for_the_first(rig: _Rig) -> None:
     assert await rig.ipc.ask_nowait(CloseContext(context_id=1)) == ContextClosed(
         context_id=1, owners_closed=0
     )
+
+
+class _HeldMusa(MusaBackend):  # type: ignore[misc]
+    """The real MUSA backend over the fake, whose next transfer is held in its GatherActor
+    turn (``arm``), and whose kernels note whether an IPC owner was closed when they ran."""
+
+    def __init__(self) -> None:
+        super().__init__()
+        self.armed = False
+        self.entered, self.hold = threading.Event(), threading.Event()
+        self.ran_after_close: list[bool] = []
+        self.closed = 0
+
+    def prepare_transfer(self, request: Any, paged: Any, objects: Any) -> Any:
+        if self.armed:
+            self.armed = False
+            self.entered.set()
+            self.hold.wait(_WAIT)
+        return super().prepare_transfer(request, paged, objects)
+
+    def transfer_kernel(self, plan: Any, paged: Any, objects: Any, torch_kernel: Any) -> Any:
+        kernel = super().transfer_kernel(plan, paged, objects, torch_kernel)
+
+        def run() -> None:
+            self.ran_after_close.append(self.closed > 0)
+            kernel()
+
+        return run
+
+
+def test_close_waits_for_a_transfer_queued_at_the_gather_actor_before_it() -> None:
+    """Rule 2 across actors: a transfer reading the context's view, submitted (``atransfer``)
+    before the close while another caller holds the GatherActor's turn, runs before the
+    owner is closed; the close answers after it."""
+    one = shape(nl=1)
+    layer = (2, NB, BS, NH, HS)
+
+    def out() -> list[torch.Tensor]:
+        return [torch.full((2, 1, CHUNK, NH * HS), -1.0, dtype=DTYPE)]
+
+    with fake_vendor("musa", seed=2) as fake:
+        backend = _HeldMusa()
+        with Runtime(backend) as rt:
+            source = torch.randn(layer).to(DTYPE)
+            exported = fake.to_device(source.clone())  # the exporter keeps it alive
+            view = rt.open_ipc(backend.ipc_export(exported), context_id=1)
+            actors = rt._actors
+            assert actors is not None
+            owner = next(iter(actors.ipc._owners[1].values()))
+            close = owner.close
+
+            def counted_close() -> None:
+                backend.closed += 1
+                close()
+
+            owner.close = counted_close  # type: ignore[method-assign]
+            own = fake.to_device(torch.zeros(layer, dtype=DTYPE))
+            backend.armed = True
+            holder = threading.Thread(
+                target=lambda: rt.transfer(request(Direction.D2H, (0, 1), shape=one), [own], out())
+            )
+            holder.start()
+            try:
+                assert backend.entered.wait(_WAIT), "the first transfer never took its turn"
+                got = out()
+                reply = rt.atransfer(request(Direction.D2H, (2, 3), shape=one), [view], got)
+                del view
+                closer = threading.Thread(target=rt.close_ipc_context, args=(1,))
+                closer.start()
+                _until_queued(rt, closer)
+            finally:
+                backend.hold.set()
+            holder.join(_WAIT)
+            closer.join(_WAIT)
+            assert not closer.is_alive(), "close_ipc_context never returned"
+            assert reply._cf.result(_WAIT).blocks == 2  # type: ignore[attr-defined]
+            assert backend.closed == 1
+            assert len(backend.ran_after_close) == 2, backend.ran_after_close  # A, then T2
+            assert not any(backend.ran_after_close), "a transfer ran on a closed owner"
+            want = expected_gather([source, source], (2, 3))[0][:, :1]
+            assert same(got[0], want)
+
+
+def _until_queued(rt: Runtime, closer: threading.Thread) -> None:
+    # The close's first message queued at the GatherActor (behind the held turn and the
+    # atransfer), or the close already reached the IPC actor (an unordered close).
+    def queued() -> bool:
+        gather = next(a for a in rt.statistics().actors if a.name.startswith("gather:"))
+        ipc = next(a for a in rt.statistics().actors if a.name.startswith("ipc:"))
+        return gather.mailbox_depth >= 2 or ipc.processed > 1 or not closer.is_alive()
+
+    end = time.monotonic() + _WAIT
+    while not queued():
+        assert time.monotonic() < end, "the close never queued"
+        closer.join(0.001)

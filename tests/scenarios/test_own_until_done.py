@@ -45,8 +45,13 @@ def _blocks(fake: FakeVendor, layers: Sequence[torch.Tensor]) -> torch.Tensor:
     return torch.stack([fake.peek(t)[:, list(IDS)] for t in layers])
 
 
+@pytest.mark.parametrize("clear", [False, True], ids=["dropped", "lists-cleared"])
 @pytest.mark.parametrize("kind", ["mlu", "musa"])
-def test_rule3_enqueued_scatter_owns_its_operands_until_the_device_ran(kind: str) -> None:
+def test_rule3_enqueued_scatter_owns_its_operands_until_the_device_ran(
+    kind: str, clear: bool
+) -> None:
+    """The caller drops its operands, or (``lists-cleared``) empties the very lists it passed:
+    the runtime holds the tensors themselves, snapshotted at submission, not the lists."""
     with fake_vendor(kind, seed=5) as fake:
         layers = [fake.adopt(t) for t in paged(2)]
         with Runtime(_backend(kind)) as rt:
@@ -63,6 +68,9 @@ def test_rule3_enqueued_scatter_owns_its_operands_until_the_device_ran(kind: str
                 )
                 chunk_ref = weakref.ref(chunk)
                 layer_refs = [weakref.ref(t) for t in layers]
+                if clear:
+                    ops.clear()
+                    layers.clear()
                 del chunk, ops, layers  # the caller keeps nothing
                 gc.collect()
                 assert chunk_ref() is not None, (

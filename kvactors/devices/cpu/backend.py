@@ -26,7 +26,7 @@ if TYPE_CHECKING:
 
     from kvactors.devices.base import Marker, StreamLike
 
-__all__ = ("CpuBackend", "CpuStream", "completes_on_launch")
+__all__ = ("CpuBackend", "CpuStream")
 
 
 @final
@@ -60,6 +60,7 @@ class CpuBackend(Backend):
     """The real CPU backend."""
 
     kind = "cpu"
+    completes_on_launch = True  # launch runs the work on the launching thread
 
     def __init__(self) -> None:
         self._lock = threading.Lock()
@@ -172,15 +173,3 @@ class CpuBackend(Backend):
     def pin(self, t: torch.Tensor) -> torch.Tensor:
         """CPU-only torch cannot pin; the tensor stays pageable."""
         return t
-
-
-def completes_on_launch(backend: Backend) -> bool:
-    """Whether ``backend`` does launched work at once on the launching thread (the CPU
-    backend's own ``launch``), so a caller can run it without waiting on a device."""
-    cls = type(backend)
-    return (
-        isinstance(backend, CpuBackend)
-        and cls.launch is CpuBackend.launch
-        and cls.record_marker is CpuBackend.record_marker
-        and cls.synchronize is CpuBackend.synchronize
-    )
