@@ -123,8 +123,10 @@ def plot(report: BenchReport, path: str) -> None:
     import matplotlib.pyplot as plt
 
     t, pc, m = report.transfer, report.percall, report.meta
-    vendor = {(r.vendor, r.layout, r.direction, r.contender): r.host_us for r in report.vendor}
-    keys = [k[:3] for k in vendor if k[3] == "kvactors"]
+    vendor: dict[tuple[str, str, str], dict[str, Any]] = {}
+    for r in report.vendor:
+        vendor.setdefault((r.vendor, r.layout, r.direction), {})[r.contender] = r.host_us
+    keys = [k for k, c in vendor.items() if "kvactors" in c]
     panels = [
         ("GB/s", [f"{r.layout}\n{r.direction}" for r in t], None,
          {n: [r.gbps.get(n, 0.0) for r in t] for n in ("kvactors", "raw", "lmcache")}),
@@ -134,7 +136,7 @@ def plot(report: BenchReport, path: str) -> None:
           "kvactors calls/s, 4 callers / 1": [r.scaling["kvactors"] for r in pc]}),
         ("fake vendors, ratio", [f"{v} {lay}\n{d}" for v, lay, d in keys], 0.5,
          {f"kvactors / LMCache host us, {n} thread(s)":
-          [vendor[(*k, "kvactors")][n] / vendor[(*k, "lmcache")][n] for k in keys] for n in "14"}),
+          [vendor[k]["kvactors"][n] / vendor[k]["lmcache"][n] for k in keys] for n in "14"}),
     ]  # fmt: skip
     panels = [p for p in panels if p[1]]
     fig, axes = plt.subplots(len(panels), 1, figsize=(12, 3.6 * len(panels)), squeeze=False)

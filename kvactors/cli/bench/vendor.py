@@ -136,9 +136,10 @@ def run_vendor(calls: int, rounds: int, python: str | None) -> tuple[list[Vendor
 def format_vendor(rows: Sequence[VendorRow]) -> str:
     """Host us per call (1 thread / the engine's 4) of both contenders, kvactors' over
     LMCache's, and kvactors' aggregate calls/s with 4 threads over 1."""
-    by = {(r.vendor, r.layout, r.direction, r.contender): r for r in rows}
-    keys = [k[:3] for k in by if k[3] == "kvactors"]
-    g = [(k, by[(*k, "kvactors")], by[(*k, "lmcache")].host_us) for k in keys]
+    by: dict[tuple[str, str, str], dict[str, VendorRow]] = {}
+    for r in rows:
+        by.setdefault((r.vendor, r.layout, r.direction), {})[r.contender] = r
+    g = [(k, c["kvactors"], c["lmcache"].host_us) for k, c in by.items() if "kvactors" in c]
     head = (
         "vendor",
         "layout",
