@@ -415,7 +415,7 @@ class Runtime:
         return self._aask(_gather, Fence(block_ids=tuple(block_ids)), None, timeout)
 
     def ping(self, seq: int = 0, *, timeout: float | None = None) -> Pong:
-        """Round trip to the GatherActor (liveness; the messaging benchmark's unit)."""
+        """Round trip to the GatherActor: answered after every message queued before it."""
         result: Pong = self._ask(_gather, Ping(seq=seq), None, timeout)
         return result
 

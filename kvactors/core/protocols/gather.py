@@ -41,8 +41,8 @@ class Fence(Message, frozen=True):
 
 
 class Ping(Message, frozen=True):
-    """Liveness probe answered in the GatherActor's turn, after every message before it (the
-    messaging benchmark's unit, and the barrier ``close_ipc_context`` passes first)."""
+    """Liveness probe answered in the GatherActor's turn, after every message before it (also
+    the barrier ``close_ipc_context`` passes first)."""
 
     seq: int = 0
 
