@@ -144,6 +144,16 @@ def test_report_is_frozen() -> None:
 # ---- each check fails when its rule is broken ---------------------------------------------
 
 
+class _NeverWaits:
+    """A marker that claims completion at once, whatever its stream still runs."""
+
+    def query(self) -> bool:
+        return True
+
+    def synchronize(self) -> None:
+        return None
+
+
 def _broken(kind: str, verb: str) -> Any:
     base = BACKENDS[kind]
 
@@ -158,6 +168,10 @@ def _broken(kind: str, verb: str) -> Any:
         def synchronize(self, stream: object) -> None:
             if verb != "sync":
                 super().synchronize(stream)
+
+        def record_marker(self, stream: object) -> Any:
+            # A record on a stream waits on a marker recorded there: "sync" breaks that wait too.
+            return super().record_marker(stream) if verb != "sync" else _NeverWaits()
 
     # The suite allocates real NHD memory: on MLU, format 1 is declared resolved.
     return Broken(layout_source="resolved") if kind == "mlu" else Broken()
