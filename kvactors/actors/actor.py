@@ -472,6 +472,33 @@ class Actor(Generic[M]):
         elif not busy:
             self._wake_task()
 
+    def claim(self) -> bool:
+        """Take the turn of an idle actor for a plain call (``False``, nothing changed, if it
+        is not idle: busy, something queued, not running, or no room in the bound). The
+        claimer runs the turn's work itself, without an envelope, and ends it with
+        :meth:`end_turn`; meanwhile every send queues behind it, as behind any turn."""
+        with self._mutex:
+            if (
+                self._busy
+                or self._fifo
+                or self._state is not ActorState.RUNNING
+                or len(self._deferred) >= self._capacity
+            ):
+                return False
+            self._busy = True
+            return True
+
+    def end_turn(self) -> None:
+        """End a turn taken with :meth:`claim`: counted as processed, then handed to the FIFO
+        head's waiting sender or left to the task, as any turn's end."""
+        with self._mutex:
+            self._busy = False
+            self._processed += 1
+            more = bool(self._fifo) and not self._hand_locked()
+        if more:
+            self._wake_task()
+        self._signal()
+
     def tell_nowait(self, msg: M, operands: Any = None) -> None:
         """Send ``msg`` without waiting for a reply; raise at once if it cannot be queued."""
         self._deliver(Envelope(msg, operands, None), msg)
