@@ -3,7 +3,6 @@
 from __future__ import annotations
 
 import asyncio
-import concurrent.futures
 import contextlib
 import threading
 from typing import TYPE_CHECKING, Any
@@ -12,11 +11,11 @@ import anyio
 import pytest
 import torch
 
+from kvactors.actors.reply import Reply
 from kvactors.core.layouts import Direction
 from kvactors.core.protocols.gather import Pong
 from kvactors.errors import TransferValidationError
 from kvactors.runtime import Runtime
-from kvactors.runtime._awaitable import reply_awaitable
 from tests.scenarios._kv import expected_gather, objects, paged, request, same
 
 if TYPE_CHECKING:
@@ -88,19 +87,17 @@ def test_a_reply_made_off_loop_and_awaited_under_asyncio_never_blocks_the_loop()
         settled = rt.aping(1)
         assert _in_thread(lambda: asyncio.run(_await_value(settled))) == Pong(seq=1)
 
-    pending: concurrent.futures.Future[int] = concurrent.futures.Future()
-    reply = reply_awaitable(pending)  # made here: no running loop on this thread
+    reply: Reply[int] = Reply()  # made here: no running loop on this thread
 
     async def settled_while_awaited() -> int:
         waiter = asyncio.ensure_future(_await_value(reply))
         await asyncio.sleep(0)  # the await is parked on the reply
-        threading.Thread(target=pending.set_result, args=(7,)).start()
+        threading.Thread(target=reply.set_result, args=(7,)).start()
         return await waiter
 
     assert _in_thread(lambda: asyncio.run(settled_while_awaited())) == 7
 
-    never: concurrent.futures.Future[int] = concurrent.futures.Future()
-    dropped = reply_awaitable(never)
+    dropped: Reply[int] = Reply()
 
     async def cancelled() -> str:
         waiter = asyncio.ensure_future(_await_value(dropped))
@@ -111,7 +108,31 @@ def test_a_reply_made_off_loop_and_awaited_under_asyncio_never_blocks_the_loop()
         return "cancelled"
 
     assert _in_thread(lambda: asyncio.run(cancelled())) == "cancelled"
-    assert never.cancelled()
+    assert dropped.cancelled()
+    dropped.set_result(1)  # a late answer is dropped
+    assert dropped.cancelled()
+
+
+def test_a_reply_is_settled_once_and_wakes_every_await() -> None:
+    """The first settle wins (a cancel is one); ``then`` runs once, before the reply reads
+    as done; two awaits of one reply both wake."""
+    seen: list[tuple[object, object]] = []
+    reply: Reply[int] = Reply(lambda exc, value: seen.append((exc, reply.done())))
+    reply.set_result(1)
+    reply.set_exception(RuntimeError("late"))
+    assert not reply.cancel()
+    assert reply.result() == 1
+    assert seen == [(None, False)]
+
+    twice: Reply[int] = Reply()
+
+    async def both() -> list[int]:
+        waits = [asyncio.ensure_future(_await_value(twice)) for _ in range(2)]
+        await asyncio.sleep(0)  # both awaits are parked on the reply
+        threading.Thread(target=twice.set_result, args=(5,)).start()
+        return list(await asyncio.gather(*waits))
+
+    assert _in_thread(lambda: asyncio.run(both())) == [5, 5]
 
 
 def test_settling_a_trio_reply_never_waits_for_the_trio_loop() -> None:
@@ -119,8 +140,7 @@ def test_settling_a_trio_reply_never_waits_for_the_trio_loop() -> None:
     returns while trio's own thread is blocked (waiting for that very thread)."""
     trio = pytest.importorskip("trio")
     trio_testing = pytest.importorskip("trio.testing")
-    cf: concurrent.futures.Future[int] = concurrent.futures.Future()
-    reply = reply_awaitable(cf)
+    reply: Reply[int] = Reply()
 
     async def main() -> int:
         got: list[int] = []
@@ -131,7 +151,7 @@ def test_settling_a_trio_reply_never_waits_for_the_trio_loop() -> None:
         async with trio.open_nursery() as nursery:
             nursery.start_soon(wait)
             await trio_testing.wait_all_tasks_blocked()
-            settler = threading.Thread(target=cf.set_result, args=(3,))
+            settler = threading.Thread(target=reply.set_result, args=(3,))
             settler.start()
             settler.join(_HANG)  # blocks trio's thread: a settle that waits for it hangs
             assert not settler.is_alive(), "the settling thread waited for trio's loop"

@@ -114,15 +114,15 @@ def test_private_modules_are_imported_only_from_their_own_package() -> None:
 
 def test_the_naming_rule_scan_sees_a_reach_into_another_package() -> None:
     src = (
-        "from kvactors.runtime import _bridge\n"
-        "from kvactors.runtime._bridge import ReplyLock\n"
+        "from kvactors.runtime import _runtime\n"
+        "from kvactors.runtime._runtime import Runtime\n"
         "import kvactors.core._plan_checks\n"
         "from . import _devenv\n"
         "from kvactors.runtime import Runtime\n"
     )
     assert _naming_rule_violations(src, "kvactors.cli.demo", False) == [
-        "kvactors.cli.demo:1 imports kvactors.runtime._bridge (private to kvactors.runtime)",
-        "kvactors.cli.demo:2 imports kvactors.runtime._bridge (private to kvactors.runtime)",
+        "kvactors.cli.demo:1 imports kvactors.runtime._runtime (private to kvactors.runtime)",
+        "kvactors.cli.demo:2 imports kvactors.runtime._runtime (private to kvactors.runtime)",
         "kvactors.cli.demo:3 imports kvactors.core._plan_checks (private to kvactors.core)",
     ]
     assert _naming_rule_violations(src, "kvactors.runtime._runtime", False)[-1].startswith(

@@ -27,6 +27,7 @@ from kvactors.runtime import Runtime
 from kvactors.testing.manual import ManualBackend
 
 if TYPE_CHECKING:
+    from kvactors.actors.reply import Reply
     from kvactors.devices.base import IPCHandle, IPCOwner
     from kvactors.runtime.observer import Call
 
@@ -114,7 +115,7 @@ class _AsksItself(Actor[int]):
 
     def __init__(self) -> None:
         super().__init__("self-asker")
-        self.second: asyncio.Future[Any] | None = None
+        self.second: Reply[Any] | None = None
 
     def receive(self, env: Envelope[int]) -> Any:
         if env.msg == 1:

@@ -3,10 +3,12 @@
 An actor handles one envelope at a time, in FIFO order (its *turn*); mailbox order is the only
 ordering an actor promises, and the actors built on this class derive their safety rules from
 it. ``receive`` is synchronous and short: it answers at once (returns a value) or takes the
-reply over (returns :data:`DEFERRED`) and settles it later, from any thread.
+reply over (:meth:`Actor.defer`, returns :data:`DEFERRED`) and settles it later, from any
+thread. Every reply is a :class:`~kvactors.actors.reply.Reply`: the first settle wins.
 
 Who runs a turn: the turn's states and every transition, each made under the actor's lock
-(``_busy``, the FIFO and the lifecycle state are all there is; the Waiter decides a hand-off).
+(``_busy``, the FIFO and the lifecycle state are all there is; the waiting sender's
+:class:`~kvactors.actors.reply.Reply` decides a hand-off).
 
 =========  ======================================================  ===========================
 state      event                                                   next
@@ -14,12 +16,13 @@ state      event                                                   next
 IDLE       a send from a thread that may run turns (the loop's,    CLAIMED: the sender runs it
            or any thread when ``turns_anywhere``)                  now (or right after its own
                                                                    turn, if it is inside one)
+IDLE       :meth:`Actor.claim` (a plain call, no envelope)         CLAIMED until ``end_turn``
 IDLE       any other send (``here=False``: an ``a*`` call; or a    QUEUED; the task is woken
            foreign thread of a loop-only actor)
 CLAIMED    a send                                                  CLAIMED; it is QUEUED behind
 CLAIMED    the turn ends, nothing queued                           IDLE
 CLAIMED    the turn ends; the FIFO head's sender is a waiting      HANDED to that thread
-           :class:`Waiter` of a ``turns_anywhere`` actor
+           reply (enlisted) of a ``turns_anywhere`` actor
 CLAIMED    the turn ends; any other head (or the waiter left)      QUEUED; the task runs it
 HANDED     the woken sender runs its own envelope                  CLAIMED
 any        stop / break_with                                       queued asks fail; sends
@@ -29,9 +32,7 @@ any        stop / break_with                                       queued asks f
 An interrupt (``KeyboardInterrupt``, ``SystemExit``) in a turn fails the envelope's reply
 unless the subclass took it over (it settles what it holds, see ``forget``), gives back the
 turns claimed inside it, and goes on to the thread's caller. FIFO holds in every row: a
-message that arrives during a turn queues behind it. Reply slots accept a settle from any
-thread, the first one winning (:class:`~kvactors.runtime._bridge.ReplyLock`, the loop-bound
-slot :meth:`Actor.ask_nowait` makes).
+message that arrives during a turn queues behind it.
 
 The bound counts what the actor holds: envelopes queued plus replies it took over and has
 not settled yet. A send past the bound raises :class:`~kvactors.errors.MailboxFullError`
@@ -39,6 +40,7 @@ not settled yet. A send past the bound raises :class:`~kvactors.errors.MailboxFu
 raised by ``receive`` for an ask fails that ask only; for a tell it breaks the actor. Stopping
 refuses new sends, fails every queued ask with :class:`ActorClosedError`, lets the subclass
 settle what it took over (``on_stop``), and ends the task. A graceful stop drains first.
+Subclasses override hooks only (``receive``, ``on_stop``, ``went_idle``), never the fields.
 """
 
 from __future__ import annotations
@@ -49,21 +51,11 @@ import contextlib
 import enum
 import functools
 import threading
-from typing import (
-    TYPE_CHECKING,
-    Any,
-    ClassVar,
-    Final,
-    Generic,
-    Literal,
-    NoReturn,
-    Protocol,
-    TypeVar,
-    final,
-)
+from typing import TYPE_CHECKING, Any, ClassVar, Final, Generic, Literal, NoReturn, TypeVar, final
 
 import msgspec
 
+from kvactors.actors.reply import Reply
 from kvactors.errors import (
     ActorBrokenError,
     ActorClosedError,
@@ -82,15 +74,11 @@ __all__ = (
     "ActorState",
     "ActorStatistics",
     "Envelope",
-    "LoopSlot",
-    "ReplySlot",
-    "Waiter",
     "on_loop",
     "unreachable",
 )
 
 M = TypeVar("M")
-
 _running_loop = asyncio._get_running_loop
 
 
@@ -124,75 +112,6 @@ def unreachable(msg: NoReturn) -> NoReturn:
     raise AssertionError(f"unhandled message {type(msg).__name__}")
 
 
-class ReplySlot(Protocol):
-    """Where an ask's reply goes: anything future-shaped that accepts a settle from any thread."""
-
-    def done(self) -> bool:
-        """Whether the reply was already settled."""
-        ...
-
-    def set_result(self, value: Any, /) -> None:
-        """Settle with a value."""
-        ...
-
-    def set_exception(self, exc: BaseException, /) -> None:
-        """Settle with an exception."""
-        ...
-
-
-class Waiter(Protocol):
-    """A blocking sender's thread, as an actor sees it: it sleeps until its reply is settled,
-    and meanwhile takes the turns handed to it (see the module docstring)."""
-
-    def enlist(self) -> None:
-        """A message of this sender queued (called on the sender's thread, under the actor's
-        lock, before the sender waits): turns may be handed to it from now on."""
-        ...
-
-    def hand(self, turn: Callable[[], None], /) -> bool:
-        """Give the sleeping thread ``turn`` to run; ``False`` (nothing changed) if it no
-        longer waits. Called under the actor's lock: it only records and wakes."""
-        ...
-
-
-@final
-class LoopSlot:
-    """A reply slot over an ``asyncio.Future`` of ``loop``: settled in place on the loop's
-    thread, through ``call_soon_threadsafe`` from any other."""
-
-    __slots__ = ("fut", "loop")
-
-    def __init__(self, loop: asyncio.AbstractEventLoop) -> None:
-        self.loop = loop
-        self.fut: asyncio.Future[Any] = loop.create_future()
-
-    def done(self) -> bool:
-        return self.fut.done()
-
-    def set_result(self, value: Any) -> None:
-        self._settle(_set_result, value)
-
-    def set_exception(self, exc: BaseException) -> None:
-        self._settle(_set_exception, exc)
-
-    def _settle(self, how: Callable[[asyncio.Future[Any], Any], None], arg: Any) -> None:
-        if on_loop(self.loop):
-            how(self.fut, arg)
-        else:
-            with contextlib.suppress(RuntimeError):  # a closed loop: nobody awaits it
-                self.loop.call_soon_threadsafe(how, self.fut, arg)
-
-
-def _set_result(fut: asyncio.Future[Any], value: Any) -> None:
-    if not fut.done():
-        fut.set_result(value)
-
-
-def _set_exception(fut: asyncio.Future[Any], exc: BaseException) -> None:
-    if not fut.done():
-        fut.set_exception(exc)
-
-
 class ActorState(enum.Enum):
     """Lifecycle of an actor."""
 
@@ -223,37 +142,34 @@ class ActorStatistics(msgspec.Struct, frozen=True, kw_only=True):
 
 @final
 class Envelope(msgspec.Struct, Generic[M], eq=False):
-    """A message, the operands riding beside it, the reply slot of an ask (else None), and
-    the sender's thread when it waits for the reply and may run the turn (else None).
+    """A message, the operands riding beside it, the reply of an ask (else None), and the
+    sender's reply when that thread waits for it and may run the turn (else None).
 
     Mutable, compared and hashed by identity (a set of deferred envelopes holds it), and
     made in C: one per message."""
 
     msg: M
     operands: Any
-    reply: ReplySlot | None
-    waiter: Waiter | None = None
+    reply: Reply[Any] | None
+    waiter: Reply[Any] | None = None
     _timer: asyncio.TimerHandle | None = None
 
     def resolve(self, value: Any) -> None:
-        """Settle the reply with ``value`` (a no-op for tells and for expired asks)."""
-        slot = self.reply
-        if slot is not None and not slot.done():
-            slot.set_result(value)
+        """Settle the reply with ``value`` (a no-op for tells and for settled asks)."""
+        if self.reply is not None:
+            self.reply.set_result(value)
         if self._timer is not None:
             self._disarm()
 
     def fail(self, exc: BaseException) -> None:
-        """Settle the reply with ``exc`` (a no-op for tells and for expired asks)."""
-        slot = self.reply
-        if slot is not None and not slot.done():
-            slot.set_exception(exc)
+        """Settle the reply with ``exc`` (a no-op for tells and for settled asks)."""
+        if self.reply is not None:
+            self.reply.set_exception(exc)
         self._disarm()
 
     def _disarm(self) -> None:
-        timer = self._timer
+        timer, self._timer = self._timer, None
         if timer is not None:
-            self._timer = None
             timer.cancel()
 
 
@@ -285,9 +201,7 @@ class Actor(Generic[M]):
         self._task: asyncio.Task[None] | None = None
         self._loop: asyncio.AbstractEventLoop | None = None
         self._busy = False
-        self._peak = 0
-        self._processed = 0
-        self._failed = 0
+        self._peak = self._processed = self._failed = 0
         self._deferred: set[Envelope[M]] = set()
 
     # ---- introspection -------------------------------------------------------------
@@ -304,11 +218,8 @@ class Actor(Generic[M]):
 
     def idle(self) -> bool:
         """Whether the actor runs and holds nothing: no turn, no envelope, no reply."""
-        return (
-            self._state is ActorState.RUNNING
-            and not self._busy
-            and not self._fifo
-            and not self._deferred
+        return self._state is ActorState.RUNNING and not (
+            self._busy or self._fifo or self._deferred
         )
 
     def count_failure(self) -> None:
@@ -348,10 +259,8 @@ class Actor(Generic[M]):
         if self._state is not ActorState.CREATED:
             raise ActorClosedError(f"cannot start from {self._state.value}", actor=self.name)
         self._loop = loop = asyncio.get_running_loop() if loop is None else loop
-        self._wake = asyncio.Event()
-        self._space = asyncio.Event()
+        self._wake, self._space, self._idle = asyncio.Event(), asyncio.Event(), asyncio.Event()
         self._space.set()
-        self._idle = asyncio.Event()
         self._idle.set()
         self._state = ActorState.RUNNING
         if on_loop(loop):
@@ -386,10 +295,10 @@ class Actor(Generic[M]):
         if self._state is ActorState.CREATED:
             self._state = ActorState.STOPPED
             return
-        if self._state is ActorState.STOPPED:
+        if self._state is ActorState.STOPPED or (
+            self._state is ActorState.STOPPING and self._task is None  # a stop in progress
+        ):
             return
-        if self._state is ActorState.STOPPING and self._task is None:
-            return  # a stop in progress
         if graceful and self._state is ActorState.RUNNING:
             with contextlib.suppress(asyncio.TimeoutError):
                 await asyncio.wait_for(self.drain(), timeout)
@@ -417,33 +326,35 @@ class Actor(Generic[M]):
             self._state = ActorState.BROKEN if was_broken else ActorState.STOPPED
             self._signal()
 
+    # ---- hooks ---------------------------------------------------------------------
+
+    def receive(self, env: Envelope[M]) -> Any:
+        """Hook: handle one envelope. Return the reply, or :data:`DEFERRED` and settle it
+        later (:meth:`defer`)."""
+        raise NotImplementedError
+
     async def on_stop(self, closed: ActorClosedError) -> None:
         """Hook: settle (complete or fail) everything the subclass took over. Bounded."""
 
-    # ---- sending -------------------------------------------------------------------
+    def went_idle(self) -> None:
+        """Hook: the actor holds nothing now (no turn, envelope or reply), after a turn or
+        a settle; called on the thread that saw it (any thread), so it must be short."""
 
-    def _check_send(self, msg: object) -> None:
-        # Under the mutex.
-        if self._state is not ActorState.RUNNING:
-            if self._state is ActorState.BROKEN:
-                raise ActorBrokenError("actor is broken", actor=self.name, cause=self._cause)
-            raise ActorClosedError(f"actor is {self._state.value}", actor=self.name)
-        if not isinstance(msg, self.accepts):
-            raise UnknownMessageError(actor=self.name, message_type=type(msg).__name__)
-        if len(self._fifo) + len(self._deferred) >= self._capacity:
-            raise MailboxFullError(actor=self.name, capacity=self._capacity)
+    # ---- sending -------------------------------------------------------------------
 
     def _deliver(self, env: Envelope[M], msg: object, *, here: bool = True) -> None:
         # Claim the turn if the actor is idle and this thread may run it; else queue (a busy
         # actor's turn, when it ends, hands or wakes: no wake-up needed then).
         with self._mutex:
             depth = len(self._fifo) + len(self._deferred) + 1
-            if (
-                self._state is not ActorState.RUNNING
-                or depth > self._capacity
-                or not isinstance(msg, self.accepts)
-            ):
-                self._check_send(msg)  # raises the specific refusal
+            if self._state is not ActorState.RUNNING:
+                if self._state is ActorState.BROKEN:
+                    raise ActorBrokenError("actor is broken", actor=self.name, cause=self._cause)
+                raise ActorClosedError(f"actor is {self._state.value}", actor=self.name)
+            if not isinstance(msg, self.accepts):
+                raise UnknownMessageError(actor=self.name, message_type=type(msg).__name__)
+            if depth > self._capacity:
+                raise MailboxFullError(actor=self.name, capacity=self._capacity)
             if depth > self._peak:
                 self._peak = depth
             busy = self._busy
@@ -455,10 +366,9 @@ class Actor(Generic[M]):
             ):
                 self._busy = True
             else:
-                waiter = env.waiter
-                if waiter is not None:
+                if env.waiter is not None:
                     if self.turns_anywhere:
-                        waiter.enlist()
+                        env.waiter.enlist()
                     else:
                         env.waiter = None
                 self._fifo.append(env)
@@ -507,54 +417,47 @@ class Actor(Generic[M]):
         """Send ``msg`` (on the loop), waiting for mailbox space instead of failing."""
         while True:
             try:
-                self._deliver(Envelope(msg, operands, None), msg)
+                return self._deliver(Envelope(msg, operands, None), msg)
             except MailboxFullError:
                 assert self._space is not None
                 self._watched = True
                 self._space.clear()
                 await self._space.wait()
-                continue
-            return
 
     def ask_nowait(
         self, msg: M, operands: Any = None, *, timeout: float | None = None
-    ) -> asyncio.Future[Any]:
-        """Send ``msg`` (on the loop) and return its reply future, failed past ``timeout``."""
-        loop = self._loop
-        if loop is None:
+    ) -> Reply[Any]:
+        """Send ``msg`` (on the loop) and return its reply (await it), failed past ``timeout``."""
+        if self._loop is None:
             raise ActorClosedError("actor was never started", actor=self.name)
-        slot = LoopSlot(loop)
-        self.ask_into(slot, msg, operands, timeout=timeout)
-        return slot.fut
+        reply: Reply[Any] = Reply()
+        self.ask_into(reply, msg, operands, timeout=timeout)
+        return reply
 
     def ask_into(
         self,
-        slot: ReplySlot,
+        reply: Reply[Any],
         msg: M,
         operands: Any = None,
         *,
         timeout: float | None = None,
         here: bool = True,
-        waiter: Waiter | None = None,
+        waiter: Reply[Any] | None = None,
     ) -> None:
-        """Send ``msg`` with ``slot`` as its reply slot, from any thread. With ``here=False``
-        the sender never runs the turn itself (an event loop's thread that must not block).
-        ``waiter``: the sending thread sleeps until its reply is settled and takes the turn
-        if it is handed over (see the module docstring)."""
-        env: Envelope[M] = Envelope(msg, operands, slot, waiter)
+        """Send ``msg`` with ``reply`` as its reply, from any thread. With ``here=False`` the
+        sender never runs the turn itself (an event loop's thread that must not block).
+        ``waiter``: the sending thread's reply, which it sleeps on (:meth:`Reply.wait`); it
+        takes the turn if it is handed over (see the module docstring)."""
+        env: Envelope[M] = Envelope(msg, operands, reply, waiter)
         loop = self._loop
         if timeout is not None and loop is not None:
             if on_loop(loop):
-                env._timer = loop.call_later(timeout, _expire, slot, self.name, msg, timeout)
+                env._timer = loop.call_later(timeout, _expire, reply, self.name, msg, timeout)
             else:
                 loop.call_soon_threadsafe(_arm, env, loop, self.name, timeout)
         self._deliver(env, msg, here=here)
 
-    # ---- receiving -----------------------------------------------------------------
-
-    def receive(self, env: Envelope[M]) -> Any:
-        """Handle one envelope. Return the reply, or :data:`DEFERRED` and settle it later."""
-        raise NotImplementedError
+    # ---- replies taken over --------------------------------------------------------
 
     def defer(self, env: Envelope[M]) -> Callable[[BaseException | None, Any], None]:
         """Take over ``env``'s reply; the returned callable settles it (exc, value), once,
@@ -612,10 +515,15 @@ class Actor(Generic[M]):
             env.fail(broken)
         self._signal()
 
+    # ---- the turn ------------------------------------------------------------------
+
     def _signal(self) -> None:
+        # What the actor holds changed: tell the hook if it holds nothing, and the loop's
+        # events (set on the loop only; another thread wakes the loop when it may wait).
+        if not (self._busy or self._fifo or self._deferred):
+            self.went_idle()
         loop = self._loop
         if loop is None or _running_loop() is not loop:
-            # The loop's events are its own: wake it only when it may wait on one.
             if loop is not None and self._watched:
                 with contextlib.suppress(RuntimeError):  # a closed loop: nobody waits
                     loop.call_soon_threadsafe(self._signal)
@@ -762,13 +670,12 @@ def _run_claimed(
 
 
 def _arm(env: Envelope[Any], loop: asyncio.AbstractEventLoop, actor: str, timeout: float) -> None:
-    slot = env.reply
-    if slot is not None and not slot.done():
-        env._timer = loop.call_later(timeout, _expire, slot, actor, env.msg, timeout)
+    reply = env.reply
+    if reply is not None and not reply.done():
+        env._timer = loop.call_later(timeout, _expire, reply, actor, env.msg, timeout)
 
 
-def _expire(slot: ReplySlot, actor: str, msg: object, timeout: float) -> None:
-    if not slot.done():
-        slot.set_exception(
-            DeadlineExceededError(actor=actor, message_type=type(msg).__name__, timeout=timeout)
-        )
+def _expire(reply: Reply[Any], actor: str, msg: object, timeout: float) -> None:
+    reply.set_exception(
+        DeadlineExceededError(actor=actor, message_type=type(msg).__name__, timeout=timeout)
+    )

@@ -42,7 +42,8 @@ from typing import TYPE_CHECKING, Any, final
 import msgspec
 import torch
 
-from kvactors.actors.actor import DEFERRED, Actor, Envelope, Waiter, unreachable
+from kvactors.actors.actor import DEFERRED, Actor, Envelope, unreachable
+from kvactors.actors.reply import Reply
 from kvactors.actors.stream import Work
 from kvactors.core.ordering import BlockLedger
 from kvactors.core.plan_cache import PlanCache
@@ -78,31 +79,6 @@ class TransferOperands(msgspec.Struct, eq=False):
 
     paged: Any
     objects: Sequence[torch.Tensor]
-
-
-@final
-class _Callback:
-    """A reply slot that calls ``fn(exc, value)`` when settled: the StreamActor's answer
-    reaches the GatherActor in the same loop turn, without a future's scheduled callback."""
-
-    __slots__ = ("_done", "_fn")
-
-    def __init__(self, fn: Callable[[BaseException | None, Any], None]) -> None:
-        self._fn = fn
-        self._done = False
-
-    def done(self) -> bool:
-        return self._done
-
-    def set_result(self, value: Any) -> None:
-        if not self._done:
-            self._done = True
-            self._fn(None, value)
-
-    def set_exception(self, exc: BaseException) -> None:
-        if not self._done:
-            self._done = True
-            self._fn(exc, None)
 
 
 class GatherActor(Actor[GatherRequest]):
@@ -267,7 +243,7 @@ class GatherActor(Actor[GatherRequest]):
             # ``torch_kernel``, which every backend kernel wraps, and the plan ticket's
             # tensors). No separate keepalive.
             work = Work(kernel, on_enqueued=on_enqueued)
-            sent = self._send(msg.stream_handle, _Callback(on_done), launch, work, env.waiter)
+            sent = self._send(msg.stream_handle, Reply(on_done), launch, work, env.waiter)
         except BaseException as exc:
             if not sent and self.holds(env):
                 on_done(exc, None)
@@ -276,7 +252,12 @@ class GatherActor(Actor[GatherRequest]):
         return DEFERRED
 
     def _send(
-        self, handle: int, reply: _Callback, launch: Launch, work: Work, waiter: Waiter | None
+        self,
+        handle: int,
+        reply: Reply[Any],
+        launch: Launch,
+        work: Work,
+        waiter: Reply[Any] | None,
     ) -> bool:
         # True once the stream holds the Launch. The caller waiting for the transfer waits
         # for this Launch too: a busy stream may hand it the Launch's turn (see

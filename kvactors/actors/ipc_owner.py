@@ -16,6 +16,7 @@ import logging
 from typing import TYPE_CHECKING, Any
 
 from kvactors.actors.actor import DEFERRED, Actor, Envelope, unreachable
+from kvactors.actors.reply import Reply
 from kvactors.core.protocols.ipc import CloseContext, ContextClosed, IPCRequest, Opened, OpenHandle
 from kvactors.core.protocols.stream import Sync
 from kvactors.errors import IPCError, ProtocolError, translate
@@ -145,16 +146,15 @@ class IPCOwnerActor(Actor[IPCRequest]):
         gathered.add_done_callback(after_sync)
         return DEFERRED
 
-    def _barriers(self, streams: list[StreamActor]) -> list[asyncio.Future[Any]]:
+    def _barriers(self, streams: list[StreamActor]) -> list[Reply[Any]]:
         # A stream that cannot take a Sync (broken, closed) yields a failed barrier, so the
         # close still runs to the end and reports the failure instead of stalling.
-        loop = asyncio.get_running_loop()
-        out: list[asyncio.Future[Any]] = []
+        out: list[Reply[Any]] = []
         for stream in streams:
             try:
                 out.append(stream.ask_nowait(Sync(), timeout=self._sync_timeout))
             except Exception as exc:
-                failed: asyncio.Future[Any] = loop.create_future()
+                failed: Reply[Any] = Reply()
                 failed.set_exception(exc)
                 out.append(failed)
         return out

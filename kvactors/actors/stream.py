@@ -19,8 +19,8 @@ published) and breaks the actor, since a stream with a sticky error cannot order
 Stopping lets the lane finish what is queued (bounded); a record whose publish job did not run
 by then is withdrawn and counted (``Outbox.withdrawn``), so every record is either published
 or failed, and none holds back the records behind it. ``on_idle`` (set by the directory) is
-called on the loop whenever the actor holds nothing, which is when a borrowed-stream actor
-may be retired.
+called on the loop whenever the actor holds nothing (from the base's ``went_idle`` hook),
+which is when a borrowed-stream actor may be retired.
 """
 
 from __future__ import annotations
@@ -157,17 +157,19 @@ class StreamActor(Actor[StreamRequest]):
                 outbox.withdraw(seq)
             self._records.clear()
 
-    def _signal(self) -> None:
-        super()._signal()
+    def went_idle(self) -> None:
+        """Tell ``on_idle``, on the loop (scheduled there from another thread, unless the
+        directory already noted this actor idle), if the actor still holds nothing then."""
         hook = self.on_idle
-        if hook is None or not self.idle():
+        if hook is None:
             return
         loop = self.loop
         if on_loop(loop):
-            hook()
+            if self.idle():
+                hook()
         elif loop is not None and not self.idle_noted:
             with contextlib.suppress(RuntimeError):  # a closed loop: nothing to retire
-                loop.call_soon_threadsafe(self._signal)
+                loop.call_soon_threadsafe(self.went_idle)
 
     def receive(self, env: Envelope[StreamRequest]) -> Any:
         """Turn the message into one lane job, in mailbox order."""

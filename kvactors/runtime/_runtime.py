@@ -4,14 +4,14 @@ A :class:`Runtime` owns a private asyncio loop running in its own daemon thread,
 :class:`~kvactors.actors.group.DeviceActors` of one device. Every call is a message to an actor
 (``Transfer``, ``Fence`` and ``Ping`` to the GatherActor, ``Sync`` and the records to a
 StreamActor, the IPC messages to the IPCOwnerActor), whoever calls and on every device: there
-is one route. A blocking call sends from the calling thread and sleeps on a
-:class:`~kvactors.runtime._bridge.ReplyLock` until the reply is settled; when the actor takes turns
+is one route. A blocking call sends from the calling thread and sleeps on its
+:class:`~kvactors.actors.reply.Reply` until the reply is settled; when the actor takes turns
 on any thread, the calling thread runs the turn itself, at once if the actor is idle, else
 when the turn before its message ends and is handed to it (see :mod:`kvactors.actors.actor`);
 else the loop runs it in mailbox order. Asyncio callers use the
 ``a*`` twins: they queue the message from their own thread (never running a turn, so their
-loop never waits for device work) and await the reply, under asyncio or any other backend
-anyio runs (trio): see :mod:`kvactors.runtime._awaitable`.
+loop never waits for device work) and await the same kind of reply, under asyncio or trio
+(see :mod:`kvactors.actors.reply`).
 
 Every blocking call has a deadline (``default_timeout`` unless given). ``close`` stops the
 actors down their graph with a bounded grace period: a call that was never enqueued fails with
@@ -30,6 +30,7 @@ from typing import TYPE_CHECKING, Any
 
 from kvactors.actors.gather import TransferOperands
 from kvactors.actors.group import DeviceActors, DeviceStatistics
+from kvactors.actors.reply import Reply
 from kvactors.core.protocols.gather import Fence, Fenced, Ping, Pong, Transfer, TransferDone
 from kvactors.core.protocols.ipc import CloseContext, ContextClosed, Opened, OpenHandle
 from kvactors.core.protocols.stream import EventRecord, RecordCompletion, RecordEvent, Sync, Synced
@@ -40,11 +41,10 @@ from kvactors.errors import (
     MailboxFullError,
     TransferAbandonedError,
 )
-from kvactors.runtime._awaitable import reply_awaitable
-from kvactors.runtime._bridge import FutureSlot, ReplyLock, settle_slot
 from kvactors.runtime.observer import Call, Observers
 
 if TYPE_CHECKING:
+    import concurrent.futures
     from collections.abc import Awaitable, Callable, Iterable, Sequence
 
     import torch
@@ -98,7 +98,7 @@ class Runtime:
         self._actors: DeviceActors | None = None
         self._closed = False
         self._ids = itertools.count(1)
-        self._outstanding: dict[ReplyLock, object] = {}
+        self._outstanding: dict[Reply[Any], object] = {}
         self._observers = Observers()
         if observer is not None:
             self._observers.add(observer)
@@ -247,7 +247,7 @@ class Runtime:
         if self._closed or self._loop is None or actors is None:
             actors = self._running()[1]
         t = self.default_timeout if timeout is None else timeout
-        reply = ReplyLock()
+        reply: Reply[Any] = Reply()
         self._outstanding[reply] = msg  # one dict operation: atomic, no lock (see close)
         observers = self._observers
         call = Call(msg, operands, stream_handle) if observers.active else None
@@ -305,10 +305,10 @@ class Runtime:
         except MailboxFullError:
             pass
         cf = asyncio.run_coroutine_threadsafe(actor.tell(msg, marker), loop)
-        reply = ReplyLock()
+        reply: Reply[None] = Reply()
         with self._lock:
             self._outstanding[reply] = msg
-        cf.add_done_callback(lambda f: settle_slot(f, reply))
+        cf.add_done_callback(lambda f: _settle_from(f, reply))
         try:
             reply.wait(self.default_timeout + _GRACE, type(msg).__name__)
         finally:
@@ -325,17 +325,18 @@ class Runtime:
         # Queued from the calling thread (an event loop's: it never runs the turn itself).
         _, actors = self._running()
         t = self.default_timeout if timeout is None else timeout
-        slot = FutureSlot()
         observers = self._observers
         call = Call(msg, operands, getattr(msg, "stream_handle", 0)) if observers.active else None
+        reply: Reply[Any] = Reply(
+            None if call is None else lambda exc, value: observers.finished(call, value, exc)
+        )
         try:
             if call is not None:
                 observers.started(call)  # admission: in mailbox order
-                slot.cf.add_done_callback(lambda f: _finished(observers, call, f))
-            pick(actors).ask_into(slot, msg, operands, timeout=t, here=False)
+            pick(actors).ask_into(reply, msg, operands, timeout=t, here=False)
         except BaseException as exc:
-            slot.set_exception(exc)
-        return reply_awaitable(slot.cf)
+            reply.set_exception(exc)
+        return reply
 
     # ---- transfers -----------------------------------------------------------------
 
@@ -541,13 +542,14 @@ def _operands(paged: Any, objects: Sequence[torch.Tensor]) -> TransferOperands:
     return TransferOperands(paged, tuple(objects) if isinstance(objects, list) else objects)
 
 
-def _finished(observers: Observers, call: Call, fut: Any) -> None:
+def _settle_from(fut: concurrent.futures.Future[None], reply: Reply[None]) -> None:
+    # ``reply`` as ``fut`` ended (a cancelled ``fut`` as a closed request).
     if fut.cancelled():
-        observers.finished(call, None, asyncio.CancelledError())
+        reply.set_exception(ActorClosedError("request cancelled", actor="runtime"))
     elif (exc := fut.exception()) is not None:
-        observers.finished(call, None, exc)
+        reply.set_exception(exc)
     else:
-        observers.finished(call, fut.result(), None)
+        reply.set_result(None)
 
 
 def _gather(actors: DeviceActors) -> Actor[Any]:

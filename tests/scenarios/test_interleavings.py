@@ -15,7 +15,7 @@ from __future__ import annotations
 import asyncio
 import dataclasses
 import itertools
-from typing import Any
+from typing import TYPE_CHECKING, Any
 
 import torch
 from hypothesis import HealthCheck, Phase, given, settings
@@ -23,6 +23,7 @@ from hypothesis import strategies as st
 
 from kvactors.actors.gather import TransferOperands
 from kvactors.actors.group import DeviceActors
+from kvactors.actors.reply import Reply
 from kvactors.core.layouts import Direction
 from kvactors.core.protocols.gather import Fence, Transfer
 from kvactors.core.protocols.ipc import CloseContext, OpenHandle
@@ -41,6 +42,9 @@ from tests.scenarios._kv import (
     request,
     same,
 )
+
+if TYPE_CHECKING:
+    from collections.abc import Callable
 
 STREAMS = (0, 17)
 N_REQ = 3
@@ -125,7 +129,7 @@ class _Observed(ManualBackend):
 
 @dataclasses.dataclass
 class _Store:
-    fut: asyncio.Future[Any]
+    fut: Reply[Any]
     ids: tuple[int, ...]
     expected: torch.Tensor
     failing: bool
@@ -135,7 +139,7 @@ class _Store:
 
 @dataclasses.dataclass
 class _Scatter:
-    fut: asyncio.Future[Any]
+    fut: Reply[Any]
     ids: tuple[int, ...]
     chunk: torch.Tensor
 
@@ -171,7 +175,7 @@ class Interpreter:
         self.ids = itertools.count(1)
         self.launched = 0
         self.per_stream: dict[int, int] = {}
-        self.positions: list[tuple[int, int, asyncio.Future[Any]]] = []
+        self.positions: list[tuple[int, int, Reply[Any]]] = []
         self.closed = False
         self.shutdown_midway = False
         self.violations: list[str] = []
@@ -195,11 +199,9 @@ class Interpreter:
     def _pending_scatter(self, ids: tuple[int, ...]) -> bool:
         return any(not s.fut.done() and set(s.ids) & set(ids) for s in self.scatters)
 
-    def _on_scatter_done(self, sc: _Scatter) -> None:
-        if sc.fut.cancelled() or sc.fut.exception() is not None:
-            return
-        if not torch.equal(_block_bits(self.src, sc.ids), _chunk_as_blocks(sc.chunk, len(sc.ids))):
-            self.violations.append(f"scatter into {sc.ids} answered before its data landed")
+    def _on_scatter_done(self, ids: tuple[int, ...], chunk: torch.Tensor) -> None:
+        if not torch.equal(_block_bits(self.src, ids), _chunk_as_blocks(chunk, len(ids))):
+            self.violations.append(f"scatter into {ids} answered before its data landed")
 
     def _owner_closing(self, name: str) -> None:
         if self.shutdown_midway:
@@ -212,15 +214,23 @@ class Interpreter:
         return {c for c, shared in self.contexts.items() if any(x.name == name for x in shared)}
 
     def _submit(
-        self, req: Any, objs: list[torch.Tensor], stream: int, *, fail: bool = False
-    ) -> asyncio.Future[Any]:
+        self,
+        req: Any,
+        objs: list[torch.Tensor],
+        stream: int,
+        *,
+        fail: bool = False,
+        then: Callable[[BaseException | None, Any], None] | None = None,
+    ) -> Reply[Any]:
+        # ``then`` runs when the reply is settled, before it reads as done.
         handle = STREAMS[stream]
         self.per_stream[handle] = position = self.per_stream.get(handle, 0) + 1
         if fail:
             self.backend.fail_at.add((handle, position))
         tid = next(self.ids)
         msg = Transfer(transfer_id=tid, request=req, stream_handle=handle)
-        fut = self.dev.gather.ask_nowait(msg, TransferOperands(self.src, objs))
+        fut: Reply[Any] = Reply(then)
+        self.dev.gather.ask_into(fut, msg, TransferOperands(self.src, objs))
         self.launched += 1
         self.positions.append((handle, position, fut))
         return fut
@@ -233,14 +243,13 @@ class Interpreter:
             return  # the engine reads blocks only after their load finished
         obj = objects(1)
         expected = expected_gather(self.src, list(ids))[0]
-        fut = self._submit(request(D2H, ids), obj, stream, fail=fail)
+
+        def commit(exc: BaseException | None, _value: Any) -> None:
+            if exc is None:
+                self.committed[r] = obj[0]  # LMCache commits only a store reported done
+
+        fut = self._submit(request(D2H, ids), obj, stream, fail=fail, then=commit)
         self.stores.append(_Store(fut, ids, expected, fail, obj=obj[0]))
-
-        def commit(f: asyncio.Future[Any], r: int = r, o: torch.Tensor = obj[0]) -> None:
-            if not f.cancelled() and f.exception() is None:
-                self.committed[r] = o  # LMCache commits only a store reported done
-
-        fut.add_done_callback(commit)
         await self._launched()
 
     async def retrieve(self, r: int, stream: int) -> None:
@@ -249,10 +258,14 @@ class Interpreter:
             return
         ids = (self.free.pop(), self.free.pop())
         self.owned[r].extend(ids)
-        fut = self._submit(request(H2D, ids), [chunk], stream)
-        sc = _Scatter(fut, ids, chunk)
-        self.scatters.append(sc)
-        fut.add_done_callback(lambda _f, sc=sc: self._on_scatter_done(sc))  # type: ignore[misc]
+
+        def landed(exc: BaseException | None, _value: Any) -> None:
+            if exc is None:
+                self._on_scatter_done(ids, chunk)
+
+        self.scatters.append(
+            _Scatter(self._submit(request(H2D, ids), [chunk], stream, then=landed), ids, chunk)
+        )
         await self._launched()
 
     async def preempt(self, r: int) -> None:
@@ -322,7 +335,7 @@ class Interpreter:
         # thread): wait for exactly those, so later operations see the commits.
         ran = [f for h, pos, f in self.positions if pos <= self.backend.executed(h)]
         if ran:
-            await asyncio.wait(ran, timeout=10)
+            await asyncio.wait(map(asyncio.ensure_future, ran), timeout=10)
             assert all(f.done() for f in ran), "a transfer that ran never got its reply"
         await asyncio.sleep(0)
 
@@ -349,7 +362,8 @@ class Interpreter:
             while not all(f.done() for f in futs) or not all(t.done() for t in self.tasks):
                 assert loop.time() < deadline, "a reply, fence or close never arrived"
                 self.backend.release()
-                await asyncio.wait([*futs, *self.tasks], timeout=0.01)
+                waits = [asyncio.ensure_future(f) for f in futs if not f.done()]
+                await asyncio.wait([*waits, *self.tasks], timeout=0.01)
             await self.dev.stop(timeout=5.0)
         else:
             self.backend.release()

@@ -33,6 +33,8 @@ from tests.scenarios._kv import BS, CHUNK, DTYPE, HS, NB, NH, expected_gather, r
 if TYPE_CHECKING:
     from collections.abc import AsyncIterator
 
+    from kvactors.actors.reply import Reply
+
 _WAIT = 10.0  # bounds a wait only a hang would exhaust; never decides a result
 
 
@@ -60,7 +62,7 @@ class _Rig:
         assert isinstance(opened, Opened)
         return view  # type: ignore[no-any-return]
 
-    def use_on(self, handle: int, view: torch.Tensor) -> asyncio.Future[Any]:
+    def use_on(self, handle: int, view: torch.Tensor) -> Reply[Any]:
         """Queue device work that writes through ``view`` on stream ``handle`` (not run yet)."""
         stream = self.streams.get(handle)
 
@@ -205,7 +207,7 @@ def test_close_waits_for_a_transfer_queued_at_the_gather_actor_before_it() -> No
             holder.join(_WAIT)
             closer.join(_WAIT)
             assert not closer.is_alive(), "close_ipc_context never returned"
-            assert reply._cf.result(_WAIT).blocks == 2  # type: ignore[attr-defined]
+            assert reply.wait(_WAIT, "Transfer").blocks == 2  # type: ignore[attr-defined]
             assert backend.closed == 1
             assert len(backend.ran_after_close) == 2, backend.ran_after_close  # A, then T2
             assert not any(backend.ran_after_close), "a transfer ran on a closed owner"

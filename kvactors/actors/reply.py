@@ -1,0 +1,228 @@
+"""The reply of an ask: one slot, settled once from any thread, then waited on or awaited.
+
+An actor puts an ask's answer into its :class:`Reply`. The first settle (``set_result``,
+``set_exception``, ``cancel``) wins, atomically, from whichever thread saw the outcome; every
+later one is a no-op. The reply has three faces:
+
+- blocking: :meth:`Reply.wait` sleeps the calling thread until the reply is settled or its
+  deadline passed. Once the caller's message queued behind a busy actor (:meth:`Reply.enlist`),
+  the actor may hand it that message's turn (:meth:`Reply.hand`): the caller wakes, runs the
+  turn on its own thread, and sleeps again. A caller that leaves refuses later hand-offs,
+  atomically with its check for one: a turn handed to it is always run.
+- awaitable: ``await reply`` under asyncio or trio. The settling thread never waits for the
+  awaiting loop: on that loop's thread it wakes the await in place, from any other thread it
+  only schedules the wake-up (``loop.call_soon_threadsafe``, ``TrioToken.run_sync_soon``).
+  It may be awaited more than once; cancelling an await cancels the reply: the answer is
+  dropped.
+- a callback: ``Reply(then)`` calls ``then(exc, value)`` once, synchronously, on the settling
+  thread, before the reply reads as done and its waiter wakes (a cancel passes a
+  ``CancelledError``).
+"""
+
+from __future__ import annotations
+
+import asyncio
+import contextlib
+import itertools
+import threading
+import time
+from typing import TYPE_CHECKING, Any, Generic, TypeVar, final
+
+from kvactors.errors import DeadlineExceededError
+
+if TYPE_CHECKING:
+    from collections.abc import Callable, Generator
+
+__all__ = ("Reply",)
+
+T = TypeVar("T")
+_running_loop = asyncio._get_running_loop
+
+
+@final
+class Reply(Generic[T]):
+    """One ask's reply, settled once from any thread (see the module for its faces)."""
+
+    __slots__ = ("_claims", "_done", "_exc", "_hand", "_lock", "_then", "_turn", "_value", "_wake")
+
+    def __init__(self, then: Callable[[BaseException | None, Any], None] | None = None) -> None:
+        self._claims = itertools.count()
+        self._done = False
+        self._value: Any = None
+        self._exc: BaseException | None = None
+        self._then = then
+        self._wake: Callable[[], None] | None = None  # an await's wake-up
+        self._lock: threading.Lock | None = None  # held while the caller sleeps
+        self._hand: threading.Lock | None = None  # made by enlist: guards the hand-off
+        # A turn handed over and not run yet; _GONE once the caller left (refuses hand-offs).
+        self._turn: Callable[[], None] | None = None
+
+    def done(self) -> bool:
+        """Whether the reply was settled (or cancelled)."""
+        return self._done
+
+    def set_result(self, value: T) -> None:
+        """Settle with ``value`` (a no-op once settled)."""
+        self._settle(None, value)
+
+    def set_exception(self, exc: BaseException) -> None:
+        """Settle with ``exc`` (a no-op once settled)."""
+        self._settle(exc, None)
+
+    def cancel(self) -> bool:
+        """Drop the answer: settle with ``CancelledError``; ``False`` if settled already."""
+        return self._settle(asyncio.CancelledError(), None)
+
+    def _settle(self, exc: BaseException | None, value: Any) -> bool:
+        # ``next`` on the claim counter is one atomic step (a C call under the GIL): of two
+        # racing settles exactly one writes the reply.
+        if self._done or next(self._claims):
+            return False
+        self._value, self._exc = value, exc
+        try:
+            if (then := self._then) is not None:
+                then(exc, value)  # before the reply reads as done
+        finally:
+            self._done = True
+            if (lock := self._lock) is not None:
+                try:  # noqa: SIM105 (the per-call path: no context manager)
+                    lock.release()
+                except RuntimeError:  # a hand-off released it already
+                    pass
+            if (wake := self._wake) is not None:
+                wake()
+        return True
+
+    def result(self) -> T:
+        """The value the reply was settled with, or raise its exception."""
+        if (exc := self.exception()) is not None:
+            raise exc
+        value: T = self._value
+        return value
+
+    def exception(self) -> BaseException | None:
+        """The exception the reply was settled with (None for a value)."""
+        if not self._done:
+            raise asyncio.InvalidStateError("the reply is not settled yet")
+        return self._exc
+
+    def cancelled(self) -> bool:
+        """Whether the reply was cancelled (its answer dropped)."""
+        return isinstance(self._exc, asyncio.CancelledError)
+
+    # ---- the blocking face -----------------------------------------------------------
+
+    def enlist(self) -> None:
+        """A message of the caller queued (on the caller's thread, under the actor's lock,
+        before it waits): from now on a turn may be handed over."""
+        if self._hand is None:
+            self._lock = self._lock or _held()
+            self._hand = threading.Lock()
+
+    def hand(self, turn: Callable[[], None]) -> bool:
+        """Give the sleeping caller ``turn`` to run; ``False`` (nothing changed) if it left
+        already. Called under the actor's lock: it only records and wakes."""
+        guard, lock = self._hand, self._lock
+        if guard is None or lock is None:
+            return False
+        with guard:
+            if self._turn is _GONE:
+                return False
+            self._turn = turn
+        with contextlib.suppress(RuntimeError):  # a settle released it already
+            lock.release()
+        return True
+
+    def wait(self, timeout: float, what: str) -> T:
+        """Sleep until the reply is settled (running the turns handed over meanwhile); return
+        or raise it, or raise :class:`~kvactors.errors.DeadlineExceededError` (naming
+        ``what``) past ``timeout`` seconds."""
+        guard = self._hand
+        if guard is None:  # nothing of the caller queued: no turn can be handed over
+            if not self._done:
+                lock = self._lock = _held()  # published before the check: a settle releases it
+                if not self._done:
+                    lock.acquire(timeout=timeout)
+        else:
+            self._take_turns(guard, self._lock or _held(), time.monotonic() + timeout)
+        if not self._done:
+            raise DeadlineExceededError(actor="runtime", message_type=what, timeout=timeout)
+        return self.result()
+
+    def _take_turns(self, guard: threading.Lock, lock: threading.Lock, end: float) -> None:
+        try:
+            while True:
+                leave = self._done or time.monotonic() >= end
+                with guard:
+                    turn, self._turn = self._turn, None
+                    if turn is None and leave:
+                        self._turn = _GONE
+                        return
+                if turn is not None:
+                    turn()
+                else:
+                    lock.acquire(timeout=max(0.0, end - time.monotonic()))
+        finally:
+            # Left by an exception (a turn's BaseException): refuse later hand-offs, and run
+            # one handed over meanwhile, so that no actor waits for a caller that is gone.
+            with guard:
+                turn, self._turn = self._turn, _GONE
+            if turn is not None and turn is not _GONE:
+                turn()
+
+    # ---- the awaitable face ----------------------------------------------------------
+
+    def __await__(self) -> Generator[Any, None, T]:
+        if not self._done:
+            yield from self._park().__await__()
+        return self.result()
+
+    async def _park(self) -> None:
+        loop, before = _running_loop(), self._wake  # an earlier await is woken too
+        if loop is not None:
+            fut: asyncio.Future[None] = loop.create_future()
+            self._wake = lambda: _wake_asyncio(loop, fut, before)
+        else:
+            import trio
+
+            token, event = trio.lowlevel.current_trio_token(), trio.Event()
+            self._wake = lambda: _wake_trio(token, event.set, before)
+        if not self._done:  # checked after publishing the wake-up: a later settle calls it
+            try:
+                await (fut if loop is not None else event.wait())
+            except BaseException:
+                self.cancel()  # nobody wants the answer now
+                raise
+
+
+def _GONE() -> None:
+    # The marker in ``Reply._turn`` of a caller that left: no turn is handed to it any more.
+    raise AssertionError("never run")
+
+
+def _held() -> threading.Lock:
+    lock = threading.Lock()
+    lock.acquire()
+    return lock
+
+
+def _wake_asyncio(
+    loop: asyncio.AbstractEventLoop, fut: asyncio.Future[None], before: Callable[[], None] | None
+) -> None:
+    if _running_loop() is loop:
+        if not fut.done():
+            fut.set_result(None)
+    else:
+        with contextlib.suppress(RuntimeError):  # a closed loop: nobody awaits
+            loop.call_soon_threadsafe(_wake_asyncio, loop, fut, None)
+    if before is not None:
+        before()
+
+
+def _wake_trio(token: Any, wake: Callable[[], None], before: Callable[[], None] | None) -> None:
+    import trio
+
+    with contextlib.suppress(trio.RunFinishedError):  # the run ended: nobody awaits
+        token.run_sync_soon(wake)
+    if before is not None:
+        before()
