@@ -20,6 +20,7 @@ MODULES = [
     "kvactors.core.protocols.ipc",
     "kvactors.core.protocols.codec",
     "kvactors.actors.actor",
+    "kvactors.actors.reply",
     "kvactors.actors.stream",
     "kvactors.actors.gather",
     "kvactors.actors.ipc_owner",

@@ -190,11 +190,10 @@ class Actor(Generic[M]):
         self._capacity = capacity
         self._mutex = threading.Lock()  # the FIFO, the turn, the deferred set, the state
         self._fifo: collections.deque[Envelope[M]] = collections.deque()
-        self._wake: asyncio.Event | None = None
-        self._space: asyncio.Event | None = None
-        self._idle: asyncio.Event | None = None
-        # Whether the loop may wait on ``_space`` or ``_idle`` (written on the loop only):
-        # a signal from another thread then wakes the loop, else it costs nothing.
+        self._wake: asyncio.Event | None = None  # the task's: something queued for it
+        self._changed: asyncio.Event | None = None  # what the actor holds changed
+        # Whether the loop waits on ``_changed`` (set on the loop only): a change on another
+        # thread then wakes the loop, else it costs nothing.
         self._watched = False
         self._state = ActorState.CREATED
         self._cause: BaseException | None = None
@@ -259,9 +258,7 @@ class Actor(Generic[M]):
         if self._state is not ActorState.CREATED:
             raise ActorClosedError(f"cannot start from {self._state.value}", actor=self.name)
         self._loop = loop = asyncio.get_running_loop() if loop is None else loop
-        self._wake, self._space, self._idle = asyncio.Event(), asyncio.Event(), asyncio.Event()
-        self._space.set()
-        self._idle.set()
+        self._wake, self._changed = asyncio.Event(), asyncio.Event()
         self._state = ActorState.RUNNING
         if on_loop(loop):
             self._spawn()
@@ -274,12 +271,17 @@ class Actor(Generic[M]):
 
     async def drain(self) -> None:
         """Wait until every queued message was handled and every deferred reply settled."""
-        idle = self._idle
-        self._watched = True  # before the check: a settle after it wakes the loop
-        while idle is not None and self._state is ActorState.RUNNING and self.pending:
-            self._watched = True
-            idle.clear()
-            await idle.wait()
+        await self._until(lambda: self._state is not ActorState.RUNNING or not self.pending)
+
+    async def _until(self, ready: Callable[[], bool]) -> None:
+        # On the loop: sleep until ``ready()``, checked again whenever what it holds changed.
+        changed = self._changed
+        while changed is not None:
+            self._watched = True  # before the check: a change after it wakes the loop
+            if ready():
+                return
+            changed.clear()
+            await changed.wait()
 
     def close_if_idle(self) -> bool:
         """Refuse every later send if the actor holds nothing now (atomic with sends); the
@@ -419,10 +421,7 @@ class Actor(Generic[M]):
             try:
                 return self._deliver(Envelope(msg, operands, None), msg)
             except MailboxFullError:
-                assert self._space is not None
-                self._watched = True
-                self._space.clear()
-                await self._space.wait()
+                await self._until(lambda: self.pending < self._capacity)
 
     def ask_nowait(
         self, msg: M, operands: Any = None, *, timeout: float | None = None
@@ -518,25 +517,19 @@ class Actor(Generic[M]):
     # ---- the turn ------------------------------------------------------------------
 
     def _signal(self) -> None:
-        # What the actor holds changed: tell the hook if it holds nothing, and the loop's
-        # events (set on the loop only; another thread wakes the loop when it may wait).
+        # What the actor holds changed: tell the hook if it holds nothing, and the loop if
+        # it waits for a change (on the loop's thread only; another thread wakes the loop).
         if not (self._busy or self._fifo or self._deferred):
             self.went_idle()
-        loop = self._loop
-        if loop is None or _running_loop() is not loop:
-            if loop is not None and self._watched:
-                with contextlib.suppress(RuntimeError):  # a closed loop: nobody waits
-                    loop.call_soon_threadsafe(self._signal)
+        loop, changed = self._loop, self._changed
+        if loop is None or changed is None or not self._watched:
             return
-        pending = len(self._fifo) + len(self._deferred)
-        space, idle = self._space, self._idle
-        if space is not None and pending < self._capacity:
-            space.set()
-        if idle is not None and (pending == 0 or self._state is not ActorState.RUNNING):
-            idle.set()
-        self._watched = (space is not None and not space.is_set()) or (
-            idle is not None and not idle.is_set()
-        )
+        if _running_loop() is loop:
+            self._watched = False
+            changed.set()
+        else:
+            with contextlib.suppress(RuntimeError):  # a closed loop: nobody waits
+                loop.call_soon_threadsafe(self._signal)
 
     def _wake_task(self) -> None:
         wake, loop = self._wake, self._loop
