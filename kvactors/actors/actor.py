@@ -157,14 +157,14 @@ class Envelope(msgspec.Struct, Generic[M], eq=False):
     def resolve(self, value: Any) -> None:
         """Settle the reply with ``value`` (a no-op for tells and for settled asks)."""
         if self.reply is not None:
-            self.reply.set_result(value)
+            self.reply.settle(None, value)
         if self._timer is not None:
             self._disarm()
 
     def fail(self, exc: BaseException) -> None:
         """Settle the reply with ``exc`` (a no-op for tells and for settled asks)."""
         if self.reply is not None:
-            self.reply.set_exception(exc)
+            self.reply.settle(exc)
         self._disarm()
 
     def _disarm(self) -> None:
@@ -180,6 +180,13 @@ class Actor(Generic[M]):
     turns_anywhere: ClassVar[bool] = False
     """Whether a sender on any thread may run an idle actor's turn itself (the subclass's
     handlers are thread-safe and touch no loop state); else only the loop's thread does."""
+
+    def __init_subclass__(cls, **kwargs: Any) -> None:
+        super().__init_subclass__(**kwargs)
+        # Whether the subclass hears ``went_idle`` (the base's hook costs no call otherwise).
+        cls._tells_idle = cls.went_idle is not Actor.went_idle
+
+    _tells_idle: ClassVar[bool] = False
 
     def __init__(self, name: str, *, capacity: int = 1024) -> None:
         if capacity <= 0:
@@ -350,9 +357,7 @@ class Actor(Generic[M]):
         with self._mutex:
             depth = len(self._fifo) + len(self._deferred) + 1
             if self._state is not ActorState.RUNNING:
-                if self._state is ActorState.BROKEN:
-                    raise ActorBrokenError("actor is broken", actor=self.name, cause=self._cause)
-                raise ActorClosedError(f"actor is {self._state.value}", actor=self.name)
+                raise self._refusal()
             if not isinstance(msg, self.accepts):
                 raise UnknownMessageError(actor=self.name, message_type=type(msg).__name__)
             if depth > self._capacity:
@@ -404,9 +409,7 @@ class Actor(Generic[M]):
         """End a turn taken with :meth:`claim`: counted as processed, then handed to the FIFO
         head's waiting sender or left to the task, as any turn's end."""
         with self._mutex:
-            self._busy = False
-            self._processed += 1
-            more = bool(self._fifo) and not self._hand_locked()
+            more = self._end_locked()
         if more:
             self._wake_task()
         self._signal()
@@ -519,7 +522,7 @@ class Actor(Generic[M]):
     def _signal(self) -> None:
         # What the actor holds changed: tell the hook if it holds nothing, and the loop if
         # it waits for a change (on the loop's thread only; another thread wakes the loop).
-        if not (self._busy or self._fifo or self._deferred):
+        if self._tells_idle and not (self._busy or self._fifo or self._deferred):
             self.went_idle()
         loop, changed = self._loop, self._changed
         if loop is None or changed is None or not self._watched:
@@ -530,6 +533,12 @@ class Actor(Generic[M]):
         else:
             with contextlib.suppress(RuntimeError):  # a closed loop: nobody waits
                 loop.call_soon_threadsafe(self._signal)
+
+    def _refusal(self) -> ActorClosedError | ActorBrokenError:
+        # What a send to (or an envelope left in) an actor that does not run gets.
+        if self._state is ActorState.BROKEN:
+            return ActorBrokenError("actor is broken", actor=self.name, cause=self._cause)
+        return ActorClosedError(f"actor is {self._state.value}", actor=self.name)
 
     def _wake_task(self) -> None:
         wake, loop = self._wake, self._loop
@@ -572,9 +581,7 @@ class Actor(Generic[M]):
             handled = True
         finally:
             with self._mutex:
-                self._busy = False
-                self._processed += 1
-                more = bool(self._fifo) and not self._hand_locked()
+                more = self._end_locked()
             if more:
                 self._wake_task()
             if outer:
@@ -585,6 +592,12 @@ class Actor(Generic[M]):
         if outer and after:
             _run_claimed(after, [])
 
+    def _end_locked(self) -> bool:
+        # Under the mutex: the turn ends; whether the task must run the FIFO head now.
+        self._busy = False
+        self._processed += 1
+        return bool(self._fifo) and not self._hand_locked()
+
     def _hand_locked(self) -> bool:
         # Under the mutex, the turn free: hand it to the FIFO head's waiting sender (True), or
         # leave the head to the task (a waiter that left is not asked again).
@@ -593,9 +606,7 @@ class Actor(Generic[M]):
             return False
         head = fifo[0]
         waiter = head.waiter
-        if waiter is None:
-            return False
-        if waiter.hand(functools.partial(self._turn, head)):
+        if waiter is not None and waiter.hand(functools.partial(self._turn, head)):
             fifo.popleft()
             self._busy = True
             return True
@@ -635,11 +646,7 @@ class Actor(Generic[M]):
                 if running:
                     self._turn(env)
                 else:
-                    env.fail(
-                        ActorBrokenError("actor is broken", actor=self.name, cause=self._cause)
-                        if self._state is ActorState.BROKEN
-                        else ActorClosedError("actor stopped", actor=self.name)
-                    )
+                    env.fail(self._refusal())
                 # Drop the envelope now: an idle actor must not keep the last reply (and
                 # any tensors riding beside it) alive while it waits.
                 del env

@@ -63,17 +63,18 @@ class Reply(Generic[T]):
 
     def set_result(self, value: T) -> None:
         """Settle with ``value`` (a no-op once settled)."""
-        self._settle(None, value)
+        self.settle(None, value)
 
     def set_exception(self, exc: BaseException) -> None:
         """Settle with ``exc`` (a no-op once settled)."""
-        self._settle(exc, None)
+        self.settle(exc, None)
 
     def cancel(self) -> bool:
         """Drop the answer: settle with ``CancelledError``; ``False`` if settled already."""
-        return self._settle(asyncio.CancelledError(), None)
+        return self.settle(asyncio.CancelledError(), None)
 
-    def _settle(self, exc: BaseException | None, value: Any) -> bool:
+    def settle(self, exc: BaseException | None, value: Any = None) -> bool:
+        """Settle with ``exc``, else with ``value``; ``False`` (a no-op) if settled already."""
         # ``next`` on the claim counter is one atomic step (a C call under the GIL): of two
         # racing settles exactly one writes the reply.
         if self._done or next(self._claims):
@@ -95,8 +96,10 @@ class Reply(Generic[T]):
 
     def result(self) -> T:
         """The value the reply was settled with, or raise its exception."""
-        if (exc := self.exception()) is not None:
-            raise exc
+        if not self._done:
+            raise asyncio.InvalidStateError("the reply is not settled yet")
+        if self._exc is not None:
+            raise self._exc
         value: T = self._value
         return value
 
@@ -147,7 +150,10 @@ class Reply(Generic[T]):
             self._take_turns(guard, self._lock or _held(), time.monotonic() + timeout)
         if not self._done:
             raise DeadlineExceededError(actor="runtime", message_type=what, timeout=timeout)
-        return self.result()
+        if self._exc is not None:
+            raise self._exc
+        value: T = self._value
+        return value
 
     def _take_turns(self, guard: threading.Lock, lock: threading.Lock, end: float) -> None:
         try:
@@ -173,7 +179,7 @@ class Reply(Generic[T]):
     # ---- the awaitable face ----------------------------------------------------------
 
     def __await__(self) -> Generator[Any, None, T]:
-        if not self._done:
+        if not self._done or _running_loop() is None:  # under trio every await checkpoints
             yield from self._park().__await__()
         return self.result()
 
@@ -185,6 +191,9 @@ class Reply(Generic[T]):
         else:
             import trio
 
+            if self._done:
+                await trio.lowlevel.checkpoint()
+                return
             token, event = trio.lowlevel.current_trio_token(), trio.Event()
             self._wake = lambda: _wake_trio(token, event.set, before)
         if not self._done:  # checked after publishing the wake-up: a later settle calls it
