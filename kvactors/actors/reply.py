@@ -28,7 +28,7 @@ import threading
 import time
 from typing import TYPE_CHECKING, Any, Generic, TypeVar, final
 
-from kvactors.errors import DeadlineExceededError
+from kvactors.errors import DeadlineExceededError, ProtocolError
 
 if TYPE_CHECKING:
     from collections.abc import Callable, Generator
@@ -95,9 +95,10 @@ class Reply(Generic[T]):
         return True
 
     def result(self) -> T:
-        """The value the reply was settled with, or raise its exception."""
+        """The value the reply was settled with, or raise its exception (``ProtocolError``
+        before it is settled)."""
         if not self._done:
-            raise asyncio.InvalidStateError("the reply is not settled yet")
+            raise ProtocolError("not settled yet", actor="reply", state="pending")
         if self._exc is not None:
             raise self._exc
         value: T = self._value
@@ -106,7 +107,7 @@ class Reply(Generic[T]):
     def exception(self) -> BaseException | None:
         """The exception the reply was settled with (None for a value)."""
         if not self._done:
-            raise asyncio.InvalidStateError("the reply is not settled yet")
+            raise ProtocolError("not settled yet", actor="reply", state="pending")
         return self._exc
 
     def cancelled(self) -> bool:
