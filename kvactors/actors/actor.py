@@ -488,16 +488,19 @@ class Actor(Generic[M]):
             self._busy = True
             return True
 
-    def end_turn(self) -> None:
-        """End a turn taken with :meth:`claim`: counted as processed, then handed to the FIFO
-        head's waiting sender or left to the task, as any turn's end."""
+    def end_turn(self, *, ran: bool = True) -> Literal[False]:
+        """End a turn taken with :meth:`claim` (counted as processed unless ``ran`` is false:
+        the claimer gave it back unused), then hand it to the FIFO head's waiting sender or
+        leave it to the task, as any turn's end. Returns False, the claim's new value
+        (``claimed = actor.end_turn()``: no line between the end and the flag)."""
         with self._mutex:
             self._busy = False
-            self._processed += 1
+            self._processed += ran
             more = bool(self._fifo) and not self._hand_locked()
         if more:
             self._wake_task()
         self._signal()
+        return False
 
     def tell_nowait(self, msg: M, operands: Any = None) -> None:
         """Send ``msg`` without waiting for a reply; raise at once if it cannot be queued."""

@@ -43,7 +43,7 @@ import msgspec
 import torch
 
 from kvactors.actors.actor import DEFERRED, Actor, Envelope, Waiter, unreachable
-from kvactors.actors.stream import Work
+from kvactors.actors.stream import StreamActor, Work
 from kvactors.core.ordering import BlockLedger
 from kvactors.core.plan_cache import PlanCache
 from kvactors.core.protocols.gather import (
@@ -56,7 +56,13 @@ from kvactors.core.protocols.gather import (
     TransferDone,
 )
 from kvactors.core.protocols.stream import Launch
-from kvactors.errors import ActorClosedError, OperandTypeError, TransferAbandonedError
+from kvactors.errors import (
+    ActorClosedError,
+    OperandTypeError,
+    TransferAbandonedError,
+    TransferFailedError,
+    translate,
+)
 from kvactors.kernels.transfer import ScratchCache
 from kvactors.kernels.transfer import torch_kernel as make_kernel
 
@@ -64,6 +70,7 @@ if TYPE_CHECKING:
     from collections.abc import Callable, Iterable
 
     from kvactors.actors.directory import StreamDirectory
+    from kvactors.core.plans import TransferRequest
     from kvactors.devices.base import Backend
 
 __all__ = ("GatherActor", "TransferOperands")
@@ -140,6 +147,7 @@ class GatherActor(Actor[GatherRequest]):
         # (CPU) and that adds no layout rule or native kernel runs the specialised kernel of
         # a reused plan.
         self._prepares = backend.prepares_transfers
+        self._completes = backend.completes_on_launch
         self._native = backend.native_kernels
         self._plain = backend.plain_transfers
 
@@ -275,6 +283,138 @@ class GatherActor(Actor[GatherRequest]):
                 raise
         return DEFERRED
 
+    def transfer_now(
+        self,
+        tid: int,
+        request: TransferRequest,
+        paged: Any,
+        objects: Sequence[torch.Tensor],
+        handle: int,
+        complete: bool,
+    ) -> TransferDone | None:
+        """The plain-call turn of a ``Transfer`` (see Threads): ``None`` (nothing ran, nothing
+        changed: send the message) unless this actor and the stream's StreamActor are idle
+        and the stream's lane holds nothing, and the copy either completes when launched or
+        is answered once enqueued (``complete=False``). Then the calling thread takes both
+        turns, validates and plans, enters the ledger, gives the gather turn back and
+        launches the copy, as the two turns would; the return value is the reply. Raises
+        what the message's reply would raise."""
+        stream = self._streams.peek(handle)
+        completes = self._completes
+        if stream is None or not (completes or not complete):
+            return None
+        # What this call holds, each flag cleared by the call that ends it (``x = end()``):
+        # on an exit by exception the ``finally`` ends what is still held (the ledger entry
+        # failed; the reaper ends it instead once it holds the lease), then the exception
+        # propagates, as itself.
+        in_stream = in_gather = launched = entered = False
+        nbytes = 0
+        try:
+            in_stream = stream.claim()
+            lane = stream.lane
+            if not in_stream or lane.jobs or (completes and lane.watching):
+                return None
+            in_gather = self.claim()
+            if not in_gather:
+                return None
+            # Validate and plan (metadata only), then the kernel, as the gather turn.
+            if self._prepares:
+                request, paged, objects = self.backend.prepare_transfer(request, paged, objects)
+            found = self.plans.lookup(request, paged, objects)
+            plan = found.plan
+            memo = found.memo if self._plain else None
+            scratch = copy = None
+            if memo is None:
+                scratch = self._scratch.get(handle)
+                if scratch is None:
+                    scratch = self._scratch[handle] = ScratchCache()
+                copy = self.backend.copy_
+            kernel = make_kernel(
+                plan,
+                paged,
+                objects,
+                memo=memo,
+                inference=found.inference,
+                copy=copy,
+                scratch=scratch,
+                bind_now=memo is not None,
+            )
+            if self._native:
+                kernel = self.backend.transfer_kernel(plan, paged, objects, kernel)
+            nbytes = plan.nbytes
+            touched = plan.touched_blocks
+            entered = True
+            self._begin(tid, touched, _unanswered)
+            in_gather = self.end_turn()  # the next sender plans while this copy runs
+            launched = True
+            if completes:
+                kernel()  # complete once launched (CPU): the launch is the copy
+                entered = self._finish_now(tid, True, nbytes)
+            else:
+                entered = self._enqueue_now(tid, nbytes, kernel, stream)
+            in_stream = stream.end_turn()
+            return TransferDone(transfer_id=tid, nbytes=nbytes, blocks=len(touched))
+        except BaseException as exc:
+            if in_gather and not launched and isinstance(exc, Exception):
+                self.count_failure()  # refused in the gather turn
+            elif launched and completes:
+                stream.count_failure()
+                if isinstance(exc, Exception):
+                    raise _failed(exc, tid, stream) from None
+            raise
+        finally:
+            if entered:
+                self._finish_now(tid, False, nbytes)
+            if in_gather:
+                self.end_turn()
+            if in_stream:
+                stream.end_turn(ran=launched)
+
+    def _finish_now(self, tid: int, ok: bool, nbytes: int) -> bool:
+        # The ledger exit of a plain-call transfer; False (for ``entered = ...``).
+        released = self._finish(tid, ok, nbytes)
+        if released:
+            self._release(released)
+        return False
+
+    def _enqueue_now(
+        self, tid: int, nbytes: int, kernel: Callable[[], None], stream: StreamActor
+    ) -> bool:
+        # Answered once enqueued: the reaper keeps the lease (the kernel, which references
+        # the operands) until the work's marker completed, then ends the ledger entry.
+        # False once the reaper holds it (for ``entered = ...``); a failure raises once the
+        # entry was handed over the same way (or ended, when no marker can be had).
+        backend, lane, handle = self.backend, stream.lane, stream.stream
+
+        def reaped(err: BaseException | None) -> None:
+            released = self._finish(tid, err is None, nbytes)
+            if err is not None:
+                stream.count_failure()
+                if isinstance(err, Exception):
+                    _log.error("transfer %d failed after it was enqueued: %s", tid, err)
+            self._release(released)
+
+        def failed(_err: BaseException | None) -> None:
+            self._release(self._finish(tid, False, nbytes))
+
+        watched = False
+        try:
+            backend.launch(handle, kernel)
+            watched = lane.watch(backend.record_marker(handle), kernel, reaped)
+            return not watched
+        except BaseException as exc:
+            # The launch may have enqueued work: the entry ends (failed) once the stream is
+            # past it, the lease kept until then; the caller hears the failure now.
+            try:
+                if not watched:
+                    lane.watch(backend.record_marker(handle), kernel, failed)
+            except Exception:
+                failed(None)  # no marker to wait on
+            stream.count_failure()
+            if not isinstance(exc, Exception):
+                raise
+            raise _failed(exc, tid, stream) from None
+
     def _send(
         self, handle: int, reply: _Callback, launch: Launch, work: Work, waiter: Waiter | None
     ) -> bool:
@@ -331,3 +471,17 @@ class GatherActor(Actor[GatherRequest]):
             released = [self._fences.pop(fid) for fid in fence_ids]
         for settle, block_ids, waits in released:
             settle(None, Fenced(block_ids=block_ids, waited_for=waits))
+
+
+def _unanswered(_exc: BaseException | None, _value: Any) -> None:
+    # The settle of a plain-call transfer in ``_running``: its caller answers itself.
+    return
+
+
+def _failed(err: BaseException, tid: int, stream: StreamActor) -> BaseException:
+    return translate(
+        err,
+        lambda m: TransferFailedError(
+            m, transfer_id=tid, device=f"{stream.backend.kind}:{stream.index}"
+        ),
+    )

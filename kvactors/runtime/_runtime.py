@@ -364,9 +364,6 @@ class Runtime:
         ``TypeError``) before any memory is touched, ``TransferFailedError`` if the copy failed.
         """
         tid = next(self._ids)
-        msg = Transfer(
-            transfer_id=tid, request=request, stream_handle=stream_handle, complete=complete
-        )
         # Rule 3 holds the tensors, not the caller's lists: see _operands (inlined here).
         if isinstance(paged, list):
             paged = (
@@ -374,6 +371,15 @@ class Runtime:
             )
         if isinstance(objects, list):
             objects = tuple(objects)
+        actors = self._actors
+        if actors is not None and not self._closed and not self._observers.active:
+            # The actors idle: the plain-call turn (no message, no reply slot).
+            done = actors.gather.transfer_now(tid, request, paged, objects, stream_handle, complete)
+            if done is not None:
+                return done
+        msg = Transfer(
+            transfer_id=tid, request=request, stream_handle=stream_handle, complete=complete
+        )
         result: TransferDone = self._ask(
             _gather, msg, TransferOperands(paged, objects), timeout, stream_handle
         )
