@@ -1,0 +1,150 @@
+"""The plain-call turn: a blocking transfer that finds its actors idle runs both turns itself,
+with no message, envelope or reply slot; anything else takes the mailbox.
+
+* idle actors: a run of transfers leaves the GatherActor's mailbox untouched (its peak stays
+  0, which any delivered envelope raises) with the same counters and bytes as the mailbox
+  route, on CPU and both fakes (answered at enqueue there);
+* an observer, or a wait for a vendor's completion, takes the mailbox route instead;
+* a queued message is never overtaken: with an ``a*`` store queued behind a held event loop,
+  a blocking store of the same block from another thread lands after it.
+"""
+
+from __future__ import annotations
+
+import contextlib
+import threading
+from typing import TYPE_CHECKING, Any
+
+import pytest
+
+from kvactors.core.layouts import Direction
+from kvactors.runtime import Runtime
+from kvactors.testing import fake_vendor
+from tests.scenarios._kv import expected_gather, objects, paged, request, same
+
+if TYPE_CHECKING:
+    from collections.abc import Iterator
+
+    import torch
+
+    from kvactors.testing import FakeVendor
+
+_WAIT = 10.0  # bounds a wait that only a hang would exhaust; never decides a result
+
+
+@contextlib.contextmanager
+def _runtime(kind: str) -> Iterator[tuple[Runtime, list[Any], FakeVendor | None]]:
+    with contextlib.ExitStack() as stack:
+        fake = None if kind == "cpu" else stack.enter_context(fake_vendor(kind, seed=4))
+        host = paged(9)
+        layers = host if fake is None else [fake.adopt(t.clone()) for t in host]
+        backend: Any = kind
+        if kind == "mlu":
+            from kvactors.devices.mlu.backend import MluBackend
+
+            backend = MluBackend(layout_source="resolved")
+        rt = stack.enter_context(Runtime(backend))
+        yield rt, layers, fake
+
+
+def _gather_stats(rt: Runtime) -> Any:
+    (gather,) = [a for a in rt.statistics().actors if a.name.startswith("gather:")]
+    return gather
+
+
+def _run(kind: str, *, observe: bool, complete: bool) -> tuple[Any, list[torch.Tensor], Any]:
+    with _runtime(kind) as (rt, layers, fake):
+        if observe:
+            rt.add_observer(_Quiet())
+        host = layers if fake is None else [fake.peek(t) for t in layers]
+        outs = []
+        for ids in ((0, 1), (2, 3), (4, 5), (6, 7)):
+            out = objects(1)
+            rt.transfer(request(Direction.D2H, ids), layers, out, complete=complete)
+            rt.synchronize()
+            assert same(out[0], expected_gather(host, ids)[0]), (kind, ids)
+            outs.append(out[0])
+        stats = rt.statistics()
+        return _gather_stats(rt), outs, (stats.transfers_ok, stats.transfers_failed)
+
+
+class _Quiet:
+    def started(self, call: Any) -> None:
+        pass
+
+    def finished(self, call: Any, result: Any, error: BaseException | None) -> None:
+        pass
+
+
+@pytest.mark.parametrize("kind", ["cpu", "mlu", "musa"])
+def test_idle_actors_take_the_plain_call_turn_with_the_mailbox_routes_results(kind: str) -> None:
+    complete = kind == "cpu"  # a vendor's plain call answers at enqueue
+    plain, plain_out, plain_counts = _run(kind, observe=False, complete=complete)
+    queued, queued_out, queued_counts = _run(kind, observe=True, complete=complete)
+    assert plain.mailbox_peak == 0  # no envelope was ever delivered
+    assert queued.mailbox_peak >= 1  # observed: every call took the mailbox
+    assert (plain.processed, plain.failed) == (queued.processed, queued.failed)
+    assert plain_counts == queued_counts == (4, 0)
+    assert all(same(a, b) for a, b in zip(plain_out, queued_out, strict=True))
+
+
+@pytest.mark.parametrize("kind", ["mlu", "musa"])
+def test_waiting_for_a_vendors_completion_takes_the_mailbox(kind: str) -> None:
+    waited, _, counts = _run(kind, observe=False, complete=True)
+    assert waited.mailbox_peak >= 1
+    assert counts == (4, 0)
+
+
+@pytest.mark.parametrize("kind", ["cpu", "mlu", "musa"])
+def test_a_queued_message_is_not_overtaken_by_a_plain_call(kind: str) -> None:
+    with _runtime(kind) as (rt, layers, _fake):
+        rt.transfer(request(Direction.D2H, (0, 1)), layers, objects(1))  # warm
+        rt.synchronize()
+        loop = rt._loop
+        assert loop is not None
+        held, entered = threading.Event(), threading.Event()
+
+        def hold() -> None:
+            entered.set()
+            assert held.wait(_WAIT), "the loop was never released"
+
+        loop.call_soon_threadsafe(hold)
+        assert entered.wait(_WAIT)
+        try:
+            # Queued while the loop is held: an a* call never runs a turn itself.
+            first = rt.atransfer(request(Direction.H2D, (8, 9)), layers, objects(1, 1.0))
+            assert _gather_stats(rt).mailbox_depth == 1
+            done: list[BaseException | None] = []
+
+            def store() -> None:
+                try:
+                    # Answered at enqueue on a vendor: the call shape of the plain call.
+                    rt.transfer(
+                        request(Direction.H2D, (8, 9)),
+                        layers,
+                        objects(1, 2.0),
+                        complete=kind == "cpu",
+                    )
+                except BaseException as exc:
+                    done.append(exc)
+                else:
+                    done.append(None)
+
+            t = threading.Thread(target=store)
+            t.start()
+            # The blocking store queues behind the a* one instead of running now.
+            for _ in range(int(_WAIT / 0.001)):
+                if _gather_stats(rt).mailbox_depth == 2 or not t.is_alive():
+                    break
+                t.join(0.001)
+            assert t.is_alive(), f"the blocking store ran before the queued one: {done}"
+        finally:
+            held.set()
+        t.join(_WAIT)
+        assert done == [None]
+        del first
+        rt.fence((8, 9), timeout=_WAIT)
+        rt.synchronize()
+        out = objects(1)
+        rt.transfer(request(Direction.D2H, (8, 9)), layers, out)
+        assert bool((out[0] == 2.0).all()), "the queued store landed after the later one"
