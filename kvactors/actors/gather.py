@@ -37,7 +37,7 @@ import itertools
 import logging
 import threading
 from collections.abc import Sequence
-from typing import TYPE_CHECKING, Any, final
+from typing import TYPE_CHECKING, Any, Literal, final
 
 import msgspec
 import torch
@@ -349,71 +349,76 @@ class GatherActor(Actor[GatherRequest]):
             launched = True
             if completes:
                 kernel()  # complete once launched (CPU): the launch is the copy
-                entered = self._finish_now(tid, True, nbytes)
+                entered = self._done_now(tid, nbytes)
             else:
-                entered = self._enqueue_now(tid, nbytes, kernel, stream)
+                # Answered once enqueued: the reaper keeps the lease (the kernel, which
+                # references the operands) until the work's marker completed, then ends
+                # the ledger entry.
+                self.backend.launch(stream.stream, kernel)
+                entered = not lane.watch(
+                    self.backend.record_marker(stream.stream),
+                    kernel,
+                    functools.partial(self._reaped, tid, nbytes, stream),
+                )
             in_stream = stream.end_turn()
             return TransferDone(transfer_id=tid, nbytes=nbytes, blocks=len(touched))
         except BaseException as exc:
             if in_gather and not launched and isinstance(exc, Exception):
                 self.count_failure()  # refused in the gather turn
-            elif launched and completes:
+            elif launched:
                 stream.count_failure()
                 if isinstance(exc, Exception):
                     raise _failed(exc, tid, stream) from None
             raise
         finally:
-            if entered:
-                self._finish_now(tid, False, nbytes)
+            if entered:  # failed: the entry ends now, or once the stream is past the launch
+                lease = kernel if launched and not completes else None
+                self._abandon_now(tid, nbytes, stream, lease)
             if in_gather:
                 self.end_turn()
             if in_stream:
                 stream.end_turn(ran=launched)
 
-    def _finish_now(self, tid: int, ok: bool, nbytes: int) -> bool:
-        # The ledger exit of a plain-call transfer; False (for ``entered = ...``).
-        released = self._finish(tid, ok, nbytes)
+    def _done_now(self, tid: int, nbytes: int) -> Literal[False]:
+        # The ledger exit of a plain-call copy that completed; False (``entered = ...``).
+        with self._ledger_lock:
+            self._running.pop(tid, None)
+            released = self._ledger.finish(tid)
+            self.transfers_ok += 1
+            self.bytes_moved += nbytes
         if released:
             self._release(released)
         return False
 
-    def _enqueue_now(
-        self, tid: int, nbytes: int, kernel: Callable[[], None], stream: StreamActor
-    ) -> bool:
-        # Answered once enqueued: the reaper keeps the lease (the kernel, which references
-        # the operands) until the work's marker completed, then ends the ledger entry.
-        # False once the reaper holds it (for ``entered = ...``); a failure raises once the
-        # entry was handed over the same way (or ended, when no marker can be had).
-        backend, lane, handle = self.backend, stream.lane, stream.stream
-
-        def reaped(err: BaseException | None) -> None:
-            released = self._finish(tid, err is None, nbytes)
-            if err is not None:
-                stream.count_failure()
-                if isinstance(err, Exception):
-                    _log.error("transfer %d failed after it was enqueued: %s", tid, err)
-            self._release(released)
-
-        def failed(_err: BaseException | None) -> None:
-            self._release(self._finish(tid, False, nbytes))
-
-        watched = False
-        try:
-            backend.launch(handle, kernel)
-            watched = lane.watch(backend.record_marker(handle), kernel, reaped)
-            return not watched
-        except BaseException as exc:
-            # The launch may have enqueued work: the entry ends (failed) once the stream is
-            # past it, the lease kept until then; the caller hears the failure now.
-            try:
-                if not watched:
-                    lane.watch(backend.record_marker(handle), kernel, failed)
-            except Exception:
-                failed(None)  # no marker to wait on
+    def _reaped(
+        self, tid: int, nbytes: int, stream: StreamActor, err: BaseException | None
+    ) -> None:
+        # The reaper: a plain-call copy answered at enqueue completed (or failed).
+        released = self._finish(tid, err is None, nbytes)
+        if err is not None:
             stream.count_failure()
-            if not isinstance(exc, Exception):
-                raise
-            raise _failed(exc, tid, stream) from None
+            if isinstance(err, Exception):
+                _log.error("transfer %d failed after it was enqueued: %s", tid, err)
+        self._release(released)
+
+    def _abandon_now(
+        self, tid: int, nbytes: int, stream: StreamActor, lease: Callable[[], None] | None
+    ) -> None:
+        # A plain call that failed after it entered the ledger. ``lease``: the kernel of a
+        # launch that may have enqueued work, which the lane's reaper keeps until the stream
+        # is past it; the entry ends (failed) then. Else it ends now.
+        if lease is not None:
+            try:
+                marker = self.backend.record_marker(stream.stream)
+            except Exception:
+                pass  # no marker to wait on
+            else:
+                stream.lane.watch(marker, lease, functools.partial(self._failed_now, tid, nbytes))
+                return
+        self._failed_now(tid, nbytes, None)
+
+    def _failed_now(self, tid: int, nbytes: int, _err: BaseException | None) -> None:
+        self._release(self._finish(tid, False, nbytes))
 
     def _send(
         self, handle: int, reply: _Callback, launch: Launch, work: Work, waiter: Waiter | None

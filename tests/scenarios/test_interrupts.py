@@ -43,7 +43,7 @@ if TYPE_CHECKING:
 
 _STOP = 5.0  # the runtime's stop timeout: close() must not wait it out
 # Completion callbacks, not turn lines (they run on reapers).
-_COMPLETION = {"on_done", "done", "reaped", "failed"}
+_COMPLETION = {"on_done", "done"}
 
 
 def _codes(*, kernel: bool) -> frozenset[types.CodeType]:
@@ -61,7 +61,6 @@ def _codes(*, kernel: bool) -> frozenset[types.CodeType]:
         GatherActor.receive,
         GatherActor._transfer,
         GatherActor.transfer_now,  # the plain-call turn of idle actors
-        GatherActor._enqueue_now,
         StreamActor.receive,
     ):
         walk(fn.__code__)
