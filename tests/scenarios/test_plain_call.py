@@ -6,7 +6,9 @@ with no message, envelope or reply slot; anything else takes the mailbox.
   route, on CPU and both fakes (answered at enqueue there);
 * an observer, or a wait for a vendor's completion, takes the mailbox route instead;
 * a queued message is never overtaken: with an ``a*`` store queued behind a held event loop,
-  a blocking store of the same block from another thread lands after it.
+  a blocking store of the same block from another thread lands after it;
+* an interrupt after a plain call's launch enqueued its copy leaves the copy's lease with the
+  reaper and its blocks in the ledger until the device ran it.
 """
 
 from __future__ import annotations
@@ -20,6 +22,7 @@ import pytest
 from kvactors.core.layouts import Direction
 from kvactors.runtime import Runtime
 from kvactors.testing import fake_vendor
+from kvactors.testing.manual import ManualBackend
 from tests.scenarios._kv import expected_gather, objects, paged, request, same
 
 if TYPE_CHECKING:
@@ -27,6 +30,7 @@ if TYPE_CHECKING:
 
     import torch
 
+    from kvactors.devices.base import Marker, StreamLike
     from kvactors.testing import FakeVendor
 
 _WAIT = 10.0  # bounds a wait that only a hang would exhaust; never decides a result
@@ -148,3 +152,36 @@ def test_a_queued_message_is_not_overtaken_by_a_plain_call(kind: str) -> None:
         out = objects(1)
         rt.transfer(request(Direction.D2H, (8, 9)), layers, out)
         assert bool((out[0] == 2.0).all()), "the queued store landed after the later one"
+
+
+class _MarkerInterrupted(ManualBackend):
+    """A device whose next marker, once armed, is interrupted (a signal's exception right
+    after the launch enqueued the copy)."""
+
+    armed = False
+
+    def record_marker(self, stream: StreamLike) -> Marker:
+        if self.armed:
+            self.armed = False
+            raise KeyboardInterrupt
+        return super().record_marker(stream)
+
+
+def test_an_interrupt_after_a_plain_launch_keeps_the_lease_and_the_blocks_until_the_copy_ran() -> (
+    None
+):
+    backend = _MarkerInterrupted()  # nothing runs until released
+    with Runtime(backend) as rt:
+        host = paged(3)
+        backend.armed = True
+        with pytest.raises(KeyboardInterrupt):
+            rt.transfer(request(Direction.D2H, (2, 3)), host, objects(1), complete=False)
+        assert backend.queued() == 1  # the copy was enqueued before the interrupt
+        # Its ledger entry stays open (a fence on its blocks waits) and its lease is kept
+        # until the device ran it.
+        assert rt.statistics().inflight == 1
+        backend.release()
+        assert backend.use_after_free == 0
+        rt.fence((2, 3), timeout=_WAIT)
+        stats = rt.statistics()
+        assert (stats.inflight, stats.transfers_failed) == (0, 1)
