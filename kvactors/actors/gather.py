@@ -36,13 +36,14 @@ import functools
 import itertools
 import logging
 import threading
+import time
 from collections.abc import Sequence
 from typing import TYPE_CHECKING, Any, Literal, final
 
 import msgspec
 import torch
 
-from kvactors.actors.actor import DEFERRED, Actor, Envelope, Waiter, unreachable
+from kvactors.actors.actor import DEFERRED, Actor, ActorState, Envelope, Waiter, unreachable
 from kvactors.actors.stream import StreamActor, Work
 from kvactors.core.ordering import BlockLedger
 from kvactors.core.plan_cache import PlanCache
@@ -76,6 +77,7 @@ if TYPE_CHECKING:
 __all__ = ("GatherActor", "TransferOperands")
 
 _log = logging.getLogger(__name__)
+_SLICE = 0.05  # how soon a plain call waiting for its route sees the actor stop
 _running_loop = asyncio._get_running_loop
 
 
@@ -148,6 +150,7 @@ class GatherActor(Actor[GatherRequest]):
         # a reused plan.
         self._prepares = backend.prepares_transfers
         self._completes = backend.completes_on_launch
+        self._route = threading.Lock()
         self._native = backend.native_kernels
         self._plain = backend.plain_transfers
 
@@ -291,6 +294,7 @@ class GatherActor(Actor[GatherRequest]):
         objects: Sequence[torch.Tensor],
         handle: int,
         complete: bool,
+        wait: float = 60.0,
     ) -> TransferDone | None:
         """The plain-call turn of a ``Transfer`` (see Threads): ``None`` (nothing ran, nothing
         changed: send the message) unless this actor and the stream's StreamActor are idle
@@ -308,11 +312,17 @@ class GatherActor(Actor[GatherRequest]):
         # failed; the reaper ends it instead once it holds the lease), then the exception
         # propagates, as itself.
         in_stream = in_gather = launched = entered = False
+        route = stream.route
+        # The routes: a plain call holds the gather's from before its gather turn until that
+        # turn ended, and the stream's from before its stream turn (taken while it still
+        # holds the gather's: stream order is gather order) until that turn ended. A plain
+        # call that finds a route held sleeps on it; nothing queues.
+        on_a: bool | None = False
+        on_b: bool | None = False
         nbytes = 0
         try:
-            in_stream = stream.claim()
-            lane = stream.lane
-            if not in_stream or lane.jobs or (completes and lane.watching):
+            on_a = self._route.acquire(False) or _enter(self._route, self, wait)
+            if not on_a:
                 return None
             in_gather = self.claim()
             if not in_gather:
@@ -343,9 +353,17 @@ class GatherActor(Actor[GatherRequest]):
                 kernel = self.backend.transfer_kernel(plan, paged, objects, kernel)
             nbytes = plan.nbytes
             touched = plan.touched_blocks
+            on_b = route.acquire(False) or _enter(route, stream, wait)
+            if not on_b:
+                return None
+            in_stream = stream.claim()
+            lane = stream.lane
+            if not in_stream or lane.jobs or (completes and lane.watching):
+                return None
             entered = True
             self._begin(tid, touched, _unanswered)
             in_gather = self.end_turn()  # the next sender plans while this copy runs
+            on_a = self._route.release()  # type: ignore[func-returns-value]  # None: released
             launched = True
             if completes:
                 kernel()  # complete once launched (CPU): the launch is the copy
@@ -361,6 +379,7 @@ class GatherActor(Actor[GatherRequest]):
                     functools.partial(self._reaped, tid, nbytes, stream),
                 )
             in_stream = stream.end_turn()
+            on_b = route.release()  # type: ignore[func-returns-value]
             return TransferDone(transfer_id=tid, nbytes=nbytes, blocks=len(touched))
         except BaseException as exc:
             if in_gather and not launched and isinstance(exc, Exception):
@@ -378,6 +397,10 @@ class GatherActor(Actor[GatherRequest]):
                 self.end_turn()
             if in_stream:
                 stream.end_turn(ran=launched)
+            if on_a:
+                self._route.release()
+            if on_b:
+                route.release()
 
     def _done_now(self, tid: int, nbytes: int) -> Literal[False]:
         # The ledger exit of a plain-call copy that completed; False (``entered = ...``).
@@ -476,6 +499,20 @@ class GatherActor(Actor[GatherRequest]):
             released = [self._fences.pop(fid) for fid in fence_ids]
         for settle, block_ids, waits in released:
             settle(None, Fenced(block_ids=block_ids, waited_for=waits))
+
+
+def _enter(route: threading.Lock, actor: Actor[Any], wait: float) -> bool:
+    # Wait for a plain call's route (held by the plain call before, for a turn), at most
+    # ``wait`` seconds; False at once once the actor stops (the call then takes the mailbox,
+    # which refuses it).
+    end = time.monotonic() + wait
+    while actor.state is ActorState.RUNNING:
+        left = end - time.monotonic()
+        if left <= 0:
+            return False
+        if route.acquire(timeout=min(left, _SLICE)):
+            return True
+    return False
 
 
 def _unanswered(_exc: BaseException | None, _value: Any) -> None:

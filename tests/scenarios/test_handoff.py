@@ -1,4 +1,5 @@
-"""Contended callers: a busy actor hands its turn to the waiting sender, in mailbox order.
+"""Contended callers on the mailbox: a busy actor hands its turn to the waiting sender, in
+mailbox order (the runtime is observed, so every call takes the mailbox).
 
 A blocking call whose message had to queue behind a busy actor sleeps until its reply anyway;
 when the turn ends, the turn passes to that caller's thread, which runs it there (validation,
@@ -105,6 +106,14 @@ def _backend(kind: str) -> _Held:
     return _HeldMusa()
 
 
+class _Quiet:
+    def started(self, call: Any) -> None:
+        pass
+
+    def finished(self, call: Any, result: Any, error: BaseException | None) -> None:
+        pass
+
+
 @dataclasses.dataclass
 class _Rig:
     rt: Runtime
@@ -166,7 +175,9 @@ def _rig(kind: str, held_at: str, **runtime: Any) -> Iterator[_Rig]:
         backend = _backend(kind)
         host = _kv.paged(5)
         layers = host if fake is None else [fake.adopt(t.clone()) for t in host]
-        rt = Runtime(backend, **runtime).start()
+        # Observed: every call takes the mailbox (idle actors' plain calls and their routes
+        # are tests/scenarios/test_plain_call.py's).
+        rt = Runtime(backend, observer=_Quiet(), **runtime).start()
         stack.callback(rt.close)
         stack.callback(backend.open)  # never leave a caller held, even on failure
         rig = _Rig(rt, backend, fake, layers)

@@ -7,6 +7,9 @@ with no message, envelope or reply slot; anything else takes the mailbox.
 * an observer, or a wait for a vendor's completion, takes the mailbox route instead;
 * a queued message is never overtaken: with an ``a*`` store queued behind a held event loop,
   a blocking store of the same block from another thread lands after it;
+* contended plain calls sleep on the route of the plain call before them (nothing queues)
+  and run their own turns on their own threads; a close fails one still waiting as not
+  served;
 * an interrupt after a plain call's launch enqueued its copy leaves the copy's lease with the
   reaper and its blocks in the ledger until the device ran it.
 """
@@ -14,22 +17,27 @@ with no message, envelope or reply slot; anything else takes the mailbox.
 from __future__ import annotations
 
 import contextlib
+import sys
 import threading
 from typing import TYPE_CHECKING, Any
 
 import pytest
 
+from kvactors.actors import gather as gather_module
 from kvactors.core.layouts import Direction
+from kvactors.devices.cpu import CpuBackend
+from kvactors.errors import ActorClosedError
 from kvactors.runtime import Runtime
 from kvactors.testing import fake_vendor
 from kvactors.testing.manual import ManualBackend
 from tests.scenarios._kv import expected_gather, objects, paged, request, same
 
 if TYPE_CHECKING:
-    from collections.abc import Iterator
+    from collections.abc import Callable, Iterator, Sequence
 
     import torch
 
+    from kvactors.core.plans import TransferRequest
     from kvactors.devices.base import Marker, StreamLike
     from kvactors.testing import FakeVendor
 
@@ -185,3 +193,109 @@ def test_an_interrupt_after_a_plain_launch_keeps_the_lease_and_the_blocks_until_
         rt.fence((2, 3), timeout=_WAIT)
         stats = rt.statistics()
         assert (stats.inflight, stats.transfers_failed) == (0, 1)
+
+
+class _HeldCpu(CpuBackend):
+    """Holds the first armed ``prepare_transfer`` (a GatherActor turn) until ``open``; records
+    each one's thread."""
+
+    def __init__(self) -> None:
+        super().__init__()
+        self.armed = False
+        self.entered = threading.Event()
+        self._open = threading.Event()
+        self.prepared: list[str] = []
+
+    def open(self) -> None:
+        self._open.set()
+
+    def prepare_transfer(
+        self, request: TransferRequest, paged: Any, objects: Sequence[torch.Tensor]
+    ) -> tuple[TransferRequest, Any, Sequence[torch.Tensor]]:
+        self.prepared.append(threading.current_thread().name)
+        if self.armed:
+            self.armed = False
+            self.entered.set()
+            assert self._open.wait(_WAIT), "the held call was never released"
+        return super().prepare_transfer(request, paged, objects)
+
+
+def _waiting_for_a_route(thread: threading.Thread) -> bool:
+    frame = sys._current_frames().get(thread.ident or -1)
+    while frame is not None:
+        if frame.f_code is gather_module._enter.__code__:
+            return True
+        frame = frame.f_back
+    return False
+
+
+def _start(rt: Runtime, layers: Any, name: str, ids: tuple[int, ...], out: dict[str, Any]):
+    def run() -> None:
+        try:
+            got = objects(1)
+            rt.transfer(request(Direction.D2H, ids), layers, got)
+            out[name] = same(got[0], expected_gather(layers, ids)[0])
+        except BaseException as exc:
+            out[name] = exc
+
+    t = threading.Thread(target=run, name=name)
+    t.start()
+    return t
+
+
+def _until(what: Callable[[], bool], thread: threading.Thread) -> None:
+    for _ in range(int(_WAIT / 0.001)):
+        if what():
+            return
+        assert thread.is_alive(), f"{thread.name} returned instead of waiting"
+        thread.join(0.001)
+    raise AssertionError(f"{thread.name} never waited for the route")
+
+
+def test_contended_plain_calls_wait_for_the_route_and_run_their_own_turns() -> None:
+    backend = _HeldCpu()
+    with Runtime(backend) as rt:
+        layers = paged(5)
+        rt.transfer(request(Direction.D2H, (0, 1)), layers, objects(1))  # warm
+        backend.prepared.clear()
+        backend.armed = True
+        out: dict[str, Any] = {}
+        a = _start(rt, layers, "A", (2, 3), out)
+        assert backend.entered.wait(_WAIT)
+        b = _start(rt, layers, "B", (4, 5), out)
+        _until(lambda: _waiting_for_a_route(b), b)
+        # B sleeps on the route: nothing queued, nothing of it ran.
+        assert _gather_stats(rt).mailbox_depth == 0
+        assert backend.prepared == ["A"]
+        backend.open()
+        for t in (a, b):
+            t.join(_WAIT)
+        assert out == {"A": True, "B": True}
+        # B's turns ran on B's thread, after A's gather turn: never on the loop.
+        assert backend.prepared == ["A", "B"]
+        assert _gather_stats(rt).mailbox_peak == 0
+
+
+def test_a_close_fails_a_plain_call_waiting_for_its_route_as_not_served() -> None:
+    backend = _HeldCpu()
+    rt = Runtime(backend, stop_timeout=0.05).start()
+    try:
+        layers = paged(5)
+        rt.transfer(request(Direction.D2H, (0, 1)), layers, objects(1))  # warm
+        backend.armed = True
+        out: dict[str, Any] = {}
+        a = _start(rt, layers, "A", (2, 3), out)
+        assert backend.entered.wait(_WAIT)
+        b = _start(rt, layers, "B", (4, 5), out)
+        _until(lambda: _waiting_for_a_route(b), b)
+        closer = threading.Thread(target=rt.close, name="closer")
+        closer.start()
+        b.join(_WAIT)
+        assert not b.is_alive(), "the waiting call outlived the close"
+        assert type(out["B"]) is ActorClosedError
+    finally:
+        backend.open()
+        a.join(_WAIT)
+        rt.close()
+    closer.join(_WAIT)
+    assert not closer.is_alive()
