@@ -39,6 +39,7 @@ if TYPE_CHECKING:
 
     from kvactors.core.plans import TransferRequest
     from kvactors.devices.base import Marker, StreamLike
+    from kvactors.runtime.observer import Call
     from kvactors.testing import FakeVendor
 
 _WAIT = 10.0  # bounds a wait that only a hang would exhaust; never decides a result
@@ -81,10 +82,14 @@ def _run(kind: str, *, observe: bool, complete: bool) -> tuple[Any, list[torch.T
 
 
 class _Quiet:
-    def started(self, call: Any) -> None:
+    """An observer that keeps nothing (attached, it sends every call through the mailbox)."""
+
+    def call_started(self, call: Call) -> None:
         pass
 
-    def finished(self, call: Any, result: Any, error: BaseException | None) -> None:
+    def call_finished(
+        self, call: Call, seconds: float, result: Any, error: BaseException | None
+    ) -> None:
         pass
 
 
