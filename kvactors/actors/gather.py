@@ -294,7 +294,8 @@ class GatherActor(Actor[GatherRequest]):
         objects: Sequence[torch.Tensor],
         handle: int,
         complete: bool,
-        wait: float = 60.0,
+        wait: float,
+        admit: Callable[[], object] | None = None,
     ) -> TransferDone | None:
         """The plain-call turn of a ``Transfer`` (see Threads): ``None`` (nothing ran, nothing
         changed: send the message) unless this actor and the stream's StreamActor are idle
@@ -327,6 +328,8 @@ class GatherActor(Actor[GatherRequest]):
             in_gather = self.claim()
             if not in_gather:
                 return None
+            if admit is not None:
+                admit()  # in the gather turn: admission order is the turns' order
             # Validate and plan (metadata only), then the kernel, as the gather turn.
             if self._prepares:
                 request, paged, objects = self.backend.prepare_transfer(request, paged, objects)

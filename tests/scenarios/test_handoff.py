@@ -1,5 +1,7 @@
 """Contended callers on the mailbox: a busy actor hands its turn to the waiting sender, in
-mailbox order (the runtime is observed, so every call takes the mailbox).
+mailbox order. (The held backends replace ``launch``, so they do not complete on launch, and a
+call that waits for completion there takes the mailbox: the plain calls of idle actors and
+their routes are tests/scenarios/test_plain_call.py's.)
 
 A blocking call whose message had to queue behind a busy actor sleeps until its reply anyway;
 when the turn ends, the turn passes to that caller's thread, which runs it there (validation,
@@ -45,7 +47,6 @@ if TYPE_CHECKING:
 
     from kvactors.core.plans import TransferRequest
     from kvactors.devices.base import StreamLike
-    from kvactors.runtime.observer import Call
     from kvactors.testing import FakeVendor
 
 _WAIT = 10.0  # bounds a wait that only a hang would exhaust; never decides a result
@@ -105,18 +106,6 @@ def _backend(kind: str) -> _Held:
     if kind == "mlu":
         return _HeldMlu(layout_source="resolved")  # the engine resolved NHD explicitly
     return _HeldMusa()
-
-
-class _Quiet:
-    """An observer that keeps nothing (attached, it sends every call through the mailbox)."""
-
-    def call_started(self, call: Call) -> None:
-        pass
-
-    def call_finished(
-        self, call: Call, seconds: float, result: Any, error: BaseException | None
-    ) -> None:
-        pass
 
 
 @dataclasses.dataclass
@@ -180,9 +169,7 @@ def _rig(kind: str, held_at: str, **runtime: Any) -> Iterator[_Rig]:
         backend = _backend(kind)
         host = _kv.paged(5)
         layers = host if fake is None else [fake.adopt(t.clone()) for t in host]
-        # Observed: every call takes the mailbox (idle actors' plain calls and their routes
-        # are tests/scenarios/test_plain_call.py's).
-        rt = Runtime(backend, observer=_Quiet(), **runtime).start()
+        rt = Runtime(backend, **runtime).start()
         stack.callback(rt.close)
         stack.callback(backend.open)  # never leave a caller held, even on failure
         rig = _Rig(rt, backend, fake, layers)

@@ -4,7 +4,8 @@ with no message, envelope or reply slot; anything else takes the mailbox.
 * idle actors: a run of transfers leaves the GatherActor's mailbox untouched (its peak stays
   0, which any delivered envelope raises) with the same counters and bytes as the mailbox
   route, on CPU and both fakes (answered at enqueue there);
-* an observer, or a wait for a vendor's completion, takes the mailbox route instead;
+* observed, the plain call admits itself in its gather turn (admission order is turn order);
+  a wait for a vendor's completion takes the mailbox;
 * a queued message is never overtaken: with an ``a*`` store queued behind a held event loop,
   a blocking store of the same block from another thread lands after it;
 * contended plain calls sleep on the route of the plain call before them (nothing queues)
@@ -16,6 +17,7 @@ with no message, envelope or reply slot; anything else takes the mailbox.
 
 from __future__ import annotations
 
+import asyncio
 import contextlib
 import sys
 import threading
@@ -65,49 +67,72 @@ def _gather_stats(rt: Runtime) -> Any:
     return gather
 
 
-def _run(kind: str, *, observe: bool, complete: bool) -> tuple[Any, list[torch.Tensor], Any]:
+def _run(kind: str, *, via: str, complete: bool) -> tuple[Any, list[torch.Tensor], Any]:
+    """Four gathers ``via`` the plain call, the plain call observed, or the mailbox (an
+    ``a*`` call); the GatherActor's statistics, the chunks, the transfer counters."""
     with _runtime(kind) as (rt, layers, fake):
-        if observe:
-            rt.add_observer(_Quiet())
+        log = _Log()
+        if via == "observed":
+            rt.add_observer(log)
         host = layers if fake is None else [fake.peek(t) for t in layers]
         outs = []
         for ids in ((0, 1), (2, 3), (4, 5), (6, 7)):
             out = objects(1)
-            rt.transfer(request(Direction.D2H, ids), layers, out, complete=complete)
+            req = request(Direction.D2H, ids)
+            if via == "mailbox":
+
+                async def queued(req: TransferRequest = req, out: Any = out) -> Any:
+                    return await rt.atransfer(req, layers, out, complete=complete)
+
+                asyncio.run(queued())
+            else:
+                rt.transfer(req, layers, out, complete=complete)
             rt.synchronize()
             assert same(out[0], expected_gather(host, ids)[0]), (kind, ids)
             outs.append(out[0])
+        if via == "observed":  # each call admitted once, in order, and finished
+            assert [e for e, _ in log.seen] == ["started", "finished"] * 4
+            seqs = [n for _, n in log.seen]
+            assert seqs[0::2] == seqs[1::2] == sorted(set(seqs))
         stats = rt.statistics()
         return _gather_stats(rt), outs, (stats.transfers_ok, stats.transfers_failed)
 
 
-class _Quiet:
-    """An observer that keeps nothing (attached, it sends every call through the mailbox)."""
+class _Log:
+    """An observer recording (event, admission number) of the transfers."""
+
+    def __init__(self) -> None:
+        self.seen: list[tuple[str, int]] = []
 
     def call_started(self, call: Call) -> None:
-        pass
+        if call.op == "transfer":
+            self.seen.append(("started", call.seq))
 
     def call_finished(
         self, call: Call, seconds: float, result: Any, error: BaseException | None
     ) -> None:
-        pass
+        if call.op == "transfer":
+            assert error is None
+            self.seen.append(("finished", call.seq))
 
 
 @pytest.mark.parametrize("kind", ["cpu", "mlu", "musa"])
-def test_idle_actors_take_the_plain_call_turn_with_the_mailbox_routes_results(kind: str) -> None:
+def test_idle_actors_take_the_plain_call_with_the_mailbox_routes_results(kind: str) -> None:
     complete = kind == "cpu"  # a vendor's plain call answers at enqueue
-    plain, plain_out, plain_counts = _run(kind, observe=False, complete=complete)
-    queued, queued_out, queued_counts = _run(kind, observe=True, complete=complete)
-    assert plain.mailbox_peak == 0  # no envelope was ever delivered
-    assert queued.mailbox_peak >= 1  # observed: every call took the mailbox
-    assert (plain.processed, plain.failed) == (queued.processed, queued.failed)
-    assert plain_counts == queued_counts == (4, 0)
-    assert all(same(a, b) for a, b in zip(plain_out, queued_out, strict=True))
+    runs = {via: _run(kind, via=via, complete=complete) for via in ("plain", "observed", "mailbox")}
+    assert runs["plain"][0].mailbox_peak == 0  # no envelope was ever delivered
+    assert runs["observed"][0].mailbox_peak == 0  # observed too
+    assert runs["mailbox"][0].mailbox_peak >= 1
+    counters = {via: (run[0].processed, run[0].failed, run[2]) for via, run in runs.items()}
+    assert counters["plain"] == counters["observed"] == counters["mailbox"]
+    assert counters["plain"][2] == (4, 0)
+    for via in ("observed", "mailbox"):
+        assert all(same(a, b) for a, b in zip(runs["plain"][1], runs[via][1], strict=True))
 
 
 @pytest.mark.parametrize("kind", ["mlu", "musa"])
 def test_waiting_for_a_vendors_completion_takes_the_mailbox(kind: str) -> None:
-    waited, _, counts = _run(kind, observe=False, complete=True)
+    waited, _, counts = _run(kind, via="plain", complete=True)
     assert waited.mailbox_peak >= 1
     assert counts == (4, 0)
 
