@@ -405,14 +405,17 @@ class Actor(Generic[M]):
             self._busy = True
             return True
 
-    def end_turn(self) -> None:
-        """End a turn taken with :meth:`claim`: counted as processed, then handed to the FIFO
-        head's waiting sender or left to the task, as any turn's end."""
+    def end_turn(self, *, ran: bool = True) -> Literal[False]:
+        """End a turn taken with :meth:`claim` (counted as processed unless ``ran`` is false:
+        the claimer gave it back unused), then hand it to the FIFO head's waiting sender or
+        leave it to the task, as any turn's end. Returns False, the claim's new value
+        (``claimed = actor.end_turn()``: no line between the end and the flag)."""
         with self._mutex:
-            more = self._end_locked()
+            more = self._end_locked(ran)
         if more:
             self._wake_task()
         self._signal()
+        return False
 
     def tell_nowait(self, msg: M, operands: Any = None) -> None:
         """Send ``msg`` without waiting for a reply; raise at once if it cannot be queued."""
@@ -592,10 +595,10 @@ class Actor(Generic[M]):
         if outer and after:
             _run_claimed(after, [])
 
-    def _end_locked(self) -> bool:
+    def _end_locked(self, ran: bool = True) -> bool:
         # Under the mutex: the turn ends; whether the task must run the FIFO head now.
         self._busy = False
-        self._processed += 1
+        self._processed += ran
         return bool(self._fifo) and not self._hand_locked()
 
     def _hand_locked(self) -> bool:

@@ -36,15 +36,16 @@ import functools
 import itertools
 import logging
 import threading
+import time
 from collections.abc import Sequence
-from typing import TYPE_CHECKING, Any, final
+from typing import TYPE_CHECKING, Any, Literal, final
 
 import msgspec
 import torch
 
-from kvactors.actors.actor import DEFERRED, Actor, Envelope, unreachable
+from kvactors.actors.actor import DEFERRED, Actor, ActorState, Envelope, unreachable
 from kvactors.actors.reply import Reply
-from kvactors.actors.stream import Work
+from kvactors.actors.stream import StreamActor, Work
 from kvactors.core.ordering import BlockLedger
 from kvactors.core.plan_cache import PlanCache
 from kvactors.core.protocols.gather import (
@@ -57,7 +58,13 @@ from kvactors.core.protocols.gather import (
     TransferDone,
 )
 from kvactors.core.protocols.stream import Launch
-from kvactors.errors import ActorClosedError, OperandTypeError, TransferAbandonedError
+from kvactors.errors import (
+    ActorClosedError,
+    OperandTypeError,
+    TransferAbandonedError,
+    TransferFailedError,
+    translate,
+)
 from kvactors.kernels.transfer import ScratchCache
 from kvactors.kernels.transfer import torch_kernel as make_kernel
 
@@ -65,11 +72,13 @@ if TYPE_CHECKING:
     from collections.abc import Callable, Iterable
 
     from kvactors.actors.directory import StreamDirectory
+    from kvactors.core.plans import TransferRequest
     from kvactors.devices.base import Backend
 
 __all__ = ("GatherActor", "TransferOperands")
 
 _log = logging.getLogger(__name__)
+_SLICE = 0.05  # how soon a plain call waiting for its route sees the actor stop
 _running_loop = asyncio._get_running_loop
 
 
@@ -116,6 +125,8 @@ class GatherActor(Actor[GatherRequest]):
         # (CPU) and that adds no layout rule or native kernel runs the specialised kernel of
         # a reused plan.
         self._prepares = backend.prepares_transfers
+        self._completes = backend.completes_on_launch
+        self._route = threading.Lock()
         self._native = backend.native_kernels
         self._plain = backend.plain_transfers
 
@@ -251,6 +262,166 @@ class GatherActor(Actor[GatherRequest]):
                 raise
         return DEFERRED
 
+    def transfer_now(
+        self,
+        tid: int,
+        request: TransferRequest,
+        paged: Any,
+        objects: Sequence[torch.Tensor],
+        handle: int,
+        complete: bool,
+        wait: float,
+        admit: Callable[[], object] | None = None,
+    ) -> TransferDone | None:
+        """The plain-call turn of a ``Transfer`` (see Threads): ``None`` (nothing ran, nothing
+        changed: send the message) unless this actor and the stream's StreamActor are idle
+        and the stream's lane holds nothing, and the copy either completes when launched or
+        is answered once enqueued (``complete=False``). Then the calling thread takes both
+        turns, validates and plans, enters the ledger, gives the gather turn back and
+        launches the copy, as the two turns would; the return value is the reply. Raises
+        what the message's reply would raise."""
+        stream = self._streams.peek(handle)
+        completes = self._completes
+        if stream is None or not (completes or not complete):
+            return None
+        # What this call holds, each flag cleared by the call that ends it (``x = end()``):
+        # on an exit by exception the ``finally`` ends what is still held (the ledger entry
+        # failed; the reaper ends it instead once it holds the lease), then the exception
+        # propagates, as itself.
+        in_stream = in_gather = launched = entered = False
+        route = stream.route
+        # The routes: a plain call holds the gather's from before its gather turn until that
+        # turn ended, and the stream's from before its stream turn (taken while it still
+        # holds the gather's: stream order is gather order) until that turn ended. A plain
+        # call that finds a route held sleeps on it; nothing queues.
+        on_a: bool | None = False
+        on_b: bool | None = False
+        nbytes = 0
+        try:
+            on_a = self._route.acquire(False) or _enter(self._route, self, wait)
+            if not on_a:
+                return None
+            in_gather = self.claim()
+            if not in_gather:
+                return None
+            if admit is not None:
+                admit()  # in the gather turn: admission order is the turns' order
+            # Validate and plan (metadata only), then the kernel, as the gather turn.
+            if self._prepares:
+                request, paged, objects = self.backend.prepare_transfer(request, paged, objects)
+            found = self.plans.lookup(request, paged, objects)
+            plan = found.plan
+            memo = found.memo if self._plain else None
+            scratch = copy = None
+            if memo is None:
+                scratch = self._scratch.get(handle)
+                if scratch is None:
+                    scratch = self._scratch[handle] = ScratchCache()
+                copy = self.backend.copy_
+            kernel = make_kernel(
+                plan,
+                paged,
+                objects,
+                memo=memo,
+                inference=found.inference,
+                copy=copy,
+                scratch=scratch,
+                bind_now=memo is not None,
+            )
+            if self._native:
+                kernel = self.backend.transfer_kernel(plan, paged, objects, kernel)
+            nbytes = plan.nbytes
+            touched = plan.touched_blocks
+            on_b = route.acquire(False) or _enter(route, stream, wait)
+            if not on_b:
+                return None
+            in_stream = stream.claim()
+            lane = stream.lane
+            if not in_stream or lane.jobs or (completes and lane.watching):
+                return None
+            entered = True
+            self._begin(tid, touched, _unanswered)
+            in_gather = self.end_turn()  # the next sender plans while this copy runs
+            on_a = self._route.release()  # type: ignore[func-returns-value]  # None: released
+            launched = True
+            if completes:
+                kernel()  # complete once launched (CPU): the launch is the copy
+                entered = self._done_now(tid, nbytes)
+            else:
+                # Answered once enqueued: the reaper keeps the lease (the kernel, which
+                # references the operands) until the work's marker completed, then ends
+                # the ledger entry.
+                self.backend.launch(stream.stream, kernel)
+                entered = not lane.watch(
+                    self.backend.record_marker(stream.stream),
+                    kernel,
+                    functools.partial(self._reaped, tid, nbytes, stream),
+                )
+            in_stream = stream.end_turn()
+            on_b = route.release()  # type: ignore[func-returns-value]
+            return TransferDone(transfer_id=tid, nbytes=nbytes, blocks=len(touched))
+        except BaseException as exc:
+            if in_gather and not launched and isinstance(exc, Exception):
+                self.count_failure()  # refused in the gather turn
+            elif launched:
+                stream.count_failure()
+                if isinstance(exc, Exception):
+                    raise _failed(exc, tid, stream) from None
+            raise
+        finally:
+            if entered:  # failed: the entry ends now, or once the stream is past the launch
+                lease = kernel if launched and not completes else None
+                self._abandon_now(tid, nbytes, stream, lease)
+            if in_gather:
+                self.end_turn()
+            if in_stream:
+                stream.end_turn(ran=launched)
+            if on_a:
+                self._route.release()
+            if on_b:
+                route.release()
+
+    def _done_now(self, tid: int, nbytes: int) -> Literal[False]:
+        # The ledger exit of a plain-call copy that completed; False (``entered = ...``).
+        with self._ledger_lock:
+            self._running.pop(tid, None)
+            released = self._ledger.finish(tid)
+            self.transfers_ok += 1
+            self.bytes_moved += nbytes
+        if released:
+            self._release(released)
+        return False
+
+    def _reaped(
+        self, tid: int, nbytes: int, stream: StreamActor, err: BaseException | None
+    ) -> None:
+        # The reaper: a plain-call copy answered at enqueue completed (or failed).
+        released = self._finish(tid, err is None, nbytes)
+        if err is not None:
+            stream.count_failure()
+            if isinstance(err, Exception):
+                _log.error("transfer %d failed after it was enqueued: %s", tid, err)
+        self._release(released)
+
+    def _abandon_now(
+        self, tid: int, nbytes: int, stream: StreamActor, lease: Callable[[], None] | None
+    ) -> None:
+        # A plain call that failed after it entered the ledger. ``lease``: the kernel of a
+        # launch that may have enqueued work, which the lane's reaper keeps until the stream
+        # is past it; the entry ends (failed) then. Else it ends now.
+        if lease is not None:
+            try:
+                marker = self.backend.record_marker(stream.stream)
+            except Exception:
+                pass  # no marker to wait on
+            else:
+                stream.lane.watch(marker, lease, functools.partial(self._failed_now, tid, nbytes))
+                return
+        self._failed_now(tid, nbytes, None)
+
+    def _failed_now(self, tid: int, nbytes: int, _err: BaseException | None) -> None:
+        self._release(self._finish(tid, False, nbytes))
+
     def _send(
         self,
         handle: int,
@@ -312,3 +483,31 @@ class GatherActor(Actor[GatherRequest]):
             released = [self._fences.pop(fid) for fid in fence_ids]
         for settle, block_ids, waits in released:
             settle(None, Fenced(block_ids=block_ids, waited_for=waits))
+
+
+def _enter(route: threading.Lock, actor: Actor[Any], wait: float) -> bool:
+    # Wait for a plain call's route (held by the plain call before, for a turn), at most
+    # ``wait`` seconds; False at once once the actor stops (the call then takes the mailbox,
+    # which refuses it).
+    end = time.monotonic() + wait
+    while actor.state is ActorState.RUNNING:
+        left = end - time.monotonic()
+        if left <= 0:
+            return False
+        if route.acquire(timeout=min(left, _SLICE)):
+            return True
+    return False
+
+
+def _unanswered(_exc: BaseException | None, _value: Any) -> None:
+    # The settle of a plain-call transfer in ``_running``: its caller answers itself.
+    return
+
+
+def _failed(err: BaseException, tid: int, stream: StreamActor) -> BaseException:
+    return translate(
+        err,
+        lambda m: TransferFailedError(
+            m, transfer_id=tid, device=f"{stream.backend.kind}:{stream.index}"
+        ),
+    )

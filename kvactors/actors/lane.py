@@ -36,8 +36,10 @@ class Lane:
         self._lock = threading.Lock()
         self._submitted = 0
         self._completed = 0
-        self._watching = 0
-        self._jobs = 0
+        #: Leases the reaper holds, and jobs queued or running (read without the lock: one
+        #: read of a count written under it).
+        self.watching = 0
+        self.jobs = 0
         self._thread = threading.Thread(target=self._run, name=f"lane:{name}", daemon=True)
         self._reaper = threading.Thread(target=self._reap, name=f"reap:{name}", daemon=True)
         self._bind_error: BaseException | None = None
@@ -63,25 +65,27 @@ class Lane:
         """Queue ``job`` behind every job submitted before it."""
         with self._lock:
             self._submitted += 1
-            self._jobs += 1
+            self.jobs += 1
         self._queue.put(job)
 
     def jobs_idle(self) -> bool:
         """Whether no job is queued or running (launched work may still be watched)."""
-        return self._jobs == 0  # one read of a count changed under the lock: no lock needed
+        return self.jobs == 0  # one read of a count changed under the lock: no lock needed
 
     def reaper_idle(self) -> bool:
         """Whether the reaper holds no lease (so a completed launch may answer directly)."""
-        return self._watching == 0
+        return self.watching == 0
 
     def watch(
         self, marker: Marker, lease: Any, done: Callable[[BaseException | None], None]
-    ) -> None:
-        """Hold ``lease`` until ``marker`` completed, then call ``done`` (from the reaper)."""
+    ) -> bool:
+        """Hold ``lease`` until ``marker`` completed, then call ``done`` (from the reaper).
+        Returns True (for ``watched = lane.watch(...)``)."""
         with self._lock:
             self._submitted += 1
-            self._watching += 1
+            self.watching += 1
         self._watch.put((marker, lease, done))
+        return True
 
     def after_reaped(self, fn: Callable[[], None]) -> None:
         """Call ``fn`` (from the reaper) once every lease watched before now was dropped."""
@@ -121,7 +125,7 @@ class Lane:
                 del job
                 with self._lock:
                     self._completed += 1
-                    self._jobs -= 1
+                    self.jobs -= 1
 
     def _reap(self) -> None:
         while True:
@@ -144,7 +148,7 @@ class Lane:
                 err = exc
             del lease
             with self._lock:
-                self._watching -= 1
+                self.watching -= 1
             try:
                 done(err)
             finally:

@@ -101,6 +101,8 @@ class StreamActor(Actor[StreamRequest]):
         self.index = index
         self.stream = stream
         self.lane = Lane(name, backend, index, stream)
+        #: Plain calls' route to this stream's turn (see ``GatherActor.transfer_now``).
+        self.route = threading.Lock()
         self._completes = backend.completes_on_launch
         self._completions = completions
         self._events = events

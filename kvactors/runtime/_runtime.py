@@ -24,6 +24,7 @@ from __future__ import annotations
 import asyncio
 import atexit
 import contextlib
+import functools
 import itertools
 import threading
 from typing import TYPE_CHECKING, Any
@@ -241,8 +242,10 @@ class Runtime:
         operands: Any = None,
         timeout: float | None = None,
         stream_handle: int = 0,
+        admitted: Call | None = None,
     ) -> Any:
         # Sent from the calling thread, which runs the turn itself when the actor is idle.
+        # ``admitted``: the observed call of a plain call that took the mailbox after all.
         actors = self._actors
         if self._closed or self._loop is None or actors is None:
             actors = self._running()[1]
@@ -250,9 +253,11 @@ class Runtime:
         reply: Reply[Any] = Reply()
         self._outstanding[reply] = msg  # one dict operation: atomic, no lock (see close)
         observers = self._observers
-        call = Call(msg, operands, stream_handle) if observers.active else None
+        call = admitted
+        if call is None and observers.active:
+            call = Call(msg, operands, stream_handle)
         try:
-            if call is not None:
+            if call is not None and admitted is None:
                 observers.started(call)  # admission: in mailbox order
             actor = pick(actors)
             try:
@@ -365,9 +370,7 @@ class Runtime:
         ``TypeError``) before any memory is touched, ``TransferFailedError`` if the copy failed.
         """
         tid = next(self._ids)
-        msg = Transfer(
-            transfer_id=tid, request=request, stream_handle=stream_handle, complete=complete
-        )
+        admitted: Call | None = None
         # Rule 3 holds the tensors, not the caller's lists: see _operands (inlined here).
         if isinstance(paged, list):
             paged = (
@@ -375,10 +378,64 @@ class Runtime:
             )
         if isinstance(objects, list):
             objects = tuple(objects)
+        actors = self._actors
+        if actors is not None and not self._closed:
+            # The actors idle (or held by plain calls only): the plain call, no message and no
+            # reply slot (see GatherActor.transfer_now); else the mailbox.
+            wait = self.default_timeout if timeout is None else timeout
+            if not self._observers.active:
+                done = actors.gather.transfer_now(
+                    tid, request, paged, objects, stream_handle, complete, wait
+                )
+            else:
+                done, admitted = self._observed_now(
+                    actors, tid, request, paged, objects, stream_handle, complete, wait
+                )
+            if done is not None:
+                return done
+        msg = Transfer(
+            transfer_id=tid, request=request, stream_handle=stream_handle, complete=complete
+        )
         result: TransferDone = self._ask(
-            _gather, msg, TransferOperands(paged, objects), timeout, stream_handle
+            _gather, msg, TransferOperands(paged, objects), timeout, stream_handle, admitted
         )
         return result
+
+    def _observed_now(
+        self,
+        actors: DeviceActors,
+        tid: int,
+        request: TransferRequest,
+        paged: Any,
+        objects: Sequence[torch.Tensor],
+        stream_handle: int,
+        complete: bool,
+        wait: float,
+    ) -> tuple[TransferDone | None, Call | None]:
+        # A plain call with observers: admitted (``started``) in its gather turn, so that
+        # admission order stays the turns' order; the call, if admitted, for the mailbox.
+        msg = Transfer(
+            transfer_id=tid, request=request, stream_handle=stream_handle, complete=complete
+        )
+        call = Call(msg, TransferOperands(paged, objects), stream_handle)
+        observers = self._observers
+        try:
+            done = actors.gather.transfer_now(
+                tid,
+                request,
+                paged,
+                objects,
+                stream_handle,
+                complete,
+                wait,
+                functools.partial(observers.started, call),
+            )
+        except BaseException as exc:
+            observers.finished(call, None, exc)  # (only a call that was admitted)
+            raise
+        if done is not None:
+            observers.finished(call, done, None)
+        return done, call if call.seq else None
 
     def atransfer(
         self,

@@ -1,4 +1,7 @@
-"""Contended callers: a busy actor hands its turn to the waiting sender, in mailbox order.
+"""Contended callers on the mailbox: a busy actor hands its turn to the waiting sender, in
+mailbox order. (The held backends replace ``launch``, so they do not complete on launch, and a
+call that waits for completion there takes the mailbox: the plain calls of idle actors and
+their routes are tests/scenarios/test_plain_call.py's.)
 
 A blocking call whose message had to queue behind a busy actor sleeps until its reply anyway;
 when the turn ends, the turn passes to that caller's thread, which runs it there (validation,

@@ -42,7 +42,8 @@ if TYPE_CHECKING:
     from kvactors.testing import FakeVendor
 
 _STOP = 5.0  # the runtime's stop timeout: close() must not wait it out
-_COMPLETION = {"on_done", "done"}  # completion callbacks, not turn lines (they run on reapers)
+# Completion callbacks, not turn lines (they run on reapers).
+_COMPLETION = {"on_done", "done"}
 
 
 def _codes(*, kernel: bool) -> frozenset[types.CodeType]:
@@ -56,7 +57,12 @@ def _codes(*, kernel: bool) -> frozenset[types.CodeType]:
             if isinstance(const, types.CodeType):
                 walk(const)
 
-    for fn in (GatherActor.receive, GatherActor._transfer, StreamActor.receive):
+    for fn in (
+        GatherActor.receive,
+        GatherActor._transfer,
+        GatherActor.transfer_now,  # the plain-call turn of idle actors
+        StreamActor.receive,
+    ):
         walk(fn.__code__)
     walk(StreamActor._launch.__code__)
     if kernel:  # the torch kernel the transfer's launch runs
