@@ -6,28 +6,26 @@ it. ``receive`` is synchronous and short: it answers at once (returns a value) o
 reply over (:meth:`Actor.defer`, returns :data:`DEFERRED`) and settles it later, from any
 thread. Every reply is a :class:`~kvactors.actors.reply.Reply`: the first settle wins.
 
-Who runs a turn: the turn's states and every transition, each made under the actor's lock
-(``_busy``, the FIFO and the lifecycle state are all there is; the waiting sender's
-:class:`~kvactors.actors.reply.Reply` decides a hand-off).
+Who runs a turn (every transition under the actor's lock; ``_busy``, the FIFO and the
+lifecycle state are all there is):
 
-=========  ======================================================  ===========================
-state      event                                                   next
-=========  ======================================================  ===========================
-IDLE       a send from a thread that may run turns (the loop's,    CLAIMED: the sender runs it
-           or any thread when ``turns_anywhere``)                  now (or right after its own
-                                                                   turn, if it is inside one)
-IDLE       :meth:`Actor.claim` (a plain call, no envelope)         CLAIMED until ``end_turn``
-IDLE       any other send (``here=False``: an ``a*`` call; or a    QUEUED; the task is woken
-           foreign thread of a loop-only actor)
-CLAIMED    a send                                                  CLAIMED; it is QUEUED behind
-CLAIMED    the turn ends, nothing queued                           IDLE
-CLAIMED    the turn ends; the FIFO head's sender is a waiting      HANDED to that thread
-           reply (enlisted) of a ``turns_anywhere`` actor
-CLAIMED    the turn ends; any other head (or the waiter left)      QUEUED; the task runs it
-HANDED     the woken sender runs its own envelope                  CLAIMED
-any        stop / break_with                                       queued asks fail; sends
-                                                                   are refused
-=========  ======================================================  ===========================
+=======  ==========================================================  ========================
+state    event                                                       next
+=======  ==========================================================  ========================
+IDLE     :meth:`Actor.claim`: a plain call (no envelope)             CLAIMED until end_turn
+IDLE     a send from a thread that may run turns (the loop's, or     CLAIMED: the sender runs
+         any thread when ``turns_anywhere``)                         it now, or right after
+                                                                     its own turn if inside
+IDLE     any other send (``here=False``: an ``a*`` call; a foreign   QUEUED; the task is woken
+         thread of a loop-only actor)
+CLAIMED  a send, or a claim                                          the send QUEUED behind;
+                                                                     the claim refused
+CLAIMED  the turn ends                                               IDLE; the task is woken
+                                                                     if anything QUEUED
+QUEUED   the task's loop runs the FIFO head                          CLAIMED (on the loop)
+any      stop / break_with                                           queued asks fail; sends
+                                                                     are refused
+=======  ==========================================================  ========================
 
 An interrupt (``KeyboardInterrupt``, ``SystemExit``) in a turn fails the envelope's reply
 unless the subclass took it over (it settles what it holds, see ``forget``), gives back the
@@ -49,7 +47,6 @@ import asyncio
 import collections
 import contextlib
 import enum
-import functools
 import threading
 from typing import TYPE_CHECKING, Any, ClassVar, Final, Generic, Literal, NoReturn, TypeVar, final
 
@@ -151,7 +148,6 @@ class Envelope(msgspec.Struct, Generic[M], eq=False):
     msg: M
     operands: Any
     reply: Reply[Any] | None
-    waiter: Reply[Any] | None = None
     _timer: asyncio.TimerHandle | None = None
 
     def resolve(self, value: Any) -> None:
@@ -353,7 +349,7 @@ class Actor(Generic[M]):
 
     def _deliver(self, env: Envelope[M], msg: object, *, here: bool = True) -> None:
         # Claim the turn if the actor is idle and this thread may run it; else queue (a busy
-        # actor's turn, when it ends, hands or wakes: no wake-up needed then).
+        # actor's turn, when it ends, wakes the task: no wake-up needed then).
         with self._mutex:
             depth = len(self._fifo) + len(self._deferred) + 1
             if self._state is not ActorState.RUNNING:
@@ -373,11 +369,6 @@ class Actor(Generic[M]):
             ):
                 self._busy = True
             else:
-                if env.waiter is not None:
-                    if self.turns_anywhere:
-                        env.waiter.enlist()
-                    else:
-                        env.waiter = None
                 self._fifo.append(env)
                 here = False
         if here:
@@ -407,8 +398,8 @@ class Actor(Generic[M]):
 
     def end_turn(self, *, ran: bool = True) -> Literal[False]:
         """End a turn taken with :meth:`claim` (counted as processed unless ``ran`` is false:
-        the claimer gave it back unused), then hand it to the FIFO head's waiting sender or
-        leave it to the task, as any turn's end. Returns False, the claim's new value
+        the claimer gave it back unused); the task runs what queued meanwhile, as after
+        any turn. Returns False, the claim's new value
         (``claimed = actor.end_turn()``: no line between the end and the flag)."""
         with self._mutex:
             more = self._end_locked(ran)
@@ -447,13 +438,10 @@ class Actor(Generic[M]):
         *,
         timeout: float | None = None,
         here: bool = True,
-        waiter: Reply[Any] | None = None,
     ) -> None:
         """Send ``msg`` with ``reply`` as its reply, from any thread. With ``here=False`` the
-        sender never runs the turn itself (an event loop's thread that must not block).
-        ``waiter``: the sending thread's reply, which it sleeps on (:meth:`Reply.wait`); it
-        takes the turn if it is handed over (see the module docstring)."""
-        env: Envelope[M] = Envelope(msg, operands, reply, waiter)
+        sender never runs the turn itself (an event loop's thread that must not block)."""
+        env: Envelope[M] = Envelope(msg, operands, reply)
         loop = self._loop
         if timeout is not None and loop is not None:
             if on_loop(loop):
@@ -555,8 +543,8 @@ class Actor(Generic[M]):
 
     def _turn(self, env: Envelope[M]) -> None:
         # The claimed turn (``_busy`` set by the claimer): handle ``env``, give the turn back
-        # (to the next waiting sender, else to the task), then run the turns this thread
-        # claimed meanwhile.
+        # (the task runs what queued meanwhile), then run the turns this thread claimed
+        # meanwhile.
         after = _turns.after
         outer = after is None
         if outer:
@@ -599,29 +587,13 @@ class Actor(Generic[M]):
         # Under the mutex: the turn ends; whether the task must run the FIFO head now.
         self._busy = False
         self._processed += ran
-        return bool(self._fifo) and not self._hand_locked()
-
-    def _hand_locked(self) -> bool:
-        # Under the mutex, the turn free: hand it to the FIFO head's waiting sender (True), or
-        # leave the head to the task (a waiter that left is not asked again).
-        fifo = self._fifo
-        if not fifo or self._state is not ActorState.RUNNING:
-            return False
-        head = fifo[0]
-        waiter = head.waiter
-        if waiter is not None and waiter.hand(functools.partial(self._turn, head)):
-            fifo.popleft()
-            self._busy = True
-            return True
-        head.waiter = None
-        return False
+        return bool(self._fifo)
 
     def _give_back(self, env: Envelope[M]) -> None:
         # A claimed turn that will not run on this thread: back to the FIFO head, for the task
         # (which fails it if the actor stopped meanwhile).
         with self._mutex:
             self._busy = False
-            env.waiter = None
             self._fifo.appendleft(env)
         self._wake_task()
         if self._state is not ActorState.RUNNING and self._task is None:
@@ -633,7 +605,7 @@ class Actor(Generic[M]):
                 e.fail(closed)
 
     async def _run(self) -> None:
-        # Runs on the loop, in FIFO order, what queued with nobody to hand the turn to.
+        # Runs on the loop, in FIFO order, what queued.
         wake = self._wake
         assert wake is not None
         while True:
@@ -641,7 +613,7 @@ class Actor(Generic[M]):
             wake.clear()
             while True:
                 with self._mutex:
-                    if self._busy or not self._fifo or self._hand_locked():
+                    if self._busy or not self._fifo:
                         break
                     env = self._fifo.popleft()
                     running = self._state is ActorState.RUNNING

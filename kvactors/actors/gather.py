@@ -14,15 +14,20 @@ transfer answers its ask with the failure: it is never reported as done.
 Plans are validated once: a :class:`~kvactors.core.plan_cache.PlanCache` reuses the plan of a
 request whose operands' metadata has not changed and validates anything else.
 
-Threads. The actor takes turns on any thread (``turns_anywhere``): a blocking caller that
-finds it idle, or to whom the turn is handed when the turn before its message ends, validates,
-plans and sends the ``Launch`` on its own thread (see :mod:`kvactors.actors.actor`). The turn
-ends once the ``Launch`` holds its place at the stream; the StreamActor's turn runs after it,
-on the same thread (or, the stream busy, on the caller's thread when that turn is handed to
-it). The ledger entry is made before the ``Launch`` is sent, so a fence taken after the turn
-waits for the copy. Messages nobody waits for on a thread (``a*`` calls) are handled on the
-loop, in order. Completions arrive from whichever thread saw the work complete, so the block
-ledger, the counters and the fences are kept under one lock.
+Threads. The actor takes turns on any thread (``turns_anywhere``). A blocking transfer that
+finds this actor and its stream's StreamActor idle is a *plain call* (:meth:`transfer_now`):
+the calling thread takes both turns without a message, validates and plans, enters the
+ledger, gives the gather turn back and launches the copy, and the return value is the reply.
+Contended plain calls sleep on *routes*, two locks taken hand over hand (this actor's for its
+turn, then the stream's, taken before the first is let go: stream order is gather order), so
+the next caller plans while the copy before it runs. A plain call never overtakes a queued
+message: its claim fails while anything is queued, and it takes the mailbox. A sender that
+finds the actor idle runs a mailbox turn on its own thread too; the turn ends once the
+``Launch`` holds its place at the stream, whose turn runs after it on the same thread.
+Messages queued behind a busy actor are handled on the loop, in order. The ledger entry is
+made before the copy is launched, so a fence taken after the turn waits for the copy.
+Completions arrive from whichever thread saw the work complete, so the block ledger, the
+counters and the fences are kept under one lock.
 
 Stopping gives running transfers the stop timeout; a transfer still running then is failed
 with :class:`~kvactors.errors.TransferAbandonedError` (it may still land), never with the
@@ -254,7 +259,7 @@ class GatherActor(Actor[GatherRequest]):
             # ``torch_kernel``, which every backend kernel wraps, and the plan ticket's
             # tensors). No separate keepalive.
             work = Work(kernel, on_enqueued=on_enqueued)
-            sent = self._send(msg.stream_handle, Reply(on_done), launch, work, env.waiter)
+            sent = self._send(msg.stream_handle, Reply(on_done), launch, work)
         except BaseException as exc:
             if not sent and self.holds(env):
                 on_done(exc, None)
@@ -428,20 +433,17 @@ class GatherActor(Actor[GatherRequest]):
         reply: Reply[Any],
         launch: Launch,
         work: Work,
-        waiter: Reply[Any] | None,
     ) -> bool:
-        # True once the stream holds the Launch. The caller waiting for the transfer waits
-        # for this Launch too: a busy stream may hand it the Launch's turn (see
-        # kvactors.actors.actor).
+        # True once the stream holds the Launch.
         stream = self._streams.get(handle)
         try:
-            stream.ask_into(reply, launch, work, waiter=waiter)
+            stream.ask_into(reply, launch, work)
         except ActorClosedError:
             if not self._streams.replaced(stream):
                 raise
             # The directory retired that idle actor between the lookup and the send (it
             # refused the message, nothing ran): the handle's new actor takes it.
-            self._streams.get(handle).ask_into(reply, launch, work, waiter=waiter)
+            self._streams.get(handle).ask_into(reply, launch, work)
         return True
 
     def _begin(

@@ -5,10 +5,7 @@ An actor puts an ask's answer into its :class:`Reply`. The first settle (``set_r
 later one is a no-op. The reply has three faces:
 
 - blocking: :meth:`Reply.wait` sleeps the calling thread until the reply is settled or its
-  deadline passed. Once the caller's message queued behind a busy actor (:meth:`Reply.enlist`),
-  the actor may hand it that message's turn (:meth:`Reply.hand`): the caller wakes, runs the
-  turn on its own thread, and sleeps again. A caller that leaves refuses later hand-offs,
-  atomically with its check for one: a turn handed to it is always run.
+  deadline passed.
 - awaitable: ``await reply`` under asyncio or trio. The settling thread never waits for the
   awaiting loop: on that loop's thread it wakes the await in place, from any other thread it
   only schedules the wake-up (``loop.call_soon_threadsafe``, ``TrioToken.run_sync_soon``).
@@ -25,7 +22,6 @@ import asyncio
 import contextlib
 import itertools
 import threading
-import time
 from typing import TYPE_CHECKING, Any, Generic, TypeVar, final
 
 from kvactors.errors import DeadlineExceededError, ProtocolError
@@ -43,7 +39,7 @@ _running_loop = asyncio._get_running_loop
 class Reply(Generic[T]):
     """One ask's reply, settled once from any thread (see the module for its faces)."""
 
-    __slots__ = ("_claims", "_done", "_exc", "_hand", "_lock", "_then", "_turn", "_value", "_wake")
+    __slots__ = ("_claims", "_done", "_exc", "_lock", "_then", "_value", "_wake")
 
     def __init__(self, then: Callable[[BaseException | None, Any], None] | None = None) -> None:
         self._claims = itertools.count()
@@ -53,9 +49,6 @@ class Reply(Generic[T]):
         self._then = then
         self._wake: Callable[[], None] | None = None  # an await's wake-up
         self._lock: threading.Lock | None = None  # held while the caller sleeps
-        self._hand: threading.Lock | None = None  # made by enlist: guards the hand-off
-        # A turn handed over and not run yet; _GONE once the caller left (refuses hand-offs).
-        self._turn: Callable[[], None] | None = None
 
     def done(self) -> bool:
         """Whether the reply was settled (or cancelled)."""
@@ -86,10 +79,7 @@ class Reply(Generic[T]):
         finally:
             self._done = True
             if (lock := self._lock) is not None:
-                try:  # noqa: SIM105 (the per-call path: no context manager)
-                    lock.release()
-                except RuntimeError:  # a hand-off released it already
-                    pass
+                lock.release()
             if (wake := self._wake) is not None:
                 wake()
         return True
@@ -116,66 +106,20 @@ class Reply(Generic[T]):
 
     # ---- the blocking face -----------------------------------------------------------
 
-    def enlist(self) -> None:
-        """A message of the caller queued (on the caller's thread, under the actor's lock,
-        before it waits): from now on a turn may be handed over."""
-        if self._hand is None:
-            self._lock = self._lock or _held()
-            self._hand = threading.Lock()
-
-    def hand(self, turn: Callable[[], None]) -> bool:
-        """Give the sleeping caller ``turn`` to run; ``False`` (nothing changed) if it left
-        already. Called under the actor's lock: it only records and wakes."""
-        guard, lock = self._hand, self._lock
-        if guard is None or lock is None:
-            return False
-        with guard:
-            if self._turn is _GONE:
-                return False
-            self._turn = turn
-        with contextlib.suppress(RuntimeError):  # a settle released it already
-            lock.release()
-        return True
-
     def wait(self, timeout: float, what: str) -> T:
-        """Sleep until the reply is settled (running the turns handed over meanwhile); return
-        or raise it, or raise :class:`~kvactors.errors.DeadlineExceededError` (naming
-        ``what``) past ``timeout`` seconds."""
-        guard = self._hand
-        if guard is None:  # nothing of the caller queued: no turn can be handed over
+        """Sleep until the reply is settled; return or raise it, or raise
+        :class:`~kvactors.errors.DeadlineExceededError` (naming ``what``) past ``timeout``
+        seconds."""
+        if not self._done:
+            lock = self._lock = _held()  # published before the check: a settle releases it
             if not self._done:
-                lock = self._lock = _held()  # published before the check: a settle releases it
-                if not self._done:
-                    lock.acquire(timeout=timeout)
-        else:
-            self._take_turns(guard, self._lock or _held(), time.monotonic() + timeout)
+                lock.acquire(timeout=timeout)
         if not self._done:
             raise DeadlineExceededError(actor="runtime", message_type=what, timeout=timeout)
         if self._exc is not None:
             raise self._exc
         value: T = self._value
         return value
-
-    def _take_turns(self, guard: threading.Lock, lock: threading.Lock, end: float) -> None:
-        try:
-            while True:
-                leave = self._done or time.monotonic() >= end
-                with guard:
-                    turn, self._turn = self._turn, None
-                    if turn is None and leave:
-                        self._turn = _GONE
-                        return
-                if turn is not None:
-                    turn()
-                else:
-                    lock.acquire(timeout=max(0.0, end - time.monotonic()))
-        finally:
-            # Left by an exception (a turn's BaseException): refuse later hand-offs, and run
-            # one handed over meanwhile, so that no actor waits for a caller that is gone.
-            with guard:
-                turn, self._turn = self._turn, _GONE
-            if turn is not None and turn is not _GONE:
-                turn()
 
     # ---- the awaitable face ----------------------------------------------------------
 
@@ -203,11 +147,6 @@ class Reply(Generic[T]):
             except BaseException:
                 self.cancel()  # nobody wants the answer now
                 raise
-
-
-def _GONE() -> None:
-    # The marker in ``Reply._turn`` of a caller that left: no turn is handed to it any more.
-    raise AssertionError("never run")
 
 
 def _held() -> threading.Lock:

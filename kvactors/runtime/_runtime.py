@@ -4,11 +4,12 @@ A :class:`Runtime` owns a private asyncio loop running in its own daemon thread,
 :class:`~kvactors.actors.group.DeviceActors` of one device. Every call is a message to an actor
 (``Transfer``, ``Fence`` and ``Ping`` to the GatherActor, ``Sync`` and the records to a
 StreamActor, the IPC messages to the IPCOwnerActor), whoever calls and on every device: there
-is one route. A blocking call sends from the calling thread and sleeps on its
-:class:`~kvactors.actors.reply.Reply` until the reply is settled; when the actor takes turns
-on any thread, the calling thread runs the turn itself, at once if the actor is idle, else
-when the turn before its message ends and is handed to it (see :mod:`kvactors.actors.actor`);
-else the loop runs it in mailbox order. Asyncio callers use the
+is one route. A blocking transfer whose actors are idle takes their turns on the calling
+thread without a message (the plain call, :meth:`GatherActor.transfer_now
+<kvactors.actors.gather.GatherActor.transfer_now>`); any other blocking call sends from the
+calling thread, which runs the turn itself when the actor is idle (else the loop runs it, in
+mailbox order), and sleeps on its :class:`~kvactors.actors.reply.Reply` until the reply is
+settled. Asyncio callers use the
 ``a*`` twins: they queue the message from their own thread (never running a turn, so their
 loop never waits for device work) and await the same kind of reply, under asyncio or trio
 (see :mod:`kvactors.actors.reply`).
@@ -261,13 +262,13 @@ class Runtime:
                 observers.started(call)  # admission: in mailbox order
             actor = pick(actors)
             try:
-                actor.ask_into(reply, msg, operands, waiter=reply)
+                actor.ask_into(reply, msg, operands)
             except ActorClosedError:
                 if not actors.streams.replaced(actor):
                     raise
                 # A stream's idle actor retired between the lookup and the send (it refused
                 # the message, nothing ran): the handle's new actor takes it.
-                pick(actors).ask_into(reply, msg, operands, waiter=reply)
+                pick(actors).ask_into(reply, msg, operands)
         except Exception as exc:
             reply.set_exception(exc)
         except BaseException as exc:
