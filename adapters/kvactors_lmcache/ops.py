@@ -22,6 +22,7 @@ from collections import Counter
 from collections.abc import Callable
 from typing import TYPE_CHECKING, Any, ClassVar, Literal
 
+import msgspec
 import torch
 from lmcache.v1.platform.base.device_ops import DeviceOps
 
@@ -561,6 +562,106 @@ class KvactorsCpuOps(KvactorsDeviceOps):
             from kvactors_lmcache.serving.tap import install_from_env
 
             install_from_env(self)
+
+    def multi_layer_block_kv_transfer(
+        self,
+        paged_buffer_ptrs_tensor: torch.Tensor | list[Any],
+        lmcache_objects_ptrs: list[int] | list[torch.Tensor],
+        block_ids: torch.Tensor | list[int],
+        device: torch.device | str,
+        direction: Any,
+        shape_desc: Any,
+        lmcache_chunk_size: int,
+        engine_kv_format: Any,
+        skip_prefix_n_blocks: int,
+        layerwise: bool = False,
+    ) -> None:
+        """As the base op (complete on return, stream handle 0), in one frame for the engine's
+        repeated call.
+
+        vLLM's CPU engine repeats every argument but the block ids and the chunks. A call whose
+        operands have exactly the types of that call (lists of tensors, a list of ints,
+        ``torch.device("cpu")``, int sizes), whose other arguments converted before into a
+        reusable request, and whose device's runtime exists, is checked here as the base op
+        checks it and goes to ``Runtime.transfer`` with that request and this call's ids.
+        Every other call, and every call these checks would refuse, is the base op's, which
+        raises what it always raises, before anything is copied.
+        """
+        ids: tuple[Any, ...] = ()
+        template: TransferRequest | None = None
+        if (
+            layerwise is False
+            and type(paged_buffer_ptrs_tensor) is list
+            and type(lmcache_objects_ptrs) is list
+            and type(block_ids) is list
+            and type(lmcache_chunk_size) is int
+            and type(skip_prefix_n_blocks) is int
+            and type(device) is torch.device
+            and device.type == "cpu"
+        ):
+            # The base op's checks of these types: check_tensor_operands' common call,
+            # block_ids_tuple's list of exact ints, the request memo's key, _route.
+            layer_types = set(map(type, paged_buffer_ptrs_tensor))
+            ids = tuple(block_ids)
+            if (
+                set(map(type, lmcache_objects_ptrs)) == _TENSOR_TYPE
+                and layer_types in (_TENSOR_TYPE, _LIST_TYPE)
+                and set(map(type, ids)) <= _INT_TYPE
+            ):
+                try:
+                    template = self._requests[
+                        (
+                            engine_kv_format,
+                            direction,
+                            lmcache_chunk_size,
+                            skip_prefix_n_blocks,
+                            convert.shape_facts(shape_desc),
+                        )
+                    ]
+                    rt = self._runtimes[device.index or 0]
+                except (KeyError, AttributeError, TypeError):  # not converted yet, or in full
+                    template = None
+        if template is None:
+            super().multi_layer_block_kv_transfer(
+                paged_buffer_ptrs_tensor,
+                lmcache_objects_ptrs,
+                block_ids,
+                device,
+                direction,
+                shape_desc,
+                lmcache_chunk_size,
+                engine_kv_format,
+                skip_prefix_n_blocks,
+                layerwise,
+            )
+            return
+        request = msgspec.structs.replace(template, block_ids=ids)
+        objects: Any = lmcache_objects_ptrs  # checked above: a list of tensors
+        try:
+            counts: dict[str, int] = _tls.counts
+        except AttributeError:
+            counts = _my_counts()
+        key = self._count_keys[request.direction]
+        try:
+            counts[key] += 1
+        except KeyError:
+            counts[key] = 1
+        try:
+            rt.transfer(
+                request,
+                paged_buffer_ptrs_tensor,
+                objects,
+                stream_handle=0,
+                complete=self.complete_on_return,
+            )
+        except BaseException:
+            counts[key] -= 1
+            raise
+
+
+_TENSOR_TYPE = {torch.Tensor}
+_LIST_TYPE = {list}
+_INT_TYPE = {int}
 
 
 class KvactorsMusaOps(KvactorsDeviceOps):
