@@ -230,7 +230,7 @@ def _outcome(rec: _Recorder, fn: Callable[[], None]) -> tuple[object, ...]:
     del rec.calls[:]
     try:
         fn()
-    except Exception as exc:  # noqa: BLE001 - the outcome compared below
+    except Exception as exc:  # the outcome, compared below
         raised: tuple[object, ...] = (type(exc), str(exc), getattr(exc, "field", None))
     else:
         raised = ()
