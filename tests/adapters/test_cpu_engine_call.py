@@ -1,9 +1,10 @@
-"""``KvactorsCpuOps``' one-frame path for vLLM's repeated CPU call, against the base op.
+"""The op's one-frame path for vLLM's repeated CPU call, against the full conversion.
 
 The engine repeats every argument but the block ids and the chunks. Once a request was
-converted for those arguments, such a call is served in the CPU op's own frame: the same
-``Runtime.transfer`` arguments as the base op's, the same refusals (type, message, field)
-before anything is copied, and every other call shape left to the base op.
+converted for those arguments, such a call is served in the op's own frame: the same
+``Runtime.transfer`` arguments as the full conversion's, the same refusals (type, message,
+field) before anything is copied, and every other call shape left to the full conversion.
+On MLU and MUSA the same path follows the calling thread's current device and stream.
 """
 
 from __future__ import annotations
@@ -68,6 +69,11 @@ def _args(layers: Any, objs: Any, ids: Any, **over: Any) -> dict[str, Any]:
     return args
 
 
+def _in_full(ops: Any, **args: Any) -> None:
+    """The op with every argument converted and checked (no reused request)."""
+    ops._transfer_in_full(**{"layerwise": False, **args})
+
+
 class _Recorder:
     """A runtime stand-in that records each ``transfer`` call's arguments."""
 
@@ -100,8 +106,8 @@ def _adapter_frames(fn: Callable[[], None]) -> int:
     return frames[0]
 
 
-def test_the_repeated_engine_call_is_one_frame_with_the_base_ops_arguments() -> None:
-    from kvactors_lmcache.ops import KvactorsCpuOps, KvactorsDeviceOps
+def test_the_repeated_engine_call_is_one_frame_with_the_full_conversions_arguments() -> None:
+    from kvactors_lmcache.ops import KvactorsCpuOps
 
     rec = _Recorder()
     ops = KvactorsCpuOps(runtime_factory=lambda _b, _i: rec)  # type: ignore[arg-type,return-value]
@@ -113,7 +119,7 @@ def test_the_repeated_engine_call_is_one_frame_with_the_base_ops_arguments() -> 
     )
     assert frames == 1, f"the engine's repeated call made {frames} adapter frames"
     # The base op, for the same call: the same arguments reach the runtime.
-    KvactorsDeviceOps.multi_layer_block_kv_transfer(ops, **_args(layers, other, [7, 5, 3, 1]))
+    _in_full(ops, **_args(layers, other, [7, 5, 3, 1]))
     fast, base = rec.calls[1], rec.calls[2]
     assert fast[0] == base[0]
     assert fast[0].block_ids == (7, 5, 3, 1)
@@ -173,11 +179,11 @@ def _raised(fn: Callable[[], None]) -> tuple[type[BaseException], str, object]:
 
 
 @pytest.mark.parametrize("case", BAD)
-def test_a_refused_call_after_the_engines_call_is_refused_as_by_the_base_op(case: str) -> None:
+def test_a_refused_call_after_the_engines_call_is_refused_as_in_full(case: str) -> None:
     """After the engine's call converted its request, a call that differs in one thing raises
-    what the base op raises for it (type, message, field), and copies nothing."""
+    what the full conversion raises for it (type, message, field), and copies nothing."""
     from kvactors.runtime import Runtime
-    from kvactors_lmcache.ops import KvactorsCpuOps, KvactorsDeviceOps
+    from kvactors_lmcache.ops import KvactorsCpuOps
 
     rt = Runtime("cpu").start()
     try:
@@ -189,9 +195,7 @@ def test_a_refused_call_after_the_engines_call_is_refused_as_by_the_base_op(case
         objs = _objs()
         got = _raised(lambda: ops.multi_layer_block_kv_transfer(**make(layers, objs)))
         base_objs = _objs()
-        want = _raised(
-            lambda: KvactorsDeviceOps.multi_layer_block_kv_transfer(ops, **make(layers, base_objs))
-        )
+        want = _raised(lambda: _in_full(ops, **make(layers, base_objs)))
         assert got == want
         assert issubclass(got[0], (TypeError, ValueError, NotImplementedError))
         assert all(bool((o == -1).all()) for o in objs + base_objs), "a refused call copied"
@@ -207,9 +211,9 @@ def test_a_refused_call_after_the_engines_call_is_refused_as_by_the_base_op(case
         pytest.param(lambda: (9, 4, 2, 12), id="tuple"),
     ],
 )
-def test_other_call_shapes_move_what_the_base_op_moves(ids: Callable[[], Any]) -> None:
+def test_other_call_shapes_move_what_the_full_conversion_moves(ids: Callable[[], Any]) -> None:
     from kvactors.runtime import Runtime
-    from kvactors_lmcache.ops import KvactorsCpuOps, KvactorsDeviceOps
+    from kvactors_lmcache.ops import KvactorsCpuOps
 
     rt = Runtime("cpu").start()
     try:
@@ -218,7 +222,7 @@ def test_other_call_shapes_move_what_the_base_op_moves(ids: Callable[[], Any]) -
         ops.multi_layer_block_kv_transfer(**_args(layers, _objs(), [0, 1, 2, 3]))
         got, want = _objs(), _objs()
         ops.multi_layer_block_kv_transfer(**_args(layers, got, ids()))
-        KvactorsDeviceOps.multi_layer_block_kv_transfer(ops, **_args(layers, want, [9, 4, 2, 12]))
+        _in_full(ops, **_args(layers, want, [9, 4, 2, 12]))
         assert all(torch.equal(a, b) for a, b in zip(got, want, strict=True))
         assert not all(bool((o == -1).all()) for o in got)
     finally:
@@ -238,11 +242,11 @@ def _outcome(rec: _Recorder, fn: Callable[[], None]) -> tuple[object, ...]:
 
 
 @pytest.mark.parametrize("case", BAD)
-def test_the_adapter_refuses_what_the_base_op_refuses_before_the_runtime(case: str) -> None:
+def test_the_adapter_refuses_what_the_full_conversion_refuses_before_the_runtime(case: str) -> None:
     """Against a runtime that accepts anything: the adapter's own checks on the one-frame path
-    are the base op's (what is refused there never reaches the runtime, and what the base op
-    passes on is passed on alike)."""
-    from kvactors_lmcache.ops import KvactorsCpuOps, KvactorsDeviceOps
+    are the full conversion's (what it refuses never reaches the runtime, and what it passes
+    on is passed on alike)."""
+    from kvactors_lmcache.ops import KvactorsCpuOps
 
     rec = _Recorder()
     ops = KvactorsCpuOps(runtime_factory=lambda _b, _i: rec)  # type: ignore[arg-type,return-value]
@@ -250,7 +254,63 @@ def test_the_adapter_refuses_what_the_base_op_refuses_before_the_runtime(case: s
     ops.multi_layer_block_kv_transfer(**_args(layers, _objs(), [0, 1, 2, 3]))
     make = _bad_calls()[case]
     got = _outcome(rec, lambda: ops.multi_layer_block_kv_transfer(**make(layers, _objs())))
-    want = _outcome(
-        rec, lambda: KvactorsDeviceOps.multi_layer_block_kv_transfer(ops, **make(layers, _objs()))
-    )
+    want = _outcome(rec, lambda: _in_full(ops, **make(layers, _objs())))
     assert got == want
+
+
+class _StreamRecorder(_Recorder):
+    """A recording runtime whose backend answers a new stream handle on every ask."""
+
+    def __init__(self, index: int) -> None:
+        super().__init__()
+        asked = self.asked = []  # type: list[int]
+
+        class _Backend:
+            def current_stream_handle(self, device_index: int) -> int:
+                asked.append(device_index)
+                return 0x1000 * len(asked) + device_index
+
+        self.backend = _Backend()
+        self.index = index
+
+
+@pytest.mark.parametrize("kind", ["mlu", "musa"])
+def test_the_repeated_call_on_an_accelerator_follows_the_current_device_and_stream(
+    kind: str,
+) -> None:
+    """On MLU and MUSA the engine's repeated call (a ``torch.device`` without an index) goes to
+    the calling thread's current device, with that device's current stream asked on this
+    call, as the full conversion does; in a few adapter frames."""
+    from kvactors.testing import fake_vendor
+    from kvactors.testing.pytest_plugin import require_torch_devices
+    from kvactors_lmcache.ops import ops_class_for
+
+    require_torch_devices(kind)
+    with fake_vendor(kind, devices=2):
+        rts: dict[int, _StreamRecorder] = {}
+        ops = ops_class_for(kind)(
+            runtime_factory=lambda _b, i: rts.setdefault(i, _StreamRecorder(i))  # type: ignore[arg-type,return-value]
+        )
+        mod = getattr(torch, kind)
+        layers = _layers(5)
+        dev = torch.device(kind)
+        mod.set_device(0)
+        ops.multi_layer_block_kv_transfer(**_args(layers, _objs(), [0, 1, 2, 3], device=dev))
+        mod.set_device(1)
+        ops.multi_layer_block_kv_transfer(**_args(layers, _objs(), [4, 5], device=dev))
+        other = _objs()
+        frames = _adapter_frames(
+            lambda: ops.multi_layer_block_kv_transfer(**_args(layers, other, [6, 7], device=dev))
+        )
+        _in_full(ops, **_args(layers, other, [6, 7], device=dev))
+        assert [len(rts[0].calls), len(rts[1].calls)] == [1, 3]
+        assert rts[1].calls[0][0].block_ids == (4, 5)
+        _, fast, full = rts[1].calls
+        assert fast[0] == full[0]
+        assert fast[0].block_ids == (6, 7)
+        assert fast[2] is other
+        assert rts[1].asked == [1, 1, 1]  # the current stream, asked on each call
+        assert (fast[3], full[3]) == (0x2001, 0x3001)
+        assert fast[4] is full[4] is False  # returns once enqueued on the caller's stream
+        # The op, the current device and the current stream's handle (MUSA: its pointer check).
+        assert frames <= (4 if kind == "musa" else 3), frames
