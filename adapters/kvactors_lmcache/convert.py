@@ -11,7 +11,7 @@ as HND; formats kvactors does not move are refused naming the format and its eng
 from __future__ import annotations
 
 import operator
-from collections.abc import Sequence
+from collections.abc import Callable, Sequence
 from typing import TYPE_CHECKING, Any
 
 import msgspec
@@ -207,13 +207,10 @@ _SHAPES: dict[tuple[Any, ...], ShapeDesc] = {}
 _SHAPES_KEPT = 64
 
 
-def shape_facts(shape_desc: Any) -> tuple[Any, ...]:
-    """The attribute values of a ``PageBufferShapeDesc`` that its conversion reads.
-
-    Raises:
-        AttributeError: a hand-built descriptor without ``dtype`` (or not a descriptor).
-    """
-    return _shape_facts(shape_desc)  # type: ignore[no-any-return]
+shape_facts: Callable[[Any], tuple[Any, ...]] = _shape_facts
+"""``shape_facts(shape_desc)``: the attribute values of a ``PageBufferShapeDesc`` that its
+conversion reads (an ``operator.attrgetter``: no Python frame on the engine's every call).
+Raises ``AttributeError`` for a hand-built descriptor without ``dtype`` (or not a descriptor)."""
 
 
 def reusable(request: TransferRequest, arguments: tuple[Any, ...]) -> bool:

@@ -22,6 +22,7 @@ from collections import Counter
 from collections.abc import Callable
 from typing import TYPE_CHECKING, Any, ClassVar, Literal
 
+import msgspec
 import torch
 from lmcache.v1.platform.base.device_ops import DeviceOps
 
@@ -131,6 +132,12 @@ def transfer_counts() -> dict[str, int]:
     for counts in dicts:
         total.update(dict(counts))  # one C call: the owner's writes never interleave with it
     return dict(total)
+
+
+# The operand types of the engine's call, compared as sets of element types.
+_TENSOR_TYPE = {torch.Tensor}
+_LIST_TYPE = {list}
+_INT_TYPE = {int}
 
 
 def _default_runtime_factory(backend: str, device_index: int) -> Runtime:
@@ -291,11 +298,111 @@ class KvactorsDeviceOps(DeviceOps):
         ``layerwise`` is the keyword LMCache's next releases add (default False, every layer in
         one call); ``layerwise=True`` is refused until kvactors supports it.
 
+        The engine repeats every argument but the block ids and the chunks. A call whose
+        operands have exactly the types of that call (lists of tensors, a list of ints, a
+        ``torch.device`` of this plugin's kind, int sizes), whose other arguments converted
+        before into a reusable request, and whose device's runtime exists, is checked in this
+        one frame as the full conversion checks it and goes to ``Runtime.transfer`` with that
+        request and this call's ids. Every other call is converted in full, which raises what
+        it always raises, before anything is copied.
+
         Raises:
             TypeError: raw-pointer operands, or malformed operand structure.
             ValueError: the request fails validation (nothing is copied).
             UnsupportedOperationError: ``layerwise=True`` (nothing is copied).
         """
+        template: TransferRequest | None = None
+        index: int | None = None
+        ids: tuple[int, ...] = ()
+        if (
+            layerwise is False
+            and type(paged_buffer_ptrs_tensor) is list
+            and type(lmcache_objects_ptrs) is list
+            and type(block_ids) is list
+            and type(lmcache_chunk_size) is int
+            and type(skip_prefix_n_blocks) is int
+            and type(device) is torch.device
+            and device.type == self.device_type
+        ):
+            # The full conversion's checks of these types: check_tensor_operands' common call,
+            # block_ids_tuple's list of exact ints, the request memo's key, _route's device.
+            index = device.index
+            layer_types = set(map(type, paged_buffer_ptrs_tensor))
+            ids = tuple(block_ids)
+            if (
+                set(map(type, lmcache_objects_ptrs)) == _TENSOR_TYPE
+                and layer_types in (_TENSOR_TYPE, _LIST_TYPE)
+                and set(map(type, ids)) <= _INT_TYPE
+            ):
+                try:
+                    template = self._requests[
+                        (
+                            engine_kv_format,
+                            direction,
+                            lmcache_chunk_size,
+                            skip_prefix_n_blocks,
+                            convert.shape_facts(shape_desc),
+                        )
+                    ]
+                except (KeyError, AttributeError, TypeError):  # not converted yet, or in full
+                    template = None
+        if template is None:
+            self._transfer_in_full(
+                paged_buffer_ptrs_tensor,
+                lmcache_objects_ptrs,
+                block_ids,
+                device,
+                direction,
+                shape_desc,
+                lmcache_chunk_size,
+                engine_kv_format,
+                skip_prefix_n_blocks,
+                layerwise,
+            )
+            return
+        if index is None:  # the calling thread's current device, per call
+            index = self._current_index() if self.uses_streams else 0
+        try:
+            rt = self._runtimes[index]
+        except KeyError:  # the device's first transfer: its runtime starts there
+            rt = self._runtime(index)
+        request = msgspec.structs.replace(template, block_ids=ids)
+        objects: Any = lmcache_objects_ptrs  # checked above: a list of tensors
+        try:
+            counts: dict[str, int] = _tls.counts
+        except AttributeError:
+            counts = _my_counts()
+        key = self._count_keys[request.direction]
+        try:
+            counts[key] += 1
+        except KeyError:
+            counts[key] = 1
+        try:
+            rt.transfer(
+                request,
+                paged_buffer_ptrs_tensor,
+                objects,
+                stream_handle=self._stream_handle(rt, index) if self.uses_streams else 0,
+                complete=self.complete_on_return,
+            )
+        except BaseException:
+            counts[key] -= 1
+            raise
+
+    def _transfer_in_full(
+        self,
+        paged_buffer_ptrs_tensor: torch.Tensor | list[Any],
+        lmcache_objects_ptrs: list[int] | list[torch.Tensor],
+        block_ids: torch.Tensor | list[int],
+        device: torch.device | str,
+        direction: Any,
+        shape_desc: Any,
+        lmcache_chunk_size: int,
+        engine_kv_format: Any,
+        skip_prefix_n_blocks: int,
+        layerwise: bool,
+    ) -> None:
+        """:meth:`multi_layer_block_kv_transfer` with every argument converted and checked."""
         if layerwise is not False:
             _refuse_layerwise(layerwise, self.kvactors_backend)
         convert.check_tensor_operands(paged_buffer_ptrs_tensor, lmcache_objects_ptrs)
@@ -591,8 +698,10 @@ class KvactorsMusaOps(KvactorsDeviceOps):
         """
         if layerwise is not False:
             _refuse_layerwise(layerwise, self.kvactors_backend)
-        if isinstance(lmcache_objects_ptrs, list) and any(
-            isinstance(p, int) and not isinstance(p, bool) for p in lmcache_objects_ptrs
+        if (
+            isinstance(lmcache_objects_ptrs, list)
+            and set(map(type, lmcache_objects_ptrs)) != _TENSOR_TYPE  # the engine's: no int
+            and any(isinstance(p, int) and not isinstance(p, bool) for p in lmcache_objects_ptrs)
         ):
             paged_buffer_ptrs_tensor, lmcache_objects_ptrs = _resolve_registered(
                 paged_buffer_ptrs_tensor, lmcache_objects_ptrs, int(engine_kv_format)
