@@ -405,7 +405,8 @@ class Actor(Generic[M]):
             more = self._end_locked(ran)
         if more:
             self._wake_task()
-        self._signal()
+        if self._watched or self._tells_idle:  # else _signal has nobody to tell
+            self._signal()
         return False
 
     def tell_nowait(self, msg: M, operands: Any = None) -> None:
