@@ -173,7 +173,9 @@ class PlanCache:
 
     ``misses`` counts the lookups that validated (in full, or ``rebinds``: only the block ids
     and chunk pointers, against operands whose every other fact was validated before),
-    ``hits`` those that reused the latest plan of their entry as it was.
+    ``hits`` those that reused the latest plan of their entry as it was. Hits and rebinds
+    are counted without a lock: exact while lookups are serialized (the GatherActor's turns
+    are), concurrent ones may count once.
     """
 
     def __init__(self, device_type: str, device_index: int | None, capacity: int = 256) -> None:
@@ -297,6 +299,7 @@ class PlanCache:
             if (
                 moved is not None
                 and type(block_ids) is tuple
+                and block_ids
                 and set(map(type, block_ids)) == _INTS
                 and min(block_ids) >= 0
                 and max(block_ids) < entry.nb
