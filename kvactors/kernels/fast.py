@@ -326,7 +326,13 @@ def _stacked_binder(
                 src = u0.as_strided(*src_geo)
                 for obj, idx, (size, stride, offset) in steps:
                     out = objs[obj]
-                    view = out.as_strided(size, stride, out.storage_offset() + offset)
+                    # A view from the chunk's start keeps its storage offset (as_strided's
+                    # default): no storage_offset() call.
+                    view = (
+                        out.as_strided(size, stride, out.storage_offset() + offset)
+                        if offset
+                        else out.as_strided(size, stride)
+                    )
                     torch.index_select(src, dim, idx, out=view)
 
             return gather
