@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import dataclasses
+import sys
 import tracemalloc
 from typing import Any
 
@@ -401,3 +402,40 @@ def test_index_tensor_keeps_its_buffer() -> None:
     assert t.dtype is torch.int64
     assert t.tolist() == [5, 7, 2**40]
     assert fast.index_tensor(()).numel() == 0
+
+
+@pytest.mark.parametrize(
+    ("direction", "frames"), [(1, ["bind", "gather"]), (0, ["bind_whole", "scatter"])]
+)
+def test_a_rebound_kernel_of_the_engine_shape_makes_no_helper_frame(
+    direction: int, frames: list[str]
+) -> None:
+    """vLLM CPU's layout (format 12, layers of one allocation, whole chunks): binding other
+    ids to a memo's binder and running the kernel are the binder's and the kernel's frames
+    only (the stacked gather, the whole-chunk numpy scatter), and move the reference's
+    bytes."""
+    c = mk(KVFormat.NL_X_NB_NH_BS_CS, alloc="stacked", dtype=torch.float32)
+    memo = KernelMemo()
+    pa, (paged, objs, back) = planned(c, direction, [5, 0, 7, 2, 3, 6])
+    fast.reused_kernel(pa, paged, objs, memo)(paged, objs)  # the binder, decided once
+    pb = plan_transfer(c.request(direction, [1, 4, 6, 7, 0, 5]), paged, objs, device_type="cpu")
+    ref_a, (ref_paged, ref_objs, ref_back) = planned(c, direction, [5, 0, 7, 2, 3, 6])
+    ref_b = plan_transfer(
+        c.request(direction, [1, 4, 6, 7, 0, 5]), ref_paged, ref_objs, device_type="cpu"
+    )
+    seen: list[str] = []
+
+    def profile(frame: Any, event: str, arg: Any) -> None:
+        if event == "call":
+            seen.append(frame.f_code.co_name)
+
+    sys.setprofile(profile)
+    try:
+        fast.reused_kernel(pb, paged, objs, memo)(paged, objs)
+    finally:
+        sys.setprofile(None)
+    assert seen == ["reused_kernel", *frames]
+    run_reference(ref_a, ref_paged, ref_objs)
+    run_reference(ref_b, ref_paged, ref_objs)
+    assert same_bytes(back, ref_back)
+    assert same_bytes(objs, ref_objs)

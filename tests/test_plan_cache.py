@@ -4,6 +4,7 @@ validates in full."""
 
 from __future__ import annotations
 
+import sys
 from typing import TYPE_CHECKING, Any
 
 import pytest
@@ -40,9 +41,16 @@ def _request(**kw: Any) -> TransferRequest:
     return TransferRequest(**args)
 
 
-def _operands() -> tuple[list[torch.Tensor], list[torch.Tensor]]:
+class _Sub(torch.Tensor):
+    """A tensor subclass: operands of it take the lookup's general path (not the plain one)."""
+
+
+def _operands(sub: bool = False) -> tuple[list[torch.Tensor], list[torch.Tensor]]:
     base = torch.randn(NL, 2, NB, BS, NH, HS).to(torch.bfloat16)
-    return list(base.unbind(0)), [torch.zeros(2, NL, T, NH * HS, dtype=torch.bfloat16)]
+    obj = torch.zeros(2, NL, T, NH * HS, dtype=torch.bfloat16)
+    if sub:
+        base, obj = base.as_subclass(_Sub), obj.as_subclass(_Sub)
+    return list(base.unbind(0)), [obj]
 
 
 def _planned(cache: PlanCache, req: TransferRequest, paged: Any, objs: Any) -> bool:
@@ -138,6 +146,84 @@ def _structure(paged: list[torch.Tensor], objs: list[torch.Tensor]) -> tuple[Any
     return tuple(paged), objs
 
 
+def _chunk_inference(paged: list[torch.Tensor], objs: list[torch.Tensor]) -> tuple[Any, Any]:
+    # The same memory, pointer, shape, stride, dtype and device: only the inference flag
+    # (and the chunk's storage object, which the key does not hold for chunks) differ.
+    with torch.inference_mode():
+        inf = torch.from_numpy(objs[0].view(torch.int16).numpy()).view(objs[0].dtype)
+    assert inf.is_inference()
+    assert inf.data_ptr() == objs[0].data_ptr()
+    return paged, [inf]
+
+
+def _paged_inference(paged: list[torch.Tensor], objs: list[torch.Tensor]) -> tuple[Any, Any]:
+    # Inference tensors over the same storage, offsets, shapes and strides: only the flag.
+    with torch.inference_mode():
+        inf = [
+            torch.empty(0, dtype=p.dtype).set_(
+                p.untyped_storage(), p.storage_offset(), p.shape, p.stride()
+            )
+            for p in paged
+        ]
+    assert all(t.is_inference() for t in inf)
+    assert [t.untyped_storage()._cdata for t in inf] == [p.untyped_storage()._cdata for p in paged]
+    return inf, objs
+
+
+def _layer_offset(paged: list[torch.Tensor], objs: list[torch.Tensor]) -> tuple[Any, Any]:
+    # The second layer over a storage starting one element later, at one offset less: the
+    # same pointer, shape and stride; only its storage offset (and storage) differ.
+    p1 = paged[1]
+    base = p1.untyped_storage().data_ptr() + p1.element_size()
+    with Runtime("cpu") as rt:
+        v = rt.tensor_from_ptr(base, p1.shape, p1.dtype, stride=p1.stride(),
+                               storage_offset=int(p1.storage_offset()) - 1)  # fmt: skip
+    assert v.data_ptr() == p1.data_ptr()
+    assert v.storage_offset() != p1.storage_offset()
+    return [paged[0], v], objs
+
+
+def _chunk_stride(paged: list[torch.Tensor], objs: list[torch.Tensor]) -> tuple[Any, Any]:
+    # The same pointer and shape, another stride of the chunk: refused (not contiguous).
+    o = objs[0]
+    t = o.view(*o.shape[:-2], o.shape[-1], o.shape[-2]).transpose(-1, -2)
+    assert t.shape == o.shape
+    assert t.stride() != o.stride()
+    assert t.data_ptr() == o.data_ptr()
+    return paged, [t]
+
+
+def _chunk_shape(paged: list[torch.Tensor], objs: list[torch.Tensor]) -> tuple[Any, Any]:
+    return paged, [objs[0].view(2, NL, T // 2, 2 * NH * HS)]
+
+
+def _chunk_dtype(paged: list[torch.Tensor], objs: list[torch.Tensor]) -> tuple[Any, Any]:
+    return paged, [objs[0].view(torch.float16)]
+
+
+def _chunk_device(paged: list[torch.Tensor], objs: list[torch.Tensor]) -> tuple[Any, Any]:
+    return paged, [torch.empty(objs[0].shape, dtype=objs[0].dtype, device="meta")]
+
+
+def _chunk_shrunk(paged: list[torch.Tensor], objs: list[torch.Tensor]) -> tuple[Any, Any]:
+    # The chunk's storage shrinks under it (same object, pointer, shape and stride).
+    objs[0].untyped_storage().resize_(objs[0].untyped_storage().nbytes() // 2)
+    return paged, objs
+
+
+def _plain(paged: list[torch.Tensor], objs: list[torch.Tensor]) -> tuple[Any, Any]:
+    # The other tensor class (plain <-> subclass), every fact the same.
+    def other(t: torch.Tensor) -> torch.Tensor:
+        return t.as_subclass(torch.Tensor if type(t) is _Sub else _Sub)
+
+    return [other(p) for p in paged], [other(o) for o in objs]
+
+
+def _nest(paged: list[torch.Tensor], objs: list[torch.Tensor]) -> tuple[Any, Any]:
+    # The same tensors in another structure: the chunks' list nested once more.
+    return paged, [objs]
+
+
 CHANGES: dict[str, Callable[[list[torch.Tensor], list[torch.Tensor]], tuple[Any, Any]]] = {
     "data pointer and storage": _swap_object,
     "storage (set_)": _set_storage,
@@ -148,10 +234,25 @@ CHANGES: dict[str, Callable[[list[torch.Tensor], list[torch.Tensor]], tuple[Any,
     "dtype": _dtype,
     "device": _device,
     "structure": _structure,
+    "structure (nested chunks)": _nest,
+    "tensor class": _plain,
+    "chunk inference flag": _chunk_inference,
+    "paged inference flag": _paged_inference,
+    "storage offset of a layer, same pointer": _layer_offset,
+    "chunk stride": _chunk_stride,
+    "chunk shape": _chunk_shape,
+    "chunk dtype": _chunk_dtype,
+    "chunk device": _chunk_device,
+    "chunk storage shrunk": _chunk_shrunk,
     "storage (per-layer views from a pointer)": _from_pointer,
     "in-place view op (same object)": _inplace_view,
     ".data assigned (same object, pointer)": _data_assigned,
 }
+
+
+def _memory(t: torch.Tensor) -> torch.Tensor:
+    """A copy of the bytes of ``t``'s whole storage (whatever its metadata became)."""
+    return torch.empty(0, dtype=torch.uint8).set_(t.untyped_storage()).clone()
 
 
 REFUSED = (
@@ -161,22 +262,42 @@ REFUSED = (
     "device",
     "in-place view op (same object)",
     ".data assigned (same object, pointer)",
+    "structure (nested chunks)",
+    "chunk stride",
+    "chunk shape",
+    "chunk dtype",
+    "chunk device",
+    "chunk storage shrunk",
 )
 
 
+@pytest.mark.parametrize("sub", [False, True], ids=["plain", "subclass"])
 @pytest.mark.parametrize("change", list(CHANGES))
-def test_every_change_of_an_operand_revalidates(change: str) -> None:
+def test_every_change_of_an_operand_revalidates(change: str, sub: bool) -> None:
+    """Each fact of the key, changed alone (on plain tensors: the lookup's flat path; on a
+    subclass: its general path), validates afresh; a change the plan is not valid for
+    raises exactly what a full validation raises, every time, before any memory is
+    touched."""
     cache = PlanCache("cpu", 0)
-    paged, objs = _operands()
+    paged, objs = _operands(sub)
     req = _request()
     cache.plan(req, paged, objs)
     assert not _planned(cache, req, paged, objs)
+    objs[0].fill_(7)  # what the D2H would overwrite
+    kept = [*paged, *objs]
+    before = [_memory(t) for t in kept]
     new_paged, new_objs = CHANGES[change](paged, objs)
     if change in REFUSED:
+        with pytest.raises(KvactorsError) as full:
+            _full(req, new_paged, new_objs)
         # Operands the plan is not valid for are refused every time, never served stale.
         for _ in range(2):
-            with pytest.raises(KvactorsError):
+            with pytest.raises(KvactorsError) as refused:
                 cache.plan(req, new_paged, new_objs)
+            assert type(refused.value) is type(full.value)
+            assert str(refused.value) == str(full.value)
+        if change != "chunk storage shrunk":  # (that chunk's memory is gone)
+            assert all(torch.equal(a, _memory(t)) for a, t in zip(before, kept, strict=True))
     else:
         assert _planned(cache, req, new_paged, new_objs)
         assert not _planned(cache, req, new_paged, new_objs)
@@ -208,9 +329,9 @@ def test_every_change_of_the_request_revalidates(change: dict[str, Any]) -> None
 
 
 def test_every_request_field_is_in_the_key() -> None:
-    # The key is the encoded request without its ids (plan_cache._without_ids, which names
-    # each field) and the encoded ids: a field TransferRequest gains must be added there, and
-    # to the changes above.
+    # The key holds the encoded request without its ids (PlanCache.lookup's ``head``, which
+    # names each field) and the encoded ids pick the plan: a field TransferRequest gains must
+    # be added there, and to the changes above.
     assert set(TransferRequest.__struct_fields__) == {
         "fmt", "direction", "block_ids", "chunk_size", "skip_blocks", "shape",
     }  # fmt: skip
@@ -395,3 +516,42 @@ def test_entries_do_not_grow_with_the_chunk_buffers_a_pool_hands_out() -> None:
         cache.plan(_request(block_ids=(k % NB, (k + 3) % NB)), paged, bufs)
     assert len(cache) == 1
     assert cache.rebinds == 11
+
+
+def test_a_chunk_without_storage_facts_fails_as_a_full_validation_does() -> None:
+    """A sparse chunk has no data pointer or storage to key: validated, and refused with
+    ``plan_transfer``'s own error (not the fact reader's)."""
+    cache = PlanCache("cpu", 0)
+    paged, objs = _operands()
+    req = _request()
+    cache.plan(req, paged, objs)
+    sparse = [objs[0].to_sparse()]
+    with pytest.raises(KvactorsError) as full:
+        _full(req, paged, sparse)
+    with pytest.raises(KvactorsError) as refused:
+        cache.plan(req, paged, sparse)
+    assert (type(refused.value), str(refused.value)) == (type(full.value), str(full.value))
+
+
+@pytest.mark.parametrize("direction", [int(Direction.D2H), int(Direction.H2D)])
+def test_a_rebind_of_plain_operands_is_one_python_frame(direction: int) -> None:
+    """Other ids and other chunk buffers of a cached layout (the engine's steady state): the
+    lookup reads the facts and rebinds the ids in its own frame, calling no Python helper."""
+    cache = PlanCache("cpu", 0)
+    paged, objs = _operands()
+    cache.plan(_request(direction=direction), paged, objs)
+    req, other = _request(direction=direction, block_ids=(6, 1)), [torch.zeros_like(objs[0])]
+    frames: list[str] = []
+
+    def profile(frame: Any, event: str, arg: Any) -> None:
+        if event == "call":
+            frames.append(frame.f_code.co_name)
+
+    sys.setprofile(profile)
+    try:
+        found = cache.lookup(req, paged, other)
+    finally:
+        sys.setprofile(None)
+    assert frames == ["lookup"]
+    assert cache.rebinds == 1
+    assert found.plan == _full(req, paged, other)

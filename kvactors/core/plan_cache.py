@@ -1,15 +1,17 @@
 """Validated plans, reused while their operands' metadata has not changed (pure, thread-safe).
 
 :class:`PlanCache` keys an entry by the request without its block ids plus every operand's
-metadata except the chunks' addresses (one ``bytes`` key); a hit rebinds the validated plan to
-the call's block ids and chunks (:func:`~kvactors.core.plans.rebind_block_ids` checks only the
-ids), anything else validates in full. Failed validations are never cached; the cache is
-bounded (oldest first) and a hit takes no lock.
+metadata except the chunks' addresses (one tuple of exact facts, the request part encoded);
+a hit rebinds the validated plan to the call's block ids and chunks (only the ids are
+checked, as :func:`~kvactors.core.plans.rebind_block_ids` checks them), anything else
+validates in full. Failed validations are never cached; the cache is bounded (oldest first)
+and a hit takes no lock. A lookup of plain operands (lists of tensors) is one Python frame.
 """
 
 from __future__ import annotations
 
 import collections
+import itertools
 import operator
 import threading
 from typing import TYPE_CHECKING, Any, NamedTuple, TypeAlias
@@ -17,6 +19,7 @@ from typing import TYPE_CHECKING, Any, NamedTuple, TypeAlias
 import msgspec
 import torch
 
+from kvactors.core.layouts import Direction
 from kvactors.core.plans import TransferRequest, plan_transfer, rebind_block_ids
 from kvactors.errors import InvalidSettingError
 
@@ -52,18 +55,7 @@ class KernelMemo:
 
 _Tensor = torch.Tensor
 _encode = msgspec.msgpack.Encoder().encode
-
-
-class _Entry:
-    """A plan validated in full for one key, the latest plan issued for it (with its encoded
-    block ids and chunk pointers), and the kernels' memo."""
-
-    __slots__ = ("last", "memo", "template")
-
-    def __init__(self, plan: TransferPlan, ids: bytes) -> None:
-        self.template = plan
-        self.last: tuple[bytes, tuple[int, ...], TransferPlan] = (ids, plan.object_ptrs, plan)
-        self.memo = KernelMemo()
+_replace = msgspec.structs.replace
 
 
 class Lookup(NamedTuple):
@@ -76,27 +68,56 @@ class Lookup(NamedTuple):
     inference: bool = False
 
 
+# A Lookup made without the Python frame of its generated ``__new__``.
+_new_lookup: Callable[[type[Lookup], tuple[TransferPlan, KernelMemo | None, bool]], Lookup]
+_new_lookup = tuple.__new__  # type: ignore[assignment]
+
+
+class _Entry:
+    """A plan validated in full for one key (the template), the latest lookup issued for it
+    with its encoded block ids and chunk pointers, the kernels' memo, and the template's
+    facts a rebind of its ids reads."""
+
+    __slots__ = ("h2d", "last", "memo", "moved", "n_moved", "nb", "template")
+
+    def __init__(self, plan: TransferPlan, ids: bytes, inference: bool) -> None:
+        self.template = plan
+        self.memo = KernelMemo()
+        self.last: tuple[bytes, tuple[int, ...], Lookup] = (
+            ids,
+            plan.object_ptrs,
+            _new_lookup(Lookup, (plan, self.memo, inference)),
+        )
+        segs = plan.segments
+        # The ids the segments move are one slice of them when the segments abut (the
+        # common case, rebound in line); else ``None`` (rebound by ``rebind_block_ids``).
+        abut = bool(segs) and all(b.start == a.stop for a, b in itertools.pairwise(segs))
+        self.moved = slice(segs[0].start, segs[-1].stop) if abut else None
+        self.n_moved = segs[-1].stop - segs[0].start if abut else 0
+        self.nb = plan.request.shape.nb
+        self.h2d = plan.direction is Direction.H2D
+
+
 _T = "t"  # a tensor's place in the structure
 _TS = "*"  # a sequence of nothing but tensors (its length is before it)
 _TENSOR_TYPES: set[type] = {_Tensor}  # tensor classes seen in operand lists
+_INTS = {int}
 
-
-class _Codes(dict[Any, int]):
-    """dtype or device -> its code in keys; a value met first gets the next code (under a
-    lock: two threads must never give two values one code). Codes are never reused."""
-
-    def __init__(self) -> None:
-        super().__init__()
-        self._lock = threading.Lock()
-
-    def __missing__(self, value: Any) -> int:
-        with self._lock:
-            return self.setdefault(value, len(self))
-
-
-_CODES = _Codes()
-_SEVENTH = operator.itemgetter(6)  # a paged tensor's fact: is it an inference tensor
-_FIFTH = operator.itemgetter(4)  # the same fact of a chunk
+# Tensor facts, read by ``map`` over the operands: torch.Tensor's own methods for plain
+# tensors, by name for others (a subclass's overrides apply, as in ``plan_transfer``);
+# data pointer, storage offset, stride, inference flag, storage, the storage's size.
+_METHODS = ("data_ptr", "storage_offset", "stride", "is_inference", "untyped_storage", "nbytes")
+_PLAIN_READERS: tuple[Callable[[Any], Any], ...] = (
+    *(getattr(_Tensor, name) for name in _METHODS[:-1]),
+    torch.UntypedStorage.nbytes,
+)
+_ANY_READERS: tuple[Callable[[Any], Any], ...] = tuple(map(operator.methodcaller, _METHODS))
+_PLAIN = {_Tensor}
+_PAGED_ATTRS = operator.attrgetter("shape", "dtype", "device")
+_CHUNK_ATTRS = operator.attrgetter("shape", "dtype", "device", "itemsize", "nbytes")
+# Errors of reading a fact of a tensor without one (no storage, a sparse layout): such
+# operands are validated, which refuses them with the specific error.
+_FACT_ERRORS = (RuntimeError, NotImplementedError, TypeError, AttributeError)
 
 
 def _flatten(value: object, depth: int, structure: list[Any], tensors: list[torch.Tensor]) -> bool:
@@ -126,39 +147,20 @@ def _flatten(value: object, depth: int, structure: list[Any], tensors: list[torc
     return True
 
 
-def _meta(t: torch.Tensor) -> tuple[Any, ...]:
-    """A paged tensor's facts: data pointer, storage offset, shape, stride, dtype and device
-    codes, whether it is an inference tensor."""
-    return (
-        t.data_ptr(),
-        t.storage_offset(),
-        t.shape,
-        t.stride(),
-        _CODES[t.dtype],
-        _CODES[t.device],
-        t.is_inference(),
-    )
-
-
-def _storage(t: torch.Tensor) -> tuple[int, int]:
-    """The first paged tensor's storage, identity and size: the one-storage decision of the
-    plan (``plans._stacked``) and the views the kernels build over it depend on both."""
-    s = t.untyped_storage()
-    return s._cdata, s.nbytes()
-
-
-def _chunks(chunks: Sequence[torch.Tensor]) -> tuple[list[tuple[Any, ...]], list[int]] | None:
-    """The chunks' facts but their addresses (the plan is rebound to them), and their data
-    pointers; ``None`` when a chunk does not lie inside its storage (validation refuses it;
-    a storage may shrink under a chunk after its plan was made)."""
-    meta: list[tuple[Any, ...]] = []
-    ptrs: list[int] = []
-    for t in chunks:
-        if (t.storage_offset() * t.itemsize + t.nbytes) > t.untyped_storage().nbytes():
-            return None
-        meta.append((t.shape, t.stride(), _CODES[t.dtype], _CODES[t.device], t.is_inference()))
-        ptrs.append(t.data_ptr())
-    return meta, ptrs
+def _nested(
+    paged: object, objects: object
+) -> tuple[tuple[Any, ...], Sequence[torch.Tensor], Sequence[torch.Tensor]] | None:
+    """The structure, paged tensors and chunks of operands :meth:`PlanCache.lookup`'s flat
+    check did not take (nested lists, tensor subclasses, anything but lists or tuples of
+    plain tensors); ``None`` when they cannot be keyed."""
+    structure: list[Any] = []
+    tensors: list[torch.Tensor] = []
+    if not _flatten(paged, 0, structure, tensors):
+        return None
+    n_paged = len(tensors)
+    if not _flatten(objects, 1, structure, tensors):
+        return None
+    return tuple(structure), tensors[:n_paged], tensors[n_paged:]
 
 
 class PlanCache:
@@ -171,7 +173,9 @@ class PlanCache:
 
     ``misses`` counts the lookups that validated (in full, or ``rebinds``: only the block ids
     and chunk pointers, against operands whose every other fact was validated before),
-    ``hits`` those that reused the latest plan of their entry as it was.
+    ``hits`` those that reused the latest plan of their entry as it was. Hits and rebinds
+    are counted without a lock: exact while lookups are serialized (the GatherActor's turns
+    are), concurrent ones may count once.
     """
 
     def __init__(self, device_type: str, device_index: int | None, capacity: int = 256) -> None:
@@ -182,7 +186,7 @@ class PlanCache:
         self.device_type = device_type
         self.device_index = device_index
         self.capacity = capacity
-        self._entries: collections.OrderedDict[bytes, _Entry] = collections.OrderedDict()
+        self._entries: collections.OrderedDict[tuple[Any, ...], _Entry] = collections.OrderedDict()
         self._lock = threading.Lock()
         self.hits = 0
         self.misses = 0
@@ -197,55 +201,19 @@ class PlanCache:
 
     def lookup(self, request: TransferRequest, paged: object, objects: object) -> Lookup:
         """The plan for this request and these operands: rebound from the entry of their key
-        when there is one, else validated now (raising exactly as ``plan_transfer``)."""
-        keyed = self._key(request, paged, objects)
-        if keyed is None:
-            return Lookup(self._validate(request, paged, objects))
-        key, ids, chunks, inference = keyed
-        entry = self._entries.get(key)  # no lock: one atomic read
-        if entry is not None:
-            last_ids, last_chunks, last = entry.last
-            if last_ids == ids and last_chunks == chunks:
-                self.hits += 1  # a statistic (concurrent hits may count once)
-                return Lookup(last, entry.memo, inference)
-            template = entry.template
-            plan = rebind_block_ids(
-                template, request, None if chunks == template.object_ptrs else chunks
-            )
-            if plan is not None:
-                entry.last = (ids, chunks, plan)
-                with self._lock:
-                    self.misses += 1
-                    self.rebinds += 1
-                return Lookup(plan, entry.memo, inference)
-        plan = self._validate(request, paged, objects)
-        entry = _Entry(plan, ids)
-        with self._lock:
-            self.misses += 1
-            self._entries.pop(key, None)
-            self._entries[key] = entry
-            while len(self._entries) > self.capacity:
-                self._entries.popitem(last=False)
-        return Lookup(plan, entry.memo, inference)
+        when there is one, else validated now (raising exactly as ``plan_transfer``).
 
-    def clear(self) -> None:
-        """Forget every plan."""
-        with self._lock:
-            self._entries.clear()
-
-    def _validate(self, request: TransferRequest, paged: object, objects: object) -> TransferPlan:
-        return plan_transfer(
-            request, paged, objects, device_type=self.device_type, device_index=self.device_index
-        )
-
-    def _key(
-        self, request: TransferRequest, paged: object, objects: object
-    ) -> tuple[bytes, bytes, tuple[int, ...], bool] | None:
-        """The entry's key, the encoded block ids, the chunks' data pointers, and whether an
-        operand is an inference tensor; ``None`` for a request or operands that cannot be
-        keyed (validated every time)."""
+        The key: the encoded request without its ids, the operands' structure (container
+        types, or for nested ones their markers and lengths), every paged tensor's data
+        pointer, storage offset, shape, stride, dtype, device and inference flag, the
+        first paged tensor's storage (identity and size), and every chunk's shape, stride,
+        dtype, device and inference flag (a chunk outside its storage is not keyed). The
+        encoded ids and the chunks' data pointers pick the entry's latest plan, or rebind
+        the entry's template to them."""
+        # One frame: the facts are read by ``map`` over the operands, the rebind of the
+        # common case (exact int ids, abutting segments) is in line.
         if type(request) is not TransferRequest:
-            return None
+            return Lookup(self._validate(request, paged, objects))
         try:
             # Encoded, not compared as Structs: ``True == 1`` and ``1.0 == 1``, but a bool
             # or float field must fail validation, never hit a cached int's plan.
@@ -260,21 +228,120 @@ class PlanCache:
                 )
             )
             ids = _encode(request.block_ids)
-        except (TypeError, ValueError, OverflowError):  # not wire-safe
-            return None
-        structure: list[Any] = []
-        tensors: list[torch.Tensor] = []
-        if not _flatten(paged, 0, structure, tensors):
-            return None
-        n_paged = len(tensors)
-        if not _flatten(objects, 1, structure, tensors):
-            return None
-        chunks = _chunks(tensors[n_paged:])
-        if chunks is None:
-            return None
-        chunk_meta, ptrs = chunks
-        meta = [_meta(t) for t in tensors[:n_paged]]
-        inference = any(map(_SEVENTH, meta)) or any(map(_FIFTH, chunk_meta))
-        storage = _storage(tensors[0]) if n_paged else None
-        key = head + _encode((structure, meta, chunk_meta, storage))
-        return key, ids, tuple(ptrs), inference
+        except (TypeError, ValueError, OverflowError):  # not wire-safe: validated
+            return Lookup(self._validate(request, paged, objects))
+        # Lists or tuples of plain tensors (or one plain paged tensor): the flat check.
+        tp, to = type(paged), type(objects)
+        plain = (to is list or to is tuple) and set(map(type, objects)) == _PLAIN  # type: ignore[call-overload]
+        if plain and tp is not _Tensor:
+            plain = (tp is list or tp is tuple) and set(map(type, paged)) == _PLAIN  # type: ignore[call-overload]
+        if plain:
+            structure: tuple[Any, ...] = (tp, to)
+            units: Sequence[torch.Tensor] = (paged,) if tp is _Tensor else paged  # type: ignore[assignment]
+            chunks: Sequence[torch.Tensor] = objects  # type: ignore[assignment]
+            readers = _PLAIN_READERS
+        else:
+            nested = _nested(paged, objects)
+            if nested is None:
+                return Lookup(self._validate(request, paged, objects))
+            structure, units, chunks = nested
+            readers = _ANY_READERS
+        data_ptr, storage_offset, stride, is_inference, untyped_storage, nbytes = readers
+        try:
+            p_inference = tuple(map(is_inference, units))
+            c_inference = tuple(map(is_inference, chunks))
+            if units:
+                s = untyped_storage(units[0])
+                storage: tuple[int, int] | None = (s._cdata, nbytes(s))
+            else:
+                storage = None
+            c_attrs = tuple(map(_CHUNK_ATTRS, chunks))
+            key = (
+                head,
+                structure,
+                tuple(map(data_ptr, units)),
+                tuple(map(storage_offset, units)),
+                tuple(map(_PAGED_ATTRS, units)),
+                tuple(map(stride, units)),
+                p_inference,
+                storage,
+                c_attrs,
+                tuple(map(stride, chunks)),
+                c_inference,
+            )
+            ptrs = tuple(map(data_ptr, chunks))
+            # A chunk outside its storage (a storage may shrink under a chunk after its plan
+            # was made) is not keyed: validation refuses it.
+            for (_, _, _, itemsize, size), offset, room in zip(
+                c_attrs,
+                map(storage_offset, chunks),
+                map(nbytes, map(untyped_storage, chunks)),
+                strict=True,
+            ):
+                if offset * itemsize + size > room:
+                    return Lookup(self._validate(request, paged, objects))
+        except _FACT_ERRORS:  # a tensor without these facts: validated, and refused
+            return Lookup(self._validate(request, paged, objects))
+        inference = True in p_inference or True in c_inference
+        try:
+            entry: _Entry | None = self._entries[key]  # no lock: one atomic read
+        except KeyError:
+            entry = None
+        if entry is not None:
+            last_ids, last_ptrs, found = entry.last
+            if last_ids == ids and last_ptrs == ptrs:
+                self.hits += 1  # a statistic (concurrent hits may count once)
+                return found
+            template = entry.template
+            block_ids = request.block_ids  # as many as the template's (the key has the count)
+            moved = entry.moved
+            plan: TransferPlan | None
+            if (
+                moved is not None
+                and type(block_ids) is tuple
+                and block_ids
+                and set(map(type, block_ids)) == _INTS
+                and min(block_ids) >= 0
+                and max(block_ids) < entry.nb
+            ):
+                # ``rebind_block_ids`` for exact int ids and abutting segments, in line.
+                touched = frozenset(block_ids[moved])
+                if entry.h2d and len(touched) != entry.n_moved:
+                    plan = None  # a repeated id among an H2D's copied positions
+                elif ptrs == template.object_ptrs:
+                    plan = _replace(template, request=request, touched_blocks=touched)
+                else:
+                    plan = _replace(
+                        template, request=request, touched_blocks=touched, object_ptrs=ptrs
+                    )
+            else:
+                plan = rebind_block_ids(
+                    template, request, None if ptrs == template.object_ptrs else ptrs
+                )
+            if plan is not None:
+                found = _new_lookup(Lookup, (plan, entry.memo, inference))
+                entry.last = (ids, ptrs, found)
+                # Statistics without a lock: exact when lookups are serialized (the
+                # GatherActor's turns are), concurrent ones may count once.
+                self.misses += 1
+                self.rebinds += 1
+                return found
+        plan = self._validate(request, paged, objects)
+        entry = _Entry(plan, ids, inference)
+        with self._lock:
+            self.misses += 1
+            self._entries.pop(key, None)
+            self._entries[key] = entry
+            while len(self._entries) > self.capacity:
+                self._entries.popitem(last=False)
+        return entry.last[2]
+
+    def clear(self) -> None:
+        """Forget every plan."""
+        with self._lock:
+            self._entries.clear()
+
+    def _validate(self, request: TransferRequest, paged: object, objects: object) -> TransferPlan:
+        return plan_transfer(
+            request, paged, objects, device_type=self.device_type, device_index=self.device_index
+        )

@@ -40,6 +40,8 @@ if TYPE_CHECKING:
 
 __all__ = ("planes_scatter_binder",)
 
+_Tensor = torch.Tensor
+
 # Dtypes numpy views without reinterpreting them as integers first (bfloat16 and fp8 need
 # ``raw``; a view of the same bytes either way).
 _NUMPY_DTYPES = frozenset(
@@ -91,6 +93,7 @@ def planes_scatter_binder(
     if plan.stacked is not None and all(seg.count == bpo for seg in segs):
         # The common case (one stacked view, whole chunks): every segment's rows in one op.
         _, geo, base, block_rows, _ = targets[0]
+        whole: tuple[Any, ...] = geo
         objs_order = tuple(seg.obj for seg in segs)
         first, stop = segs[0].start, segs[-1].stop
         contiguous = all(b.start == a.stop for a, b in itertools.pairwise(segs))
@@ -104,7 +107,20 @@ def planes_scatter_binder(
                 )
             index = base[None, :, :, None] + (ids * block_rows).reshape(len(segs), 1, 1, bpo)
             steps = tuple(zip(objs_order, index, strict=True))
-            return _whole_kernel(geo, item, obj_shape, as_raw, steps)
+            if as_raw:
+                return _whole_kernel(geo, item, obj_shape, True, steps)
+
+            def scatter(paged: Any, objs: Sequence[torch.Tensor]) -> None:
+                # _whole_kernel's plain scatter with _first and _void_rows in line (no Python
+                # frame but this one): the first paged tensor of one or a list of them.
+                u0 = paged if type(paged) is _Tensor else paged[0]
+                if type(u0) is not _Tensor:
+                    u0 = _first(paged)
+                rows = u0.as_strided(*whole).numpy().view(item)[..., 0]
+                for obj, idx in steps:
+                    rows[idx] = objs[obj].numpy().view(item).reshape(obj_shape)
+
+            return scatter
 
         return bind_whole
 

@@ -11,6 +11,7 @@ path and view geometry are decided once per cache entry (:class:`KernelMemo`).
 
 from __future__ import annotations
 
+import array
 import itertools
 import threading
 from typing import TYPE_CHECKING, Any
@@ -36,6 +37,8 @@ if TYPE_CHECKING:
 __all__ = ("ScratchCache", "index_tensor", "reused_kernel", "run_fast")
 
 _ROWS_FIRST_BYTES = 8 << 20  # a gather this big takes the rows path before the stacked one
+_Tensor = torch.Tensor
+_I64 = torch.int64
 
 
 _local = threading.local()
@@ -306,13 +309,33 @@ def _stacked_binder(
     first, stop = segs[0].start, segs[-1].stop
     counts = [seg.stop - seg.start for seg in segs]
     if all(b.start == a.stop for a, b in itertools.pairwise(segs)) and all(counts):
-        # Abutting segments: one index tensor for all of them, split into views.
-        objs = [obj for obj, _ in outs]
+        # Abutting segments: one index tensor for all of them (not empty: every count is
+        # positive), split into views; no Python frame but the bind's and the kernel's.
+        positions = [obj for obj, _ in outs]
         views = [out for _, out in outs]
 
         def bind(p: TransferPlan) -> Kernel:
-            split = torch.split(index_tensor(p.request.block_ids[first:stop]), counts)
-            return _stacked_kernel(src_geo, dim, tuple(zip(objs, split, views, strict=True)))
+            ids = torch.frombuffer(array.array("q", p.request.block_ids[first:stop]), dtype=_I64)
+            steps = tuple(zip(positions, torch.split_with_sizes(ids, counts), views, strict=True))
+
+            def gather(paged: Any, objs: Sequence[torch.Tensor]) -> None:
+                # The first paged tensor: in line for one plain tensor or a list of them.
+                u0 = paged if type(paged) is _Tensor else paged[0]
+                if type(u0) is not _Tensor:
+                    u0 = _first(paged)
+                src = u0.as_strided(*src_geo)
+                for obj, idx, (size, stride, offset) in steps:
+                    out = objs[obj]
+                    # A view from the chunk's start keeps its storage offset (as_strided's
+                    # default): no storage_offset() call.
+                    view = (
+                        out.as_strided(size, stride, out.storage_offset() + offset)
+                        if offset
+                        else out.as_strided(size, stride)
+                    )
+                    torch.index_select(src, dim, idx, out=view)
+
+            return gather
 
         return bind
 
