@@ -60,13 +60,6 @@ def test_the_count_is_live_and_exact(counts: dict[str, Any]) -> None:
     }
 
 
-@pytest.mark.xfail(
-    strict=False,
-    raises=AssertionError,
-    reason="issue 28 item 4 (open): kvactors' op is to make at most LMCache's frames and 1.5x "
-    "its events; it makes 68-70 frames and 220-222 events against 17 and 76-88 today; "
-    "remove this mark when the actor core's plain-call turns land",
-)
 def test_the_op_costs_no_more_frames_than_lmcaches_and_at_most_1_5x_its_events(
     counts: dict[str, Any],
 ) -> None:

@@ -180,9 +180,9 @@ class Actor(Generic[M]):
     def __init_subclass__(cls, **kwargs: Any) -> None:
         super().__init_subclass__(**kwargs)
         # Whether the subclass hears ``went_idle`` (the base's hook costs no call otherwise).
-        cls._tells_idle = cls.went_idle is not Actor.went_idle
+        cls._hears_idle = cls.went_idle is not Actor.went_idle
 
-    _tells_idle: ClassVar[bool] = False
+    _hears_idle: ClassVar[bool] = False
 
     def __init__(self, name: str, *, capacity: int = 1024) -> None:
         if capacity <= 0:
@@ -203,6 +203,7 @@ class Actor(Generic[M]):
         self._task: asyncio.Task[None] | None = None
         self._loop: asyncio.AbstractEventLoop | None = None
         self._busy = False
+        self._tells_idle = self._hears_idle  # whether went_idle is called (hear_idle)
         self._peak = self._processed = self._failed = 0
         self._deferred: set[Envelope[M]] = set()
 
@@ -343,7 +344,13 @@ class Actor(Generic[M]):
 
     def went_idle(self) -> None:
         """Hook: the actor holds nothing now (no turn, envelope or reply), after a turn or
-        a settle; called on the thread that saw it (any thread), so it must be short."""
+        a settle; called on the thread that saw it (any thread), so it must be short.
+        Called only when the subclass overrides it, and while :meth:`hear_idle` is on."""
+
+    def hear_idle(self, on: bool) -> None:
+        """Whether this actor's :meth:`went_idle` is called (on by default where the class
+        overrides it)."""
+        self._tells_idle = on and self._hears_idle
 
     # ---- sending -------------------------------------------------------------------
 
@@ -402,7 +409,9 @@ class Actor(Generic[M]):
         any turn. Returns False, the claim's new value
         (``claimed = actor.end_turn()``: no line between the end and the flag)."""
         with self._mutex:
-            more = self._end_locked(ran)
+            self._busy = False
+            self._processed += ran
+            more = bool(self._fifo)
         if more:
             self._wake_task()
         if self._watched or self._tells_idle:  # else _signal has nobody to tell
@@ -573,7 +582,9 @@ class Actor(Generic[M]):
             handled = True
         finally:
             with self._mutex:
-                more = self._end_locked()
+                self._busy = False
+                self._processed += 1
+                more = bool(self._fifo)
             if more:
                 self._wake_task()
             if outer:
@@ -583,12 +594,6 @@ class Actor(Generic[M]):
         self._signal()
         if outer and after:
             _run_claimed(after, [])
-
-    def _end_locked(self, ran: bool = True) -> bool:
-        # Under the mutex: the turn ends; whether the task must run the FIFO head now.
-        self._busy = False
-        self._processed += ran
-        return bool(self._fifo)
 
     def _give_back(self, env: Envelope[M]) -> None:
         # A claimed turn that will not run on this thread: back to the FIFO head, for the task

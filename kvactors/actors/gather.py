@@ -345,7 +345,7 @@ class GatherActor(Actor[GatherRequest]):
             if not in_stream or lane.jobs or (completes and lane.watching):
                 return None
             entered = True
-            self._begin(tid, touched, _unanswered)
+            self._begin_plain(tid, touched)
             in_gather = self.end_turn()  # the next sender plans while this copy runs
             on_a = self._route.release()  # type: ignore[func-returns-value]  # None: released
             launched = True
@@ -389,7 +389,6 @@ class GatherActor(Actor[GatherRequest]):
     def _done_now(self, tid: int, nbytes: int) -> Literal[False]:
         # The ledger exit of a plain-call copy that completed; False (``entered = ...``).
         with self._ledger_lock:
-            self._running.pop(tid, None)
             released = self._ledger.finish(tid)
             self.transfers_ok += 1
             self.bytes_moved += nbytes
@@ -401,7 +400,7 @@ class GatherActor(Actor[GatherRequest]):
         self, tid: int, nbytes: int, stream: StreamActor, err: BaseException | None
     ) -> None:
         # The reaper: a plain-call copy answered at enqueue completed (or failed).
-        released = self._finish(tid, err is None, nbytes)
+        released = self._end_plain(tid, err is None, nbytes)
         if err is not None:
             stream.count_failure()
             if isinstance(err, Exception):
@@ -425,7 +424,27 @@ class GatherActor(Actor[GatherRequest]):
         self._failed_now(tid, nbytes, None)
 
     def _failed_now(self, tid: int, nbytes: int, _err: BaseException | None) -> None:
-        self._release(self._finish(tid, False, nbytes))
+        self._release(self._end_plain(tid, False, nbytes))
+
+    def _begin_plain(self, tid: int, touched: frozenset[int]) -> None:
+        # A plain call's ledger entry (a call of its own: no line between the lock's enter
+        # and its ``with`` for an interrupt to land on).
+        with self._ledger_lock:
+            self._ledger.begin(tid, touched)
+
+    def _end_plain(self, tid: int, ok: bool, nbytes: int) -> list[int]:
+        # A plain call's ledger exit, once (plain calls are not in ``_running``: their
+        # callers answer themselves).
+        with self._ledger_lock:
+            if tid not in self._ledger:
+                return []  # never begun, or ended already
+            released = self._ledger.finish(tid)
+            if ok:
+                self.transfers_ok += 1
+                self.bytes_moved += nbytes
+            else:
+                self.transfers_failed += 1
+        return released
 
     def _send(
         self,
@@ -499,11 +518,6 @@ def _enter(route: threading.Lock, actor: Actor[Any], wait: float) -> bool:
         if route.acquire(timeout=min(left, _SLICE)):
             return True
     return False
-
-
-def _unanswered(_exc: BaseException | None, _value: Any) -> None:
-    # The settle of a plain-call transfer in ``_running``: its caller answers itself.
-    return
 
 
 def _failed(err: BaseException, tid: int, stream: StreamActor) -> BaseException:

@@ -113,7 +113,8 @@ class StreamActor(Actor[StreamRequest]):
         self.lanes_abandoned = 0
         self._records: set[tuple[Outbox[Any], int]] = set()
         #: Called on the loop when the actor holds nothing (see the module docstring).
-        self.on_idle: Callable[[], None] | None = None
+        self._on_idle: Callable[[], None] | None = None
+        self.hear_idle(False)  # until the directory sets on_idle
         #: Set by the directory while it lists this actor as idle (no need to tell it again).
         self.idle_noted = False
 
@@ -158,6 +159,16 @@ class StreamActor(Actor[StreamRequest]):
             for outbox, seq in list(self._records):
                 outbox.withdraw(seq)
             self._records.clear()
+
+    @property
+    def on_idle(self) -> Callable[[], None] | None:
+        """Called on the loop when the actor holds nothing (see the module docstring)."""
+        return self._on_idle
+
+    @on_idle.setter
+    def on_idle(self, hook: Callable[[], None] | None) -> None:
+        self._on_idle = hook
+        self.hear_idle(hook is not None)
 
     def went_idle(self) -> None:
         """Tell ``on_idle``, on the loop (scheduled there from another thread, unless the

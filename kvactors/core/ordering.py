@@ -42,6 +42,10 @@ class BlockLedger:
         """Number of fences still waiting."""
         return len(self._fence_waits)
 
+    def __contains__(self, transfer_id: object) -> bool:
+        """Whether ``transfer_id`` was begun and not finished."""
+        return transfer_id in self._blocks_of
+
     def begin(self, transfer_id: int, blocks: Iterable[int]) -> None:
         """Record that ``transfer_id`` is in flight on ``blocks``."""
         if transfer_id in self._blocks_of:
