@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import dataclasses
+import gc
 import sys
 import tracemalloc
 from typing import Any
@@ -429,11 +430,14 @@ def test_a_rebound_kernel_of_the_engine_shape_makes_no_helper_frame(
         if event == "call":
             seen.append(frame.f_code.co_name)
 
+    gc.collect()
+    gc.disable()  # no collection (and no finalizer's frames) inside the window
     sys.setprofile(profile)
     try:
         fast.reused_kernel(pb, paged, objs, memo)(paged, objs)
     finally:
         sys.setprofile(None)
+        gc.enable()
     assert seen == ["reused_kernel", *frames]
     run_reference(ref_a, ref_paged, ref_objs)
     run_reference(ref_b, ref_paged, ref_objs)

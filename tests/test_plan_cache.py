@@ -4,6 +4,7 @@ validates in full."""
 
 from __future__ import annotations
 
+import gc
 import sys
 from typing import TYPE_CHECKING, Any
 
@@ -547,11 +548,14 @@ def test_a_rebind_of_plain_operands_is_one_python_frame(direction: int) -> None:
         if event == "call":
             frames.append(frame.f_code.co_name)
 
+    gc.collect()
+    gc.disable()  # no collection (and no finalizer's frames) inside the window
     sys.setprofile(profile)
     try:
         found = cache.lookup(req, paged, other)
     finally:
         sys.setprofile(None)
+        gc.enable()
     assert frames == ["lookup"]
     assert cache.rebinds == 1
     assert found.plan == _full(req, paged, other)
