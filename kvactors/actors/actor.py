@@ -1,10 +1,10 @@
 """The actor shell: a bounded FIFO mailbox, tell/ask with deadlines, turns, lifecycle, statistics.
 
 An actor handles one envelope at a time, in FIFO order (its *turn*); mailbox order is the only
-ordering an actor promises, and the actors built on this class derive their safety rules from
-it. ``receive`` is synchronous and short: it answers at once (returns a value) or takes the
-reply over (:meth:`Actor.defer`, returns :data:`DEFERRED`) and settles it later, from any
-thread. Every reply is a :class:`~kvactors.actors.reply.Reply`: the first settle wins.
+ordering an actor promises, and the actors built on it derive their safety rules from it.
+``receive`` is synchronous and short: it returns the reply, or takes the reply over
+(:meth:`Actor.defer`, returns :data:`DEFERRED`) and settles it later from any thread. Every
+reply is a :class:`~kvactors.actors.reply.Reply`: the first settle wins.
 
 Who runs a turn (every transition under the actor's lock; ``_busy``, the FIFO and the
 lifecycle state are all there is):
@@ -13,14 +13,12 @@ lifecycle state are all there is):
 state    event                                                       next
 =======  ==========================================================  ========================
 IDLE     :meth:`Actor.claim`: a plain call (no envelope)             CLAIMED until end_turn
-IDLE     a send from a thread that may run turns (the loop's, or     CLAIMED: the sender runs
-         any thread when ``turns_anywhere``)                         it now, or right after
-                                                                     its own turn if inside
-IDLE     any other send (``here=False``: an ``a*`` call; a foreign   QUEUED; the task is woken
-         thread of a loop-only actor)
-CLAIMED  a send, or a claim                                          the send QUEUED behind;
-                                                                     the claim refused
-CLAIMED  the turn ends                                               IDLE; the task is woken
+IDLE     a send, not from inside a turn, from a thread that may run  CLAIMED: the sender runs
+         turns (the loop's, or any when ``turns_anywhere``)          it now
+IDLE     any other send (``here=False``: an ``a*`` call; a send      QUEUED; the task is woken
+         from inside a turn; a foreign thread of a loop-only actor)
+CLAIMED  a send; a claim                                             QUEUED behind; refused
+CLAIMED  the turn ends (an interrupt ends it too)                    IDLE; the task is woken
                                                                      if anything QUEUED
 QUEUED   the task's loop runs the FIFO head                          CLAIMED (on the loop)
 any      stop / break_with                                           queued asks fail; sends
@@ -28,17 +26,14 @@ any      stop / break_with                                           queued asks
 =======  ==========================================================  ========================
 
 An interrupt (``KeyboardInterrupt``, ``SystemExit``) in a turn fails the envelope's reply
-unless the subclass took it over (it settles what it holds, see ``forget``), gives back the
-turns claimed inside it, and goes on to the thread's caller. FIFO holds in every row: a
-message that arrives during a turn queues behind it.
-
-The bound counts what the actor holds: envelopes queued plus replies it took over and has
-not settled yet. A send past the bound raises :class:`~kvactors.errors.MailboxFullError`
-(``tell_nowait``/``ask_into``) or waits for space (``tell``); nothing is dropped. An exception
-raised by ``receive`` for an ask fails that ask only; for a tell it breaks the actor. Stopping
-refuses new sends, fails every queued ask with :class:`ActorClosedError`, lets the subclass
-settle what it took over (``on_stop``), and ends the task. A graceful stop drains first.
-Subclasses override hooks only (``receive``, ``on_stop``, ``went_idle``), never the fields.
+unless the subclass took it over (it settles what it holds, see ``forget``) and goes on to
+the thread's caller as itself. The bound counts envelopes queued plus replies taken over
+and not settled: a send past it raises :class:`~kvactors.errors.MailboxFullError` or, with
+``tell``, waits for space; nothing is dropped. An exception from ``receive`` fails its ask,
+or for a tell breaks the actor. Stopping refuses sends, fails what is queued with
+:class:`ActorClosedError`, lets the subclass settle what it took over (``on_stop``) and
+ends the task; a graceful stop drains first. Subclasses override hooks only (``receive``,
+``on_stop``, ``went_idle``), never the fields.
 """
 
 from __future__ import annotations
@@ -80,8 +75,8 @@ _running_loop = asyncio._get_running_loop
 
 
 class _Turns(threading.local):
-    # Per thread: the turns claimed while this thread runs a turn (None outside a turn).
-    after: list[tuple[Actor[Any], Envelope[Any]]] | None = None
+    # Per thread: whether it runs a turn now (a send from inside a turn queues).
+    inside = False
 
 
 _turns = _Turns()
@@ -372,6 +367,7 @@ class Actor(Generic[M]):
                 here
                 and not busy
                 and not self._fifo
+                and not _turns.inside
                 and (self.turns_anywhere or on_loop(self._loop))
             ):
                 self._busy = True
@@ -379,11 +375,7 @@ class Actor(Generic[M]):
                 self._fifo.append(env)
                 here = False
         if here:
-            after = _turns.after
-            if after is None:
-                self._turn(env)
-            else:  # inside a turn: run this one when that one ended
-                after.append((self, env))
+            self._turn(env)
         elif not busy:
             self._wake_task()
 
@@ -473,8 +465,7 @@ class Actor(Generic[M]):
                 if env not in self._deferred:
                     return
                 self._deferred.discard(env)
-                if exc is not None:
-                    self._failed += 1
+                self._failed += exc is not None
             # Signalled before the reply is: whatever the replied-to caller sends next is
             # handled after the loop heard that this actor went idle.
             try:
@@ -552,15 +543,9 @@ class Actor(Generic[M]):
                 loop.call_soon_threadsafe(wake.set)
 
     def _turn(self, env: Envelope[M]) -> None:
-        # The claimed turn (``_busy`` set by the claimer): handle ``env``, give the turn back
-        # (the task runs what queued meanwhile), then run the turns this thread claimed
-        # meanwhile.
-        after = _turns.after
-        outer = after is None
-        if outer:
-            after = _turns.after = []
-        handled = False
+        # The claimed turn (``_busy`` set by the claimer): handle ``env``, end the turn.
         try:
+            _turns.inside = True
             result = self.receive(env)
         except Exception as exc:
             with self._mutex:
@@ -569,7 +554,6 @@ class Actor(Generic[M]):
                 self.break_with(exc)
             else:
                 env.fail(exc)
-            handled = True
         except BaseException as exc:
             # An interrupt (KeyboardInterrupt, SystemExit): a reply the handler did not take
             # over fails with it; the interrupt goes on to the thread's caller as itself.
@@ -579,36 +563,9 @@ class Actor(Generic[M]):
         else:
             if result is not DEFERRED:
                 env.resolve(result)
-            handled = True
         finally:
-            with self._mutex:
-                self._busy = False
-                self._processed += 1
-                more = bool(self._fifo)
-            if more:
-                self._wake_task()
-            if outer:
-                _turns.after = None
-                if not handled and after:  # a BaseException: the claimed turns go back
-                    _run_claimed([], after)
-        self._signal()
-        if outer and after:
-            _run_claimed(after, [])
-
-    def _give_back(self, env: Envelope[M]) -> None:
-        # A claimed turn that will not run on this thread: back to the FIFO head, for the task
-        # (which fails it if the actor stopped meanwhile).
-        with self._mutex:
-            self._busy = False
-            self._fifo.appendleft(env)
-        self._wake_task()
-        if self._state is not ActorState.RUNNING and self._task is None:
-            with self._mutex:
-                left = list(self._fifo)
-                self._fifo.clear()
-            closed = ActorClosedError("actor stopped before replying", actor=self.name)
-            for e in left:
-                e.fail(closed)
+            _turns.inside = False
+            self.end_turn()
 
     async def _run(self) -> None:
         # Runs on the loop, in FIFO order, what queued.
@@ -631,23 +588,6 @@ class Actor(Generic[M]):
                 # Drop the envelope now: an idle actor must not keep the last reply (and
                 # any tensors riding beside it) alive while it waits.
                 del env
-
-
-def _run_claimed(
-    claimed: list[tuple[Actor[Any], Envelope[Any]]], back: list[tuple[Actor[Any], Envelope[Any]]]
-) -> None:
-    # The turns a thread claimed inside its turn, in claim order, each as an outer turn; if
-    # one raises past its handler (a BaseException), the rest go back to their tasks, as
-    # ``back`` does at once.
-    i = 0
-    try:
-        while i < len(claimed):
-            actor, env = claimed[i]
-            i += 1
-            actor._turn(env)
-    finally:
-        for actor, env in (*claimed[i:], *back):
-            actor._give_back(env)
 
 
 def _arm(env: Envelope[Any], loop: asyncio.AbstractEventLoop, actor: str, timeout: float) -> None:

@@ -23,8 +23,9 @@ turn, then the stream's, taken before the first is let go: stream order is gathe
 the next caller plans while the copy before it runs. A plain call never overtakes a queued
 message: its claim fails while anything is queued, and it takes the mailbox. A sender that
 finds the actor idle runs a mailbox turn on its own thread too; the turn ends once the
-``Launch`` holds its place at the stream, whose turn runs after it on the same thread.
-Messages queued behind a busy actor are handled on the loop, in order. The ledger entry is
+``Launch`` holds its place in the stream's mailbox (a send from inside a turn queues: the
+loop runs the stream's turn). Messages queued behind a busy actor are handled on the loop,
+in order. The ledger entry is
 made before the copy is launched, so a fence taken after the turn waits for the copy.
 Completions arrive from whichever thread saw the work complete, so the block ledger, the
 counters and the fences are kept under one lock.
@@ -117,7 +118,7 @@ class GatherActor(Actor[GatherRequest]):
         self._ledger = BlockLedger()
         self._ledger_lock = threading.Lock()  # ledger, counters, fences: any thread
         # Transfers handed to a stream and not answered: their settles (for a stop).
-        self._running: dict[int, Callable[[BaseException | None, Any], None]] = {}
+        self._running: dict[int, Callable[[BaseException | None, Any], object]] = {}
         self.plans = PlanCache(backend.kind, index)
         self._fences: dict[int, tuple[Callable[..., None], tuple[int, ...], int]] = {}
         self._fence_ids = itertools.count()
@@ -280,15 +281,17 @@ class GatherActor(Actor[GatherRequest]):
     ) -> TransferDone | None:
         """The plain-call turn of a ``Transfer`` (see Threads): ``None`` (nothing ran, nothing
         changed: send the message) unless this actor and the stream's StreamActor are idle
-        and the stream's lane holds nothing, and the copy either completes when launched or
-        is answered once enqueued (``complete=False``). Then the calling thread takes both
-        turns, validates and plans, enters the ledger, gives the gather turn back and
-        launches the copy, as the two turns would; the return value is the reply. Raises
-        what the message's reply would raise."""
+        and the stream's lane holds nothing to run. Then the calling thread takes both turns,
+        validates and plans, enters the ledger, gives the gather turn back and launches the
+        copy, as the two turns would, and returns the reply: at once where the launch is the
+        copy (CPU) or with ``complete=False``; else once the stream's reaper saw the copy
+        complete (the turns and routes are given back before that wait). Raises what the
+        message's reply would raise."""
         stream = self._streams.peek(handle)
-        completes = self._completes
-        if stream is None or not (completes or not complete):
+        if stream is None:
             return None
+        completes = self._completes
+        done: Reply[None] | None = None  # complete=True on a stream: the reaper's answer
         # What this call holds, each flag cleared by the call that ends it (``x = end()``):
         # on an exit by exception the ``finally`` ends what is still held (the ledger entry
         # failed; the reaper ends it instead once it holds the lease), then the exception
@@ -345,7 +348,9 @@ class GatherActor(Actor[GatherRequest]):
             if not in_stream or lane.jobs or (completes and lane.watching):
                 return None
             entered = True
-            self._begin_plain(tid, touched)
+            if complete and not completes:
+                done = Reply()
+            self._begin_plain(tid, touched, done)
             in_gather = self.end_turn()  # the next sender plans while this copy runs
             on_a = self._route.release()  # type: ignore[func-returns-value]  # None: released
             launched = True
@@ -353,18 +358,19 @@ class GatherActor(Actor[GatherRequest]):
                 kernel()  # complete once launched (CPU): the launch is the copy
                 entered = self._done_now(tid, nbytes)
             else:
-                # Answered once enqueued: the reaper keeps the lease (the kernel, which
-                # references the operands) until the work's marker completed, then ends
-                # the ledger entry.
+                # The reaper keeps the lease (the kernel, which references the operands)
+                # until the work's marker completed, then ends the ledger entry and, with
+                # complete=True, answers this call (which waits below, holding nothing).
                 self.backend.launch(stream.stream, kernel)
                 entered = not lane.watch(
                     self.backend.record_marker(stream.stream),
                     kernel,
-                    functools.partial(self._reaped, tid, nbytes, stream),
+                    functools.partial(self._reaped, tid, nbytes, stream, done),
                 )
             in_stream = stream.end_turn()
             on_b = route.release()  # type: ignore[func-returns-value]
-            return TransferDone(transfer_id=tid, nbytes=nbytes, blocks=len(touched))
+            if done is None:
+                return TransferDone(transfer_id=tid, nbytes=nbytes, blocks=len(touched))
         except BaseException as exc:
             if in_gather and not launched and isinstance(exc, Exception):
                 self.count_failure()  # refused in the gather turn
@@ -385,6 +391,8 @@ class GatherActor(Actor[GatherRequest]):
                 self._route.release()
             if on_b:
                 route.release()
+        done.wait(wait, "Transfer")  # the reaper's answer (it owns the ledger entry now)
+        return TransferDone(transfer_id=tid, nbytes=nbytes, blocks=len(touched))
 
     def _done_now(self, tid: int, nbytes: int) -> Literal[False]:
         # The ledger exit of a plain-call copy that completed; False (``entered = ...``).
@@ -397,15 +405,24 @@ class GatherActor(Actor[GatherRequest]):
         return False
 
     def _reaped(
-        self, tid: int, nbytes: int, stream: StreamActor, err: BaseException | None
+        self,
+        tid: int,
+        nbytes: int,
+        stream: StreamActor,
+        done: Reply[None] | None,
+        err: BaseException | None,
     ) -> None:
-        # The reaper: a plain-call copy answered at enqueue completed (or failed).
+        # The reaper: a plain-call copy completed (or failed); ``done``: its waiting caller.
         released = self._end_plain(tid, err is None, nbytes)
         if err is not None:
             stream.count_failure()
-            if isinstance(err, Exception):
+            if done is None and isinstance(err, Exception):
                 _log.error("transfer %d failed after it was enqueued: %s", tid, err)
-        self._release(released)
+        try:
+            self._release(released)
+        finally:
+            if done is not None:
+                done.settle(None if err is None else _failed(err, tid, stream))
 
     def _abandon_now(
         self, tid: int, nbytes: int, stream: StreamActor, lease: Callable[[], None] | None
@@ -426,18 +443,21 @@ class GatherActor(Actor[GatherRequest]):
     def _failed_now(self, tid: int, nbytes: int, _err: BaseException | None) -> None:
         self._release(self._end_plain(tid, False, nbytes))
 
-    def _begin_plain(self, tid: int, touched: frozenset[int]) -> None:
+    def _begin_plain(self, tid: int, touched: frozenset[int], done: Reply[None] | None) -> None:
         # A plain call's ledger entry (a call of its own: no line between the lock's enter
-        # and its ``with`` for an interrupt to land on).
+        # and its ``with`` for an interrupt to land on); a waiting caller's reply is failed
+        # by a stop, as a running transfer's.
         with self._ledger_lock:
             self._ledger.begin(tid, touched)
+            if done is not None:
+                self._running[tid] = done.settle
 
     def _end_plain(self, tid: int, ok: bool, nbytes: int) -> list[int]:
-        # A plain call's ledger exit, once (plain calls are not in ``_running``: their
-        # callers answer themselves).
+        # A plain call's ledger exit, once (in ``_running`` only while its caller waits).
         with self._ledger_lock:
             if tid not in self._ledger:
                 return []  # never begun, or ended already
+            self._running.pop(tid, None)
             released = self._ledger.finish(tid)
             if ok:
                 self.transfers_ok += 1

@@ -5,7 +5,8 @@ with no message, envelope or reply slot; anything else takes the mailbox.
   0, which any delivered envelope raises) with the same counters and bytes as the mailbox
   route, on CPU and both fakes (answered at enqueue there);
 * observed, the plain call admits itself in its gather turn (admission order is turn order);
-  a wait for a vendor's completion takes the mailbox;
+* a wait for a device's completion is a plain call too: it gives its turns and routes back
+  before it sleeps on the reaper's answer, so a later call on its stream runs meanwhile;
 * a queued message is never overtaken: with an ``a*`` store queued behind a held event loop,
   a blocking store of the same block from another thread lands after it;
 * contended plain calls sleep on the route of the plain call before them (nothing queues)
@@ -116,9 +117,11 @@ class _Log:
             self.seen.append(("finished", call.seq))
 
 
+@pytest.mark.parametrize("complete", [True, False], ids=["complete", "enqueued"])
 @pytest.mark.parametrize("kind", ["cpu", "mlu", "musa"])
-def test_idle_actors_take_the_plain_call_with_the_mailbox_routes_results(kind: str) -> None:
-    complete = kind == "cpu"  # a vendor's plain call answers at enqueue
+def test_idle_actors_take_the_plain_call_with_the_mailbox_routes_results(
+    kind: str, complete: bool
+) -> None:
     runs = {via: _run(kind, via=via, complete=complete) for via in ("plain", "observed", "mailbox")}
     assert runs["plain"][0].mailbox_peak == 0  # no envelope was ever delivered
     assert runs["observed"][0].mailbox_peak == 0  # observed too
@@ -130,11 +133,38 @@ def test_idle_actors_take_the_plain_call_with_the_mailbox_routes_results(kind: s
         assert all(same(a, b) for a, b in zip(runs["plain"][1], runs[via][1], strict=True))
 
 
-@pytest.mark.parametrize("kind", ["mlu", "musa"])
-def test_waiting_for_a_vendors_completion_takes_the_mailbox(kind: str) -> None:
-    waited, _, counts = _run(kind, via="plain", complete=True)
-    assert waited.mailbox_peak >= 1
-    assert counts == (4, 0)
+def test_a_plain_call_waiting_for_completion_holds_no_turn_and_answers_once_the_copy_ran() -> None:
+    backend = ManualBackend()  # nothing runs until released
+    with Runtime(backend) as rt:
+        layers = paged(5)
+        got = objects(1)
+        out: dict[str, Any] = {}
+
+        def wait() -> None:
+            try:
+                out["A"] = rt.transfer(request(Direction.D2H, (2, 3)), layers, got)
+            except BaseException as exc:
+                out["A"] = exc
+
+        a = threading.Thread(target=wait, name="A")
+        a.start()
+        assert backend.wait_for(lambda b: b.queued() == 1)
+        # A sleeps on the reaper's answer holding no turn: B's plain call runs meanwhile.
+        rt.transfer(request(Direction.D2H, (0, 1)), layers, objects(1), complete=False)
+        assert backend.queued() == 2
+        assert a.is_alive(), "answered before the device ran the copy"
+        assert not out
+        assert rt.statistics().inflight == 2
+        backend.release()
+        a.join(_WAIT)
+        assert out["A"].nbytes == got[0].numel() * got[0].element_size()
+        assert same(got[0], expected_gather(layers, (2, 3))[0])
+        assert _gather_stats(rt).mailbox_peak == 0  # no envelope: both were plain calls
+        # A's ledger entry ended before its answer: a fence on its blocks waits for nothing.
+        assert rt.fence((2, 3), timeout=_WAIT).waited_for == 0
+        rt.synchronize()
+        assert rt.statistics().inflight == 0
+        assert backend.use_after_free == 0
 
 
 @pytest.mark.parametrize("kind", ["cpu", "mlu", "musa"])
