@@ -29,6 +29,25 @@ def test_fence_on_idle_blocks_is_ready() -> None:
     assert led.fences == 0
 
 
+def test_begin_apart_refuses_a_transfer_sharing_a_block_unless_both_only_read() -> None:
+    ledger = BlockLedger()
+    assert ledger.begin_apart(1, frozenset({1, 2}), reads=True)
+    assert ledger.begin_apart(2, frozenset({2, 3}), reads=True)  # both read block 2
+    assert not ledger.begin_apart(3, frozenset({3}), reads=False)  # writes what 2 reads
+    assert 3 not in ledger  # refused: nothing recorded
+    assert ledger.begin_apart(3, frozenset({4}), reads=False)  # apart
+    assert not ledger.begin_apart(4, frozenset({4}), reads=True)  # reads what 3 writes
+    ledger.begin(5, {7})  # begun without begin_apart: counts as a writer
+    assert not ledger.begin_apart(6, frozenset({7}), reads=True)
+    ledger.finish(2)
+    assert ledger.begin_apart(7, frozenset({3}), reads=False)  # 2 finished: 3 is free
+    ledger.finish(1)
+    ledger.begin(1, {9})  # an id used again is no reader any more
+    assert not ledger.begin_apart(8, frozenset({9}), reads=True)
+    with pytest.raises(ProtocolError, match="begun twice"):
+        ledger.begin_apart(7, frozenset({11}), reads=True)
+
+
 def test_ledger_rejects_protocol_misuse() -> None:
     led = BlockLedger()
     led.begin(1, [1])

@@ -6,8 +6,8 @@ ordering an actor promises, and the actors built on it derive their safety rules
 (:meth:`Actor.defer`, returns :data:`DEFERRED`) and settles it later from any thread. Every
 reply is a :class:`~kvactors.actors.reply.Reply`: the first settle wins.
 
-Who runs a turn (every transition under the actor's lock; ``_busy``, the FIFO and the
-lifecycle state are all there is):
+Who runs a turn (every transition under the actor's lock; ``_busy`` (0 idle, -1 a turn,
+n > 0 shared holds), the FIFO and the lifecycle state are all there is):
 
 =======  ==========================================================  ========================
 state    event                                                       next
@@ -17,10 +17,13 @@ IDLE     a send, not from inside a turn, from a thread that may run  CLAIMED: th
          turns (the loop's, or any when ``turns_anywhere``)          it now
 IDLE     any other send (``here=False``: an ``a*`` call; a send      QUEUED; the task is woken
          from inside a turn; a foreign thread of a loop-only actor)
+IDLE,    ``claim(shared=True)``: a plain call whose work may run     SHARED n+1 until its
+SHARED   beside others' (CPU copies)                                 end_turn; the last: IDLE
 CLAIMED  a send; a claim                                             QUEUED behind; refused
+SHARED   a send; an exclusive claim                                  QUEUED behind; refused
 CLAIMED  the turn ends (an interrupt ends it too)                    IDLE; the task is woken
                                                                      if anything QUEUED
-QUEUED   the task's loop runs the FIFO head                          CLAIMED (on the loop)
+QUEUED   the task's loop runs the FIFO head (a claim is refused)     CLAIMED (on the loop)
 any      stop / break_with                                           queued asks fail; sends
                                                                      are refused
 =======  ==========================================================  ========================
@@ -197,7 +200,7 @@ class Actor(Generic[M]):
         self._cause: BaseException | None = None
         self._task: asyncio.Task[None] | None = None
         self._loop: asyncio.AbstractEventLoop | None = None
-        self._busy = False
+        self._busy = 0  # 0: idle; -1: a turn; n > 0: n shared holds
         self._tells_idle = self._hears_idle  # whether went_idle is called (hear_idle)
         self._peak = self._processed = self._failed = 0
         self._deferred: set[Envelope[M]] = set()
@@ -370,7 +373,7 @@ class Actor(Generic[M]):
                 and not _turns.inside
                 and (self.turns_anywhere or on_loop(self._loop))
             ):
-                self._busy = True
+                self._busy = -1
             else:
                 self._fifo.append(env)
                 here = False
@@ -379,31 +382,34 @@ class Actor(Generic[M]):
         elif not busy:
             self._wake_task()
 
-    def claim(self) -> bool:
+    def claim(self, *, shared: bool = False) -> bool:
         """Take the turn of an idle actor for a plain call (``False``, nothing changed, if it
         is not idle: busy, something queued, not running, or no room in the bound). The
         claimer runs the turn's work itself, without an envelope, and ends it with
-        :meth:`end_turn`; meanwhile every send queues behind it, as behind any turn."""
+        :meth:`end_turn`; meanwhile every send queues behind it, as behind any turn. A
+        ``shared`` claim is also taken beside other shared ones (work that may overlap:
+        the claimers keep their own order), never beside a turn or before a queued send."""
         with self._mutex:
+            busy = self._busy
             if (
-                self._busy
+                (busy < 0 if shared else busy)
                 or self._fifo
                 or self._state is not ActorState.RUNNING
                 or len(self._deferred) >= self._capacity
             ):
                 return False
-            self._busy = True
+            self._busy = busy + 1 if shared else -1
             return True
 
     def end_turn(self, *, ran: bool = True) -> Literal[False]:
         """End a turn taken with :meth:`claim` (counted as processed unless ``ran`` is false:
-        the claimer gave it back unused); the task runs what queued meanwhile, as after
-        any turn. Returns False, the claim's new value
+        the claimer gave it back unused); once no claim is held, the task runs what queued
+        meanwhile, as after any turn. Returns False, the claim's new value
         (``claimed = actor.end_turn()``: no line between the end and the flag)."""
         with self._mutex:
-            self._busy = False
+            self._busy = 0 if self._busy < 0 else self._busy - 1
             self._processed += ran
-            more = bool(self._fifo)
+            more = not self._busy and bool(self._fifo)
         if more:
             self._wake_task()
         if self._watched or self._tells_idle:  # else _signal has nobody to tell
@@ -580,7 +586,7 @@ class Actor(Generic[M]):
                         break
                     env = self._fifo.popleft()
                     running = self._state is ActorState.RUNNING
-                    self._busy = running
+                    self._busy = -1 if running else 0
                 if running:
                     self._turn(env)
                 else:

@@ -52,6 +52,7 @@ import torch
 from kvactors.actors.actor import DEFERRED, Actor, ActorState, Envelope, unreachable
 from kvactors.actors.reply import Reply
 from kvactors.actors.stream import StreamActor, Work
+from kvactors.core.layouts import Direction
 from kvactors.core.ordering import BlockLedger
 from kvactors.core.plan_cache import PlanCache
 from kvactors.core.protocols.gather import (
@@ -84,6 +85,7 @@ if TYPE_CHECKING:
 __all__ = ("GatherActor", "TransferOperands")
 
 _log = logging.getLogger(__name__)
+_D2H = Direction.D2H
 _SLICE = 0.05  # how soon a plain call waiting for its route sees the actor stop
 _running_loop = asyncio._get_running_loop
 
@@ -120,7 +122,7 @@ class GatherActor(Actor[GatherRequest]):
         # Transfers handed to a stream and not answered: their settles (for a stop).
         self._running: dict[int, Callable[[BaseException | None, Any], object]] = {}
         self.plans = PlanCache(backend.kind, index)
-        self._fences: dict[int, tuple[Callable[..., None], tuple[int, ...], int]] = {}
+        self._fences: dict[int, tuple[Callable[..., object], tuple[int, ...], int]] = {}
         self._fence_ids = itertools.count()
         self._scratch: dict[int, ScratchCache] = {}
         streams.on_retire(self._forget_stream)
@@ -343,30 +345,37 @@ class GatherActor(Actor[GatherRequest]):
             on_b = route.acquire(False) or _enter(route, stream, wait)
             if not on_b:
                 return None
-            in_stream = stream.claim()
+            # A copy that completes once launched (CPU) takes a shared stream turn: it runs
+            # beside the other plain calls' copies, after those in flight on its blocks.
+            in_stream = stream.claim(shared=completes)
             lane = stream.lane
             if not in_stream or lane.jobs or (completes and lane.watching):
                 return None
-            entered = True
             if complete and not completes:
                 done = Reply()
-            self._begin_plain(tid, touched, done)
+            entered = True
+            after = self._begin_plain(tid, touched, done, completes, plan.direction is _D2H)
             in_gather = self.end_turn()  # the next sender plans while this copy runs
             on_a = self._route.release()  # type: ignore[func-returns-value]  # None: released
-            launched = True
             if completes:
-                kernel()  # complete once launched (CPU): the launch is the copy
+                on_b = route.release()  # type: ignore[func-returns-value]
+                if after is not None:
+                    after.wait(wait, "Transfer")  # the copies before it on its blocks ended
+                launched = True
+                kernel()  # the launch is the copy
                 entered = self._done_now(tid, nbytes)
-            else:
-                # The reaper keeps the lease (the kernel, which references the operands)
-                # until the work's marker completed, then ends the ledger entry and, with
-                # complete=True, answers this call (which waits below, holding nothing).
-                self.backend.launch(stream.stream, kernel)
-                entered = not lane.watch(
-                    self.backend.record_marker(stream.stream),
-                    kernel,
-                    functools.partial(self._reaped, tid, nbytes, stream, done),
-                )
+                in_stream = stream.end_turn()
+                return TransferDone(transfer_id=tid, nbytes=nbytes, blocks=len(touched))
+            launched = True
+            # The reaper keeps the lease (the kernel, which references the operands)
+            # until the work's marker completed, then ends the ledger entry and, with
+            # complete=True, answers this call (which waits below, holding nothing).
+            self.backend.launch(stream.stream, kernel)
+            entered = not lane.watch(
+                self.backend.record_marker(stream.stream),
+                kernel,
+                functools.partial(self._reaped, tid, nbytes, stream, done),
+            )
             in_stream = stream.end_turn()
             on_b = route.release()  # type: ignore[func-returns-value]
             if done is None:
@@ -443,14 +452,32 @@ class GatherActor(Actor[GatherRequest]):
     def _failed_now(self, tid: int, nbytes: int, _err: BaseException | None) -> None:
         self._release(self._end_plain(tid, False, nbytes))
 
-    def _begin_plain(self, tid: int, touched: frozenset[int], done: Reply[None] | None) -> None:
+    def _begin_plain(
+        self,
+        tid: int,
+        touched: frozenset[int],
+        done: Reply[None] | None,
+        shared: bool,
+        reads: bool,
+    ) -> Reply[Any] | None:
         # A plain call's ledger entry (a call of its own: no line between the lock's enter
-        # and its ``with`` for an interrupt to land on); a waiting caller's reply is failed
-        # by a stop, as a running transfer's.
+        # and its ``with`` for an interrupt to land on). A waiting caller's reply is failed
+        # by a stop, as a running transfer's. ``shared`` (a copy beside others; ``reads``:
+        # it only reads its blocks): if it may not run beside a transfer in flight on its
+        # blocks, a fence on them, which the copy waits for.
         with self._ledger_lock:
-            self._ledger.begin(tid, touched)
+            ledger = self._ledger
+            if shared and not ledger.begin_apart(tid, touched, reads=reads):
+                fid = next(self._fence_ids)
+                after: Reply[Any] = Reply()
+                self._fences[fid] = (after.settle, (), ledger.fence(fid, touched))
+                ledger.begin(tid, touched)
+                return after
+            if not shared:
+                ledger.begin(tid, touched)
             if done is not None:
                 self._running[tid] = done.settle
+            return None
 
     def _end_plain(self, tid: int, ok: bool, nbytes: int) -> list[int]:
         # A plain call's ledger exit, once (in ``_running`` only while its caller waits).

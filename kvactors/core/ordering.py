@@ -29,6 +29,7 @@ class BlockLedger:
 
     def __init__(self) -> None:
         self._blocks_of: dict[int, frozenset[int]] = {}
+        self._readers: set[int] = set()  # transfers begun apart that only read their blocks
         self._fence_waits: dict[int, set[int]] = {}
         self._fences_on: dict[int, set[int]] = {}
 
@@ -54,6 +55,24 @@ class BlockLedger:
             )
         self._blocks_of[transfer_id] = blocks if type(blocks) is frozenset else frozenset(blocks)
 
+    def begin_apart(self, transfer_id: int, blocks: frozenset[int], *, reads: bool) -> bool:
+        """Begin ``transfer_id`` on ``blocks`` only if its copy may run beside every transfer
+        in flight: none shares a block, or both only read the blocks (``reads``: a gather;
+        a transfer begun with :meth:`begin` counts as writing them). ``False``, nothing
+        recorded, otherwise."""
+        if transfer_id in self._blocks_of:
+            raise ProtocolError(
+                f"transfer {transfer_id} begun twice", actor="BlockLedger", state="inflight"
+            )
+        readers = self._readers
+        for t, bs in self._blocks_of.items():
+            if not blocks.isdisjoint(bs) and not (reads and t in readers):
+                return False
+        self._blocks_of[transfer_id] = blocks
+        if reads:
+            readers.add(transfer_id)
+        return True
+
     def finish(self, transfer_id: int) -> list[int]:
         """Record completion (or failure) of ``transfer_id``; return the fences it released."""
         if self._blocks_of.pop(transfer_id, None) is None:
@@ -62,6 +81,7 @@ class BlockLedger:
                 actor="BlockLedger",
                 state="idle",
             )
+        self._readers.discard(transfer_id)
         fences = self._fences_on.pop(transfer_id, None)
         if not fences:
             return []

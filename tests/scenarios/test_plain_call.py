@@ -27,6 +27,7 @@ from typing import TYPE_CHECKING, Any
 import pytest
 
 from kvactors.actors import gather as gather_module
+from kvactors.actors.reply import Reply
 from kvactors.core.layouts import Direction
 from kvactors.devices.cpu import CpuBackend
 from kvactors.errors import ActorClosedError
@@ -359,3 +360,92 @@ def test_a_close_fails_a_plain_call_waiting_for_its_route_as_not_served() -> Non
         rt.close()
     closer.join(_WAIT)
     assert not closer.is_alive()
+
+
+class _HeldCopies(CpuBackend):
+    """Holds the copy of the transfer of block ids ``hold`` (inside its kernel, before any
+    byte moved) until ``open``; records the ids of each copy as it starts."""
+
+    def __init__(self, hold: tuple[int, ...]) -> None:
+        super().__init__()
+        self.hold = hold
+        self.entered = threading.Event()
+        self._open = threading.Event()
+        self.started: list[tuple[int, ...]] = []
+
+    def open(self) -> None:
+        self._open.set()
+
+    def transfer_kernel(
+        self, plan: Any, paged: Any, objects: Sequence[torch.Tensor], torch_kernel: Any
+    ) -> Any:
+        ids = tuple(plan.request.block_ids)
+
+        def kernel() -> None:
+            self.started.append(ids)
+            if ids == self.hold:
+                self.entered.set()
+                assert self._open.wait(_WAIT), "the held copy was never released"
+            torch_kernel()
+
+        return kernel
+
+
+def _in(thread: threading.Thread, code: Any) -> bool:
+    frame = sys._current_frames().get(thread.ident or -1)
+    while frame is not None:
+        if frame.f_code is code:
+            return True
+        frame = frame.f_back
+    return False
+
+
+@pytest.mark.parametrize("second", ["apart", "reading the same"])
+def test_cpu_copies_run_beside_each_other_unless_one_writes_what_another_touches(
+    second: str,
+) -> None:
+    backend = _HeldCopies(hold=(2, 3))
+    with Runtime(backend) as rt:
+        layers = paged(5)
+        out: dict[str, Any] = {}
+        a = _start(rt, layers, "A", (2, 3), out)
+        assert backend.entered.wait(_WAIT)
+        # A's copy is under way (held): a gather of other blocks, or of one of A's (both
+        # only read the paged blocks), runs to the end beside it.
+        b = _start(rt, layers, "B", (4, 5) if second == "apart" else (3, 4), out)
+        b.join(_WAIT)
+        assert not b.is_alive(), "the second copy waited for the first"
+        assert out == {"B": True}
+        backend.open()
+        a.join(_WAIT)
+        assert out == {"A": True, "B": True}
+        assert _gather_stats(rt).mailbox_peak == 0
+
+
+def test_a_cpu_copy_that_writes_blocks_of_a_copy_in_flight_runs_after_it() -> None:
+    backend = _HeldCopies(hold=(2, 3))
+    with Runtime(backend) as rt:
+        layers = paged(5)
+        before = expected_gather(layers, (2, 3))[0]
+        read = objects(1)
+        calls = {
+            # A reads blocks 2 and 3 (held in its copy); B then writes blocks 3 and 4.
+            "A": lambda: rt.transfer(request(Direction.D2H, (2, 3)), layers, read),
+            "B": lambda: rt.transfer(request(Direction.H2D, (3, 4)), layers, objects(1, 7.0)),
+        }
+        threads = {n: threading.Thread(target=fn, name=n) for n, fn in calls.items()}
+        threads["A"].start()
+        assert backend.entered.wait(_WAIT)
+        b = threads["B"]
+        b.start()
+        _until(lambda: _in(b, Reply.wait.__code__), b)
+        assert backend.started == [(2, 3)]  # B sleeps on A's copy; its own has not started
+        backend.open()
+        for t in threads.values():
+            t.join(_WAIT)
+        assert backend.started == [(2, 3), (3, 4)]
+        assert same(read[0], before)  # A read the blocks as they were before B's write
+        got = objects(1)
+        rt.transfer(request(Direction.D2H, (3, 4)), layers, got)
+        assert bool((got[0] == 7.0).all())  # and B's write landed
+        assert _gather_stats(rt).mailbox_peak == 0

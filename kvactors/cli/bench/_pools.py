@@ -66,7 +66,12 @@ class Pool:
         objects = [torch.ones(oshape, dtype=torch.bfloat16) for _ in range(chunks)]
         self.objects = [o.pin_memory() for o in objects] if pin else objects
         rng, self.bpo, self.tokens = random.Random(seed), tokens // BS, tokens
-        self.id_sets = [rng.sample(range(nb), self.bpo) for _ in range(256)]
+        # Set ``i`` lies in quarter ``i % 4`` of the blocks (when a quarter holds a chunk):
+        # the sets ``[c::4]`` of four callers are apart, as concurrent requests' blocks are.
+        q = nb // 4 if nb // 4 >= self.bpo else nb
+        self.id_sets = [
+            rng.sample(range(q * (i % 4) % nb, q * (i % 4) % nb + q), self.bpo) for i in range(256)
+        ]
         self.dims = (nl, nh, hs)
         self.shape = ShapeDesc(
             kv_size=spec.planes, nl=nl, nb=nb, bs=BS, nh=nh, hs=hs, element_size=2, dtype="bfloat16"

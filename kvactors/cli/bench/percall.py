@@ -3,7 +3,9 @@
 Per case (model, layout, direction; one chunk of 256 bf16 tokens, other block ids every call):
 ``torch``, the one ``index_select`` / ``index_copy_`` on the stacked pool making the same bytes,
 and ``kvactors``, the ``kvactors_cpu`` op called as LMCache calls it (without LMCache:
-``Runtime.transfer``), each with 1 and with 4 caller threads, the windows rotated.
+``Runtime.transfer``), each with 1 and with 4 caller threads, the windows rotated. The four
+callers' blocks lie apart, as concurrent requests' do (kvactors orders copies that write the
+same blocks; torch's calls would race); the one caller cycles over all of their block sets.
 """
 
 from __future__ import annotations
@@ -44,8 +46,9 @@ class PercallRow(msgspec.Struct, frozen=True, kw_only=True):
     scaling: dict[str, float]
 
 
-def _torch_call(pool: Pool, c: int, gather: bool) -> Callable[[], object]:
-    """Caller ``c``'s one torch call: its chunk seen in the stacked pool's axis order."""
+def _torch_call(pool: Pool, c: int, gather: bool, step: int = 4) -> Callable[[], object]:
+    """Caller ``c``'s one torch call: its chunk seen in the stacked pool's axis order, with
+    the block sets ``[c::step]``."""
     (nl, h, d), j, sp, obj = pool.dims, pool.bpo, pool.spec, pool.objects[c]
     if sp.is_mla:
         view = obj.view(nl, j, BS, d)
@@ -54,7 +57,7 @@ def _torch_call(pool: Pool, c: int, gather: bool) -> Callable[[], object]:
     else:
         v = obj.view(2, nl, j, BS, h, d)
         view = v.permute(1, 0, 2, 4, 3, 5) if sp.is_hnd else v.permute(1, 0, 2, 3, 4, 5)
-    sets, stack, dim = itertools.cycle(pool.id_sets[c::4]), pool.stack, pool.block_dim
+    sets, stack, dim = itertools.cycle(pool.id_sets[c::step]), pool.stack, pool.block_dim
     assert stack is not None
 
     def index() -> torch.Tensor:  # the cheapest index tensor there is
@@ -66,9 +69,9 @@ def _torch_call(pool: Pool, c: int, gather: bool) -> Callable[[], object]:
 
 
 def _kvactors_call(
-    pool: Pool, c: int, gather: bool, rt: Runtime
+    pool: Pool, c: int, gather: bool, rt: Runtime, step: int = 4
 ) -> tuple[str, Callable[[], object]]:
-    sets, objs = pool.id_sets[c::4], [pool.objects[c]]
+    sets, objs = pool.id_sets[c::step], [pool.objects[c]]
     req = pool.request(1 if gather else 0, sets[0])
     make = baseline("kvactors_op")
     if make is not None:
@@ -99,11 +102,16 @@ def run_percall(
             ours, theirs = Pool(model, layout, nb, 4), Pool(model, layout, nb, 4)  # apart
             for d in ("gather", "scatter"):
                 gather = d == "gather"
+                # Four callers on blocks apart (the sets [c::4]); one caller on every set,
+                # the same blocks as the four together.
                 torch_lanes = [Lane([("call", _torch_call(theirs, c, gather))]) for c in range(4)]
                 mine = [_kvactors_call(ours, c, gather, rt) for c in range(4)]
                 kva_lanes = [Lane([("call", fn)]) for _, fn in mine]
                 n = max(calls // 10, 4) if model == "8b" else calls
-                lanes = {"torch@1": torch_lanes[:1], "kvactors@1": kva_lanes[:1]}
+                lanes = {
+                    "torch@1": [Lane([("call", _torch_call(theirs, 0, gather, 1))])],
+                    "kvactors@1": [Lane([("call", _kvactors_call(ours, 0, gather, rt, 1)[1])])],
+                }
                 got = rates({**lanes, "torch@4": torch_lanes, "kvactors@4": kva_lanes}, n, rounds)
                 cps = {k: t.calls_per_s for k, t in got.items()}
                 row = PercallRow(
