@@ -20,8 +20,13 @@ the calling thread takes both turns without a message, validates and plans, ente
 ledger, gives the gather turn back and launches the copy, and the return value is the reply.
 Contended plain calls sleep on *routes*, two locks taken hand over hand (this actor's for its
 turn, then the stream's, taken before the first is let go: stream order is gather order), so
-the next caller plans while the copy before it runs. A plain call never overtakes a queued
-message: its claim fails while anything is queued, and it takes the mailbox. A sender that
+the next caller plans while the copy before it runs. A copy that completes once launched
+(CPU) takes the stream turn shared and lets the stream's route go: copies of several callers
+run side by side, unless one would write a block another in flight touches (or read one it
+writes), which waits for that one first (:meth:`BlockLedger.begin_apart
+<kvactors.core.ordering.BlockLedger.begin_apart>`, then a fence). A plain call never
+overtakes a queued message: its claim fails while anything is queued, and it takes the
+mailbox. A sender that
 finds the actor idle runs a mailbox turn on its own thread too; the turn ends once the
 ``Launch`` holds its place in the stream's mailbox (a send from inside a turn queues: the
 loop runs the stream's turn). Messages queued behind a busy actor are handled on the loop,
