@@ -92,7 +92,7 @@ def test_a_reply_made_off_loop_and_awaited_under_asyncio_never_blocks_the_loop()
     async def settled_while_awaited() -> int:
         waiter = asyncio.ensure_future(_await_value(reply))
         await asyncio.sleep(0)  # the await is parked on the reply
-        threading.Thread(target=reply.set_result, args=(7,)).start()
+        threading.Thread(target=reply.settle, args=(None, 7)).start()
         return await waiter
 
     assert _in_thread(lambda: asyncio.run(settled_while_awaited())) == 7
@@ -108,9 +108,9 @@ def test_a_reply_made_off_loop_and_awaited_under_asyncio_never_blocks_the_loop()
         return "cancelled"
 
     assert _in_thread(lambda: asyncio.run(cancelled())) == "cancelled"
-    assert dropped.cancelled()
-    dropped.set_result(1)  # a late answer is dropped
-    assert dropped.cancelled()
+    assert isinstance(dropped.exception(), asyncio.CancelledError)
+    dropped.settle(None, 1)  # a late answer is dropped
+    assert isinstance(dropped.exception(), asyncio.CancelledError)
 
 
 def test_a_reply_is_settled_once_and_wakes_every_await() -> None:
@@ -118,8 +118,8 @@ def test_a_reply_is_settled_once_and_wakes_every_await() -> None:
     as done; two awaits of one reply both wake."""
     seen: list[tuple[object, object]] = []
     reply: Reply[int] = Reply(lambda exc, value: seen.append((exc, reply.done())))
-    reply.set_result(1)
-    reply.set_exception(RuntimeError("late"))
+    reply.settle(None, 1)
+    reply.settle(RuntimeError("late"))
     assert not reply.cancel()
     assert reply.result() == 1
     assert seen == [(None, False)]
@@ -129,7 +129,7 @@ def test_a_reply_is_settled_once_and_wakes_every_await() -> None:
     async def both() -> list[int]:
         waits = [asyncio.ensure_future(_await_value(twice)) for _ in range(2)]
         await asyncio.sleep(0)  # both awaits are parked on the reply
-        threading.Thread(target=twice.set_result, args=(5,)).start()
+        threading.Thread(target=twice.settle, args=(None, 5)).start()
         return list(await asyncio.gather(*waits))
 
     assert _in_thread(lambda: asyncio.run(both())) == [5, 5]
@@ -151,7 +151,7 @@ def test_settling_a_trio_reply_never_waits_for_the_trio_loop() -> None:
         async with trio.open_nursery() as nursery:
             nursery.start_soon(wait)
             await trio_testing.wait_all_tasks_blocked()
-            settler = threading.Thread(target=reply.set_result, args=(3,))
+            settler = threading.Thread(target=reply.settle, args=(None, 3))
             settler.start()
             settler.join(_HANG)  # blocks trio's thread: a settle that waits for it hangs
             assert not settler.is_alive(), "the settling thread waited for trio's loop"

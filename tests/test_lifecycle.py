@@ -17,7 +17,7 @@ import pytest
 import torch
 
 import kvactors.runtime._runtime as runtime_mod
-from kvactors.actors.actor import Actor, Envelope
+from kvactors.actors.actor import Actor
 from kvactors.actors.group import DeviceActors
 from kvactors.core.layouts import Direction, KVFormat, ShapeDesc
 from kvactors.core.plans import TransferRequest
@@ -27,6 +27,7 @@ from kvactors.runtime import Runtime
 from kvactors.testing.manual import ManualBackend
 
 if TYPE_CHECKING:
+    from kvactors.actors.envelope import Envelope
     from kvactors.actors.reply import Reply
     from kvactors.devices.base import IPCHandle, IPCOwner
     from kvactors.runtime.observer import Call

@@ -28,15 +28,12 @@ any      stop / break_with                                           queued asks
                                                                      are refused
 =======  ==========================================================  ========================
 
-An interrupt (``KeyboardInterrupt``, ``SystemExit``) in a turn fails the envelope's reply
-unless the subclass took it over (it settles what it holds, see ``forget``) and goes on to
-the thread's caller as itself. The bound counts envelopes queued plus replies taken over
-and not settled: a send past it raises :class:`~kvactors.errors.MailboxFullError` or, with
-``tell``, waits for space; nothing is dropped. An exception from ``receive`` fails its ask,
-or for a tell breaks the actor. Stopping refuses sends, fails what is queued with
-:class:`ActorClosedError`, lets the subclass settle what it took over (``on_stop``) and
-ends the task; a graceful stop drains first. Subclasses override hooks only (``receive``,
-``on_stop``, ``went_idle``), never the fields.
+An exception from ``receive`` fails its ask (a tell's breaks the actor); an interrupt
+(``KeyboardInterrupt``, ``SystemExit``) fails the reply unless the subclass took it over
+(``forget``), then reaches the thread's caller as itself. The bound counts envelopes queued
+plus replies taken over: past it a send raises :class:`~kvactors.errors.MailboxFullError`
+(``tell`` waits for space). A stop drains (if graceful), refuses sends, fails the FIFO, lets
+the subclass settle what it took over (``on_stop``). Subclasses override hooks only.
 """
 
 from __future__ import annotations
@@ -46,10 +43,11 @@ import collections
 import contextlib
 import enum
 import threading
-from typing import TYPE_CHECKING, Any, ClassVar, Final, Generic, Literal, NoReturn, TypeVar, final
+from typing import TYPE_CHECKING, Any, ClassVar, Generic, Literal, TypeVar
 
 import msgspec
 
+from kvactors.actors.envelope import DEFERRED, Envelope
 from kvactors.actors.reply import Reply
 from kvactors.errors import (
     ActorBrokenError,
@@ -63,15 +61,7 @@ from kvactors.errors import (
 if TYPE_CHECKING:
     from collections.abc import Callable
 
-__all__ = (
-    "DEFERRED",
-    "Actor",
-    "ActorState",
-    "ActorStatistics",
-    "Envelope",
-    "on_loop",
-    "unreachable",
-)
+__all__ = ("Actor", "ActorState", "ActorStatistics", "on_loop")
 
 M = TypeVar("M")
 _running_loop = asyncio._get_running_loop
@@ -88,23 +78,6 @@ _turns = _Turns()
 def on_loop(loop: asyncio.AbstractEventLoop | None) -> bool:
     """Whether the calling thread is running ``loop``."""
     return loop is not None and _running_loop() is loop
-
-
-class _Deferred:
-    __slots__ = ()
-
-    def __repr__(self) -> str:
-        return "DEFERRED"
-
-
-DEFERRED: Final = _Deferred()
-"""Returned by ``receive`` when the actor settles the reply itself later."""
-
-
-def unreachable(msg: NoReturn) -> NoReturn:
-    """The ``case _`` of an exhaustive ``match`` on a protocol union: a message type added to
-    the union but not handled fails the type check here, and at run time raises."""
-    raise AssertionError(f"unhandled message {type(msg).__name__}")
 
 
 class ActorState(enum.Enum):
@@ -135,38 +108,6 @@ class ActorStatistics(msgspec.Struct, frozen=True, kw_only=True):
     deferred_pending: int
 
 
-@final
-class Envelope(msgspec.Struct, Generic[M], eq=False):
-    """A message, the operands riding beside it, the reply of an ask (else None), and the
-    sender's reply when that thread waits for it and may run the turn (else None).
-
-    Mutable, compared and hashed by identity (a set of deferred envelopes holds it), and
-    made in C: one per message."""
-
-    msg: M
-    operands: Any
-    reply: Reply[Any] | None
-    _timer: asyncio.TimerHandle | None = None
-
-    def resolve(self, value: Any) -> None:
-        """Settle the reply with ``value`` (a no-op for tells and for settled asks)."""
-        if self.reply is not None:
-            self.reply.settle(None, value)
-        if self._timer is not None:
-            self._disarm()
-
-    def fail(self, exc: BaseException) -> None:
-        """Settle the reply with ``exc`` (a no-op for tells and for settled asks)."""
-        if self.reply is not None:
-            self.reply.settle(exc)
-        self._disarm()
-
-    def _disarm(self) -> None:
-        timer, self._timer = self._timer, None
-        if timer is not None:
-            timer.cancel()
-
-
 class Actor(Generic[M]):
     """Base of every kvactors actor. Subclasses set ``accepts`` and implement ``receive``."""
 
@@ -174,13 +115,6 @@ class Actor(Generic[M]):
     turns_anywhere: ClassVar[bool] = False
     """Whether a sender on any thread may run an idle actor's turn itself (the subclass's
     handlers are thread-safe and touch no loop state); else only the loop's thread does."""
-
-    def __init_subclass__(cls, **kwargs: Any) -> None:
-        super().__init_subclass__(**kwargs)
-        # Whether the subclass hears ``went_idle`` (the base's hook costs no call otherwise).
-        cls._hears_idle = cls.went_idle is not Actor.went_idle
-
-    _hears_idle: ClassVar[bool] = False
 
     def __init__(self, name: str, *, capacity: int = 1024) -> None:
         if capacity <= 0:
@@ -193,15 +127,13 @@ class Actor(Generic[M]):
         self._fifo: collections.deque[Envelope[M]] = collections.deque()
         self._wake: asyncio.Event | None = None  # the task's: something queued for it
         self._changed: asyncio.Event | None = None  # what the actor holds changed
-        # Whether the loop waits on ``_changed`` (set on the loop only): a change on another
-        # thread then wakes the loop, else it costs nothing.
-        self._watched = False
+        self._watched = False  # the loop waits on ``_changed``: a change must wake it
         self._state = ActorState.CREATED
         self._cause: BaseException | None = None
         self._task: asyncio.Task[None] | None = None
         self._loop: asyncio.AbstractEventLoop | None = None
         self._busy = 0  # 0: idle; -1: a turn; n > 0: n shared holds
-        self._tells_idle = self._hears_idle  # whether went_idle is called (hear_idle)
+        self._tells_idle = False  # whether went_idle is called (hear_idle)
         self._peak = self._processed = self._failed = 0
         self._deferred: set[Envelope[M]] = set()
 
@@ -313,7 +245,7 @@ class Actor(Generic[M]):
             self._fifo.clear()
         closed = ActorClosedError("actor stopped before replying", actor=self.name)
         for env in queued:
-            env.fail(closed)
+            env.settle(closed)
         task, self._task = self._task, None
         try:
             await self.on_stop(closed)
@@ -322,7 +254,7 @@ class Actor(Generic[M]):
                 left = list(self._deferred)
                 self._deferred.clear()
             for env in left:
-                env.fail(closed)
+                env.settle(closed)
             if task is not None and not task.done():
                 task.cancel()
                 with contextlib.suppress(asyncio.CancelledError):
@@ -343,12 +275,11 @@ class Actor(Generic[M]):
     def went_idle(self) -> None:
         """Hook: the actor holds nothing now (no turn, envelope or reply), after a turn or
         a settle; called on the thread that saw it (any thread), so it must be short.
-        Called only when the subclass overrides it, and while :meth:`hear_idle` is on."""
+        Called only while :meth:`hear_idle` is on (off by default)."""
 
     def hear_idle(self, on: bool) -> None:
-        """Whether this actor's :meth:`went_idle` is called (on by default where the class
-        overrides it)."""
-        self._tells_idle = on and self._hears_idle
+        """Whether this actor's :meth:`went_idle` is called."""
+        self._tells_idle = on
 
     # ---- sending -------------------------------------------------------------------
 
@@ -383,12 +314,10 @@ class Actor(Generic[M]):
             self._wake_task()
 
     def claim(self, *, shared: bool = False) -> bool:
-        """Take the turn of an idle actor for a plain call (``False``, nothing changed, if it
-        is not idle: busy, something queued, not running, or no room in the bound). The
-        claimer runs the turn's work itself, without an envelope, and ends it with
-        :meth:`end_turn`; meanwhile every send queues behind it, as behind any turn. A
-        ``shared`` claim is also taken beside other shared ones (work that may overlap:
-        the claimers keep their own order), never beside a turn or before a queued send."""
+        """Take an idle actor's turn for a plain call, run by the claimer without an
+        envelope until :meth:`end_turn` (``False``, nothing changed, if the actor is busy, has
+        anything queued, does not run or has no room). A ``shared`` claim is also taken beside
+        other shared ones (work that may overlap), never beside a turn or a queued send."""
         with self._mutex:
             busy = self._busy
             if (
@@ -402,10 +331,8 @@ class Actor(Generic[M]):
             return True
 
     def end_turn(self, *, ran: bool = True) -> Literal[False]:
-        """End a turn taken with :meth:`claim` (counted as processed unless ``ran`` is false:
-        the claimer gave it back unused); once no claim is held, the task runs what queued
-        meanwhile, as after any turn. Returns False, the claim's new value
-        (``claimed = actor.end_turn()``: no line between the end and the flag)."""
+        """End a :meth:`claim` (processed unless ``ran`` is false); once none is held, the
+        task runs what queued meanwhile. Returns False: ``claimed = actor.end_turn()``."""
         with self._mutex:
             self._busy = 0 if self._busy < 0 else self._busy - 1
             self._processed += ran
@@ -429,40 +356,31 @@ class Actor(Generic[M]):
                 await self._until(lambda: self.pending < self._capacity)
 
     def ask_nowait(
-        self, msg: M, operands: Any = None, *, timeout: float | None = None
-    ) -> Reply[Any]:
-        """Send ``msg`` (on the loop) and return its reply (await it), failed past ``timeout``."""
-        if self._loop is None:
-            raise ActorClosedError("actor was never started", actor=self.name)
-        reply: Reply[Any] = Reply()
-        self.ask_into(reply, msg, operands, timeout=timeout)
-        return reply
-
-    def ask_into(
         self,
-        reply: Reply[Any],
         msg: M,
         operands: Any = None,
         *,
+        reply: Reply[Any] | None = None,
         timeout: float | None = None,
         here: bool = True,
-    ) -> None:
-        """Send ``msg`` with ``reply`` as its reply, from any thread. With ``here=False`` the
-        sender never runs the turn itself (an event loop's thread that must not block)."""
+    ) -> Reply[Any]:
+        """Send ``msg`` from any thread; return its reply (``reply``, else a new one), failed
+        past ``timeout``. With ``here=False`` the sender never runs the turn itself (a loop's
+        thread that must not block)."""
+        reply = Reply() if reply is None else reply
         env: Envelope[M] = Envelope(msg, operands, reply)
-        loop = self._loop
-        if timeout is not None and loop is not None:
+        if timeout is not None and (loop := self._loop) is not None:
             if on_loop(loop):
-                env._timer = loop.call_later(timeout, _expire, reply, self.name, msg, timeout)
+                _arm(env, loop, self.name, timeout)
             else:
                 loop.call_soon_threadsafe(_arm, env, loop, self.name, timeout)
         self._deliver(env, msg, here=here)
+        return reply
 
     # ---- replies taken over --------------------------------------------------------
 
     def defer(self, env: Envelope[M]) -> Callable[[BaseException | None, Any], None]:
-        """Take over ``env``'s reply; the returned callable settles it (exc, value), once,
-        from any thread."""
+        """Take over ``env``'s reply; the callable returned settles it once, from any thread."""
         with self._mutex:
             self._deferred.add(env)
 
@@ -477,12 +395,9 @@ class Actor(Generic[M]):
             try:
                 self._signal()
             finally:
-                if exc is None:
-                    env.resolve(value)
-                else:
-                    env.fail(exc)
-                    if env.reply is None and isinstance(exc, Exception):
-                        self.break_with(exc)
+                env.settle(exc, value)
+                if env.reply is None and isinstance(exc, Exception):  # a failed tell
+                    self.break_with(exc)
 
         return settle
 
@@ -498,7 +413,7 @@ class Actor(Generic[M]):
         try:
             self._signal()
         finally:
-            env.fail(exc)
+            env.settle(exc)
 
     def break_with(self, cause: BaseException) -> None:
         """Mark the actor broken: queued and later sends fail with ``ActorBrokenError``."""
@@ -512,7 +427,7 @@ class Actor(Generic[M]):
             self._deferred.clear()
         broken = ActorBrokenError("actor broke", actor=self.name, cause=cause)
         for env in left:
-            env.fail(broken)
+            env.settle(broken)
         self._signal()
 
     # ---- the turn ------------------------------------------------------------------
@@ -559,16 +474,16 @@ class Actor(Generic[M]):
             if env.reply is None:
                 self.break_with(exc)
             else:
-                env.fail(exc)
+                env.settle(exc)
         except BaseException as exc:
             # An interrupt (KeyboardInterrupt, SystemExit): a reply the handler did not take
             # over fails with it; the interrupt goes on to the thread's caller as itself.
             if env not in self._deferred:
-                env.fail(exc)
+                env.settle(exc)
             raise
         else:
             if result is not DEFERRED:
-                env.resolve(result)
+                env.settle(None, result)
         finally:
             _turns.inside = False
             self.end_turn()
@@ -590,19 +505,16 @@ class Actor(Generic[M]):
                 if running:
                     self._turn(env)
                 else:
-                    env.fail(self._refusal())
+                    env.settle(self._refusal())
                 # Drop the envelope now: an idle actor must not keep the last reply (and
                 # any tensors riding beside it) alive while it waits.
                 del env
 
 
 def _arm(env: Envelope[Any], loop: asyncio.AbstractEventLoop, actor: str, timeout: float) -> None:
-    reply = env.reply
-    if reply is not None and not reply.done():
-        env._timer = loop.call_later(timeout, _expire, reply, actor, env.msg, timeout)
-
-
-def _expire(reply: Reply[Any], actor: str, msg: object, timeout: float) -> None:
-    reply.set_exception(
-        DeadlineExceededError(actor=actor, message_type=type(msg).__name__, timeout=timeout)
-    )
+    # Fail ``env``'s reply past ``timeout`` seconds, unless it is settled by then.
+    if (reply := env.reply) is not None and not reply.done():
+        exc = DeadlineExceededError(
+            actor=actor, message_type=type(env.msg).__name__, timeout=timeout
+        )
+        env._timer = loop.call_later(timeout, reply.settle, exc)

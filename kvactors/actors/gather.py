@@ -54,7 +54,8 @@ from typing import TYPE_CHECKING, Any, Literal, final
 import msgspec
 import torch
 
-from kvactors.actors.actor import DEFERRED, Actor, ActorState, Envelope, unreachable
+from kvactors.actors.actor import Actor, ActorState
+from kvactors.actors.envelope import DEFERRED, Envelope, unreachable
 from kvactors.actors.reply import Reply
 from kvactors.actors.stream import StreamActor, Work
 from kvactors.core.layouts import Direction
@@ -508,13 +509,13 @@ class GatherActor(Actor[GatherRequest]):
         # True once the stream holds the Launch.
         stream = self._streams.get(handle)
         try:
-            stream.ask_into(reply, launch, work)
+            stream.ask_nowait(launch, work, reply=reply)
         except ActorClosedError:
             if not self._streams.replaced(stream):
                 raise
             # The directory retired that idle actor between the lookup and the send (it
             # refused the message, nothing ran): the handle's new actor takes it.
-            self._streams.get(handle).ask_into(reply, launch, work)
+            self._streams.get(handle).ask_nowait(launch, work, reply=reply)
         return True
 
     def _begin(

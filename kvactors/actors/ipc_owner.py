@@ -15,7 +15,8 @@ import itertools
 import logging
 from typing import TYPE_CHECKING, Any
 
-from kvactors.actors.actor import DEFERRED, Actor, Envelope, unreachable
+from kvactors.actors.actor import Actor
+from kvactors.actors.envelope import DEFERRED, Envelope, unreachable
 from kvactors.actors.reply import Reply
 from kvactors.core.protocols.ipc import CloseContext, ContextClosed, IPCRequest, Opened, OpenHandle
 from kvactors.core.protocols.stream import Sync
@@ -155,7 +156,7 @@ class IPCOwnerActor(Actor[IPCRequest]):
                 out.append(stream.ask_nowait(Sync(), timeout=self._sync_timeout))
             except Exception as exc:
                 failed: Reply[Any] = Reply()
-                failed.set_exception(exc)
+                failed.settle(exc)
                 out.append(failed)
         return out
 

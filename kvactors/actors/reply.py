@@ -1,19 +1,11 @@
 """The reply of an ask: one slot, settled once from any thread, then waited on or awaited.
 
-An actor puts an ask's answer into its :class:`Reply`. The first settle (``set_result``,
-``set_exception``, ``cancel``) wins, atomically, from whichever thread saw the outcome; every
-later one is a no-op. The reply has three faces:
-
-- blocking: :meth:`Reply.wait` sleeps the calling thread until the reply is settled or its
-  deadline passed.
-- awaitable: ``await reply`` under asyncio or trio. The settling thread never waits for the
-  awaiting loop: on that loop's thread it wakes the await in place, from any other thread it
-  only schedules the wake-up (``loop.call_soon_threadsafe``, ``TrioToken.run_sync_soon``).
-  It may be awaited more than once; cancelling an await cancels the reply: the answer is
-  dropped.
-- a callback: ``Reply(then)`` calls ``then(exc, value)`` once, synchronously, on the settling
-  thread, before the reply reads as done and its waiter wakes (a cancel passes a
-  ``CancelledError``).
+The first settle (:meth:`Reply.settle`, ``cancel``) wins, atomically, from whichever thread
+saw the outcome; every later one is a no-op. Three faces: :meth:`Reply.wait` sleeps the
+calling thread (with a deadline); ``await reply`` under asyncio or trio, where the settling
+thread never waits for the awaiting loop (on its thread it wakes the await in place, from
+another it schedules the wake-up), and cancelling an await cancels the reply; ``Reply(then)``
+calls ``then(exc, value)`` on the settling thread before the reply reads as done.
 """
 
 from __future__ import annotations
@@ -54,14 +46,6 @@ class Reply(Generic[T]):
         """Whether the reply was settled (or cancelled)."""
         return self._done
 
-    def set_result(self, value: T) -> None:
-        """Settle with ``value`` (a no-op once settled)."""
-        self.settle(None, value)
-
-    def set_exception(self, exc: BaseException) -> None:
-        """Settle with ``exc`` (a no-op once settled)."""
-        self.settle(exc, None)
-
     def cancel(self) -> bool:
         """Drop the answer: settle with ``CancelledError``; ``False`` if settled already."""
         return self.settle(asyncio.CancelledError(), None)
@@ -100,10 +84,6 @@ class Reply(Generic[T]):
             raise ProtocolError("not settled yet", actor="reply", state="pending")
         return self._exc
 
-    def cancelled(self) -> bool:
-        """Whether the reply was cancelled (its answer dropped)."""
-        return isinstance(self._exc, asyncio.CancelledError)
-
     # ---- the blocking face -----------------------------------------------------------
 
     def wait(self, timeout: float, what: str) -> T:
@@ -111,15 +91,14 @@ class Reply(Generic[T]):
         :class:`~kvactors.errors.DeadlineExceededError` (naming ``what``) past ``timeout``
         seconds."""
         if not self._done:
-            lock = self._lock = _held()  # published before the check: a settle releases it
+            lock = threading.Lock()
+            lock.acquire()
+            self._lock = lock  # published before the check: a settle releases it
             if not self._done:
                 lock.acquire(timeout=timeout)
-        if not self._done:
-            raise DeadlineExceededError(actor="runtime", message_type=what, timeout=timeout)
-        if self._exc is not None:
-            raise self._exc
-        value: T = self._value
-        return value
+            if not self._done:
+                raise DeadlineExceededError(actor="runtime", message_type=what, timeout=timeout)
+        return self.result()
 
     # ---- the awaitable face ----------------------------------------------------------
 
@@ -147,12 +126,6 @@ class Reply(Generic[T]):
             except BaseException:
                 self.cancel()  # nobody wants the answer now
                 raise
-
-
-def _held() -> threading.Lock:
-    lock = threading.Lock()
-    lock.acquire()
-    return lock
 
 
 def _wake_asyncio(

@@ -35,7 +35,8 @@ from typing import TYPE_CHECKING, Any, final
 
 import msgspec
 
-from kvactors.actors.actor import DEFERRED, Actor, Envelope, on_loop, unreachable
+from kvactors.actors.actor import Actor, on_loop
+from kvactors.actors.envelope import DEFERRED, Envelope, unreachable
 from kvactors.actors.lane import Lane
 from kvactors.core.protocols.stream import (
     EventRecord,
@@ -114,7 +115,6 @@ class StreamActor(Actor[StreamRequest]):
         self._records: set[tuple[Outbox[Any], int]] = set()
         #: Called on the loop when the actor holds nothing (see the module docstring).
         self._on_idle: Callable[[], None] | None = None
-        self.hear_idle(False)  # until the directory sets on_idle
         #: Set by the directory while it lists this actor as idle (no need to tell it again).
         self.idle_noted = False
 
@@ -224,7 +224,7 @@ class StreamActor(Actor[StreamRequest]):
                 work.fn()
             except BaseException as exc:
                 self.count_failure()
-                env.fail(_failed(exc, tid, device))
+                env.settle(_failed(exc, tid, device))
                 if isinstance(exc, Exception):
                     return DEFERRED
                 raise

@@ -197,7 +197,7 @@ class Runtime:
         for reply, msg in list(leftovers.items()):
             # Only a stop that did not finish leaves replies here: a transfer among them may
             # have been enqueued, so it is not "not served".
-            reply.set_exception(
+            reply.settle(
                 TransferAbandonedError(
                     "the runtime closed before replying; the copy may still land",
                     transfer_id=msg.transfer_id,
@@ -262,15 +262,15 @@ class Runtime:
                 observers.started(call)  # admission: in mailbox order
             actor = pick(actors)
             try:
-                actor.ask_into(reply, msg, operands)
+                actor.ask_nowait(msg, operands, reply=reply)
             except ActorClosedError:
                 if not actors.streams.replaced(actor):
                     raise
                 # A stream's idle actor retired between the lookup and the send (it refused
                 # the message, nothing ran): the handle's new actor takes it.
-                pick(actors).ask_into(reply, msg, operands)
+                pick(actors).ask_nowait(msg, operands, reply=reply)
         except Exception as exc:
-            reply.set_exception(exc)
+            reply.settle(exc)
         except BaseException as exc:
             # An interrupt in the turn this thread ran (the turn settled what it held): it
             # reaches the caller as itself, even when the reply was settled already.
@@ -339,9 +339,9 @@ class Runtime:
         try:
             if call is not None:
                 observers.started(call)  # admission: in mailbox order
-            pick(actors).ask_into(reply, msg, operands, timeout=t, here=False)
+            pick(actors).ask_nowait(msg, operands, reply=reply, timeout=t, here=False)
         except BaseException as exc:
-            reply.set_exception(exc)
+            reply.settle(exc)
         return reply
 
     # ---- transfers -----------------------------------------------------------------
@@ -603,11 +603,11 @@ def _operands(paged: Any, objects: Sequence[torch.Tensor]) -> TransferOperands:
 def _settle_from(fut: concurrent.futures.Future[None], reply: Reply[None]) -> None:
     # ``reply`` as ``fut`` ended (a cancelled ``fut`` as a closed request).
     if fut.cancelled():
-        reply.set_exception(ActorClosedError("request cancelled", actor="runtime"))
+        reply.settle(ActorClosedError("request cancelled", actor="runtime"))
     elif (exc := fut.exception()) is not None:
-        reply.set_exception(exc)
+        reply.settle(exc)
     else:
-        reply.set_result(None)
+        reply.settle(None)
 
 
 def _gather(actors: DeviceActors) -> Actor[Any]:

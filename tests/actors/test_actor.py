@@ -8,7 +8,8 @@ from typing import Any
 import msgspec
 import pytest
 
-from kvactors.actors.actor import DEFERRED, Actor, ActorState, Envelope
+from kvactors.actors.actor import Actor, ActorState
+from kvactors.actors.envelope import DEFERRED, Envelope
 from kvactors.errors import (
     ActorBrokenError,
     ActorClosedError,

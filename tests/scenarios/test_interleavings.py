@@ -230,7 +230,7 @@ class Interpreter:
         tid = next(self.ids)
         msg = Transfer(transfer_id=tid, request=req, stream_handle=handle)
         fut: Reply[Any] = Reply(then)
-        self.dev.gather.ask_into(fut, msg, TransferOperands(self.src, objs))
+        self.dev.gather.ask_nowait(msg, TransferOperands(self.src, objs), reply=fut)
         self.launched += 1
         self.positions.append((handle, position, fut))
         return fut
