@@ -74,6 +74,14 @@ v = torch.__version__.split("+")[0]
 sys.exit(0 if v == sys.argv[1] else f"torch {v} installed, the matrix expects {sys.argv[1]}")' "$2"
 }
 
+# The venvs below take about 18 GB (two torch matrix venvs of 5.4 GB with their CUDA
+# libraries, the vLLM venv 3.7 GB, two of 1.5 GB): say so up front, not as ENOSPC later.
+NEED_GB=20
+free_gb=$(df -Pk . | awk 'NR == 2 { print int($4 / 1048576) }')
+echo "== disk: ${free_gb} GB free here; the test job's venvs take about ${NEED_GB} GB"
+if [ "$free_gb" -lt "$NEED_GB" ]; then
+    echo "== warning: less free disk than the venvs need; setup may fail with ENOSPC" >&2
+fi
 step "setup: .venv (scripts/setup.sh --test main)" bash scripts/setup.sh --test main
 echo "== [+$((SECONDS - START)) s] setup of the other venvs starts in the background"
 set -m  # its own process group, so an early exit can stop all of it
