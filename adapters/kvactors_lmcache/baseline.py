@@ -120,6 +120,7 @@ def _vendor_ops_transfer(
     objects: Sequence[torch.Tensor],
     device: torch.device,
     id_sets: Sequence[Sequence[int]] | None,
+    record: bool,
 ) -> Callable[[], None]:
     import importlib
 
@@ -133,14 +134,25 @@ def _vendor_ops_transfer(
         raise MissingDependencyError(
             f"lmcache {getattr(lmcache, '__version__', '?')} has no {cls}", package="lmcache"
         ) from exc
-    return _call(
-        ops.multi_layer_block_kv_transfer,
-        request,
-        paged,
-        objects,
-        device,
-        id_sets=id_sets,
-    )
+    call = _call(ops.multi_layer_block_kv_transfer, request, paged, objects, device, id_sets)
+    return _recording(ops, call, device) if record else call
+
+
+def _recording(ops: Any, call: Callable[[], None], device: torch.device) -> Callable[[], None]:
+    # The LMCache-driven path's pattern: each transfer followed by a completion record on
+    # the caller's current stream (its native handle), drained by the caller here.
+    import torch
+
+    module = getattr(torch, device.type)
+    attr = f"{device.type}_stream"
+    record, drain = ops.record_completion_on_stream, ops.drain_recorded_completions
+
+    def recorded() -> None:
+        call()
+        record(int(getattr(module.current_stream(), attr)), "finish", b"")
+        drain()
+
+    return recorded
 
 
 def lmcache_mlu_ops(
@@ -149,12 +161,15 @@ def lmcache_mlu_ops(
     objects: Sequence[torch.Tensor],
     device: torch.device,
     id_sets: Sequence[Sequence[int]] | None = None,
+    *,
+    record: bool = False,
 ) -> Callable[[], None]:
     """LMCache's own ``MluDeviceOps`` (lmcache >= 0.5.7) on the operands (each call with the
-    next of ``id_sets``' block ids when given); MissingDependencyError if absent."""
+    next of ``id_sets``' block ids when given; with ``record`` each followed by a completion
+    record on the current stream, then a drain); MissingDependencyError if absent."""
     return _vendor_ops_transfer(
         "lmcache.v1.platform.devices.mlu.device_ops", "MluDeviceOps", request, paged, objects,
-        device, id_sets,
+        device, id_sets, record,
     )  # fmt: skip
 
 
@@ -164,12 +179,14 @@ def lmcache_musa_ops(
     objects: Sequence[torch.Tensor],
     device: torch.device,
     id_sets: Sequence[Sequence[int]] | None = None,
+    *,
+    record: bool = False,
 ) -> Callable[[], None]:
     """LMCache's built-in ``MusaDeviceOps`` on the operands (the caller's current stream; each
-    call with the next of ``id_sets``' block ids when given)."""
+    call with the next of ``id_sets``' block ids when given; ``record`` as for MLU)."""
     return _vendor_ops_transfer(
         "lmcache.v1.platform.devices.musa.device_ops", "MusaDeviceOps", request, paged, objects,
-        device, id_sets,
+        device, id_sets, record,
     )  # fmt: skip
 
 
@@ -180,18 +197,21 @@ def kvactors_vendor_op(
     objects: Sequence[torch.Tensor],
     device: torch.device,
     id_sets: Sequence[Sequence[int]] | None = None,
+    *,
+    record: bool = False,
 ) -> Callable[[], None]:
     """The ``kvactors_mlu`` / ``kvactors_musa`` plugin's op (``KvactorsMluOps`` /
     ``KvactorsMusaOps``, as LMCache calls it: returns once the copies are enqueued on the
     caller's current stream) on ``runtime``, each call with the next of ``id_sets``' block
-    ids when given."""
+    ids when given (with ``record``, each followed by a completion record and a drain)."""
     from kvactors_lmcache.ops import ops_class_for
 
     def make() -> Any:
         return ops_class_for(device.type)(runtime_factory=lambda backend, index: runtime)
 
     ops = _shared((device.type, runtime), make)  # keeps the runtime: no id reused
-    return _call(ops.multi_layer_block_kv_transfer, request, paged, objects, device, id_sets)
+    call = _call(ops.multi_layer_block_kv_transfer, request, paged, objects, device, id_sets)
+    return _recording(ops, call, device) if record else call
 
 
 def kvactors_op_transfer(

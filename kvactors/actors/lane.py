@@ -61,7 +61,7 @@ class Lane:
         self._thread.start()
         self._reaper.start()
 
-    def submit(self, job: Callable[[], None]) -> None:
+    def submit(self, job: Callable[[], object]) -> None:
         """Queue ``job`` behind every job submitted before it."""
         with self._lock:
             self._submitted += 1

@@ -8,12 +8,14 @@ the event loop). ``Launch`` puts device work on the stream and hands its lease t
 which answers only when the work's marker completed (rule 3, own until done); a launch whose
 marker is already complete (CPU) answers at once, on the thread that launched it.
 ``RecordCompletion`` and ``RecordEvent`` reserve their slot
-in the outbox at once (submission order) but publish from the lane only after synchronizing the
-stream, so no record becomes drainable before every earlier piece of work on the stream ran
-(rule 1, sync-then-publish). ``Sync`` is the same barrier with a reply.
+in the outbox at once (submission order) and put a marker on the stream behind every earlier
+launch (a borrowed stream's caller marked it in its call); the reaper publishes once that
+marker completed, so no record becomes drainable before every earlier piece of work on the
+stream ran (rule 1, sync-then-publish), and the lane never waits for the device for it.
+``Sync`` synchronizes the stream on the lane and replies.
 
 A failure reported by the device is a failure: a launch that fails answers with
-:class:`~kvactors.errors.TransferFailedError`; a record whose sync failed is withdrawn (never
+:class:`~kvactors.errors.TransferFailedError`; a record whose marker failed is withdrawn (never
 published) and breaks the actor, since a stream with a sticky error cannot order anything.
 
 Stopping lets the lane finish what is queued (bounded); a record whose publish job did not run
@@ -57,7 +59,7 @@ from kvactors.errors import (
 
 if TYPE_CHECKING:
     from kvactors.actors.outbox import Outbox
-    from kvactors.devices.base import Backend, Marker, StreamLike
+    from kvactors.devices.base import Backend, StreamLike
 
 __all__ = ("StreamActor", "Work")
 
@@ -123,15 +125,6 @@ class StreamActor(Actor[StreamRequest]):
         t0 = time.perf_counter()
         try:
             self.backend.synchronize(self.stream)
-        finally:
-            self.sync_seconds += time.perf_counter() - t0
-            self.syncs += 1
-
-    def _wait(self, marker: Marker) -> None:
-        # Runs on the lane thread: a record's marker, never the (borrowed) stream itself.
-        t0 = time.perf_counter()
-        try:
-            marker.synchronize()
         finally:
             self.sync_seconds += time.perf_counter() - t0
             self.syncs += 1
@@ -316,8 +309,13 @@ class StreamActor(Actor[StreamRequest]):
         done(exc)
 
     def _record(self, env: Envelope[StreamRequest], outbox: Outbox[Any], record: Any) -> None:
-        # An interrupt before the publish job was queued withdraws the slot (counted), so
-        # the records behind it are not held back.
+        # The slot is reserved now (submission order). A marker stands for everything before
+        # the record on the stream: the caller's (a borrowed stream, marked in its call) or
+        # one put on this stream behind every earlier launch (here, when the lane holds no
+        # job and this is not the loop's thread; else by a lane job). The reaper publishes
+        # once that marker completed and every earlier lease was dropped: nothing waits for
+        # the device meanwhile. An interrupt before the marker was handed over withdraws the
+        # slot (counted), so the records behind it are not held back.
         seq = -1
         queued = False
         try:
@@ -327,31 +325,38 @@ class StreamActor(Actor[StreamRequest]):
             marker = env.operands  # a borrowed stream's marker, recorded in the caller's call
             env.operands = None
             settle = self.defer(env)
-            lane = self.lane
+            lane, backend, stream = self.lane, self.backend, self.stream
 
-            def published() -> None:
-                outbox.publish(seq, record)
-                self._records.discard(mine)
-                settle(None, None)
-
-            def publish() -> None:
-                try:
-                    if marker is None:
-                        self._synchronize()
-                    else:
-                        self._wait(marker)
-                except BaseException as exc:
+            def reached(err: BaseException | None) -> None:
+                if err is None:
+                    outbox.publish(seq, record)
+                    self._records.discard(mine)
+                    settle(None, None)
+                else:
                     outbox.withdraw(seq)
                     self._records.discard(mine)
-                    settle(_sync_failed(exc, self._device), None)
-                    return
-                if marker is None:
-                    published()  # the stream synchronized: everything before ran
-                else:
-                    lane.after_reaped(published)  # and kvactors' earlier launches completed
+                    settle(_sync_failed(err, self._device), None)
 
-            lane.submit(publish)
-            queued = True
+            def mark() -> bool:
+                err: Exception | None = None
+                try:
+                    m = backend.record_marker(stream) if marker is None else marker
+                    if not (self._completes and lane.reaper_idle()):
+                        return lane.watch(m, None, reached)
+                    # Work that completes once launched (CPU), no lease held: everything
+                    # before ran. The synchronize returns at once; a stream error surfaces.
+                    m.synchronize()
+                except Exception as exc:
+                    err = exc
+                reached(err)
+                return True
+
+            loop = self.loop
+            if lane.jobs_idle() and (loop is None or _running_loop() is not loop):
+                queued = mark()
+            else:
+                lane.submit(mark)
+                queued = True
         except BaseException as exc:
             if not queued:
                 if seq >= 0 and outbox.withdraw(seq):

@@ -350,8 +350,8 @@ def test_handle_path_pointers_resolve_only_when_registered() -> None:
 def test_mlu_completion_published_only_after_stream_work(monkeypatch: pytest.MonkeyPatch) -> None:
     """Sync-then-publish through the runtime's StreamActor on a (fake, asynchronous) MLU.
 
-    The host bytes are captured at the instant the record is published (a spy on the outbox,
-    on the lane thread), not after a later barrier that would hide the order.
+    The host bytes are captured at the instant the record is published (a spy on the outbox's
+    publish), not after a later barrier that would hide the order.
     """
     from kvactors.runtime import Runtime
     from kvactors.testing import fake_vendor

@@ -3,8 +3,10 @@
 Per layout LMCache serves there, both ops move the same blocks with LMCache's argument types
 (8 layers in one allocation, 2 chunks of 4 blocks, bf16, other ids every call), returning once
 the copies are enqueued on the caller's stream: the engine's pattern (three store threads and
-one retrieving thread, each on its own stream: ``4``) and one thread making that mix (``1``).
-One vendor per interpreter (``python -m kvactors.cli.bench.vendor mlu``).
+one retrieving thread, each on its own stream: ``4``), one thread making that mix (``1``), and
+that thread with each transfer followed by a completion record on its stream and a drain, as
+LMCache's server-driven path records one (``ld``). One vendor per interpreter
+(``python -m kvactors.cli.bench.vendor mlu``).
 """
 
 from __future__ import annotations
@@ -29,6 +31,8 @@ if TYPE_CHECKING:
     from kvactors.testing import FakeVendor
 
 __all__ = ("VENDOR_LAYOUTS", "VendorRow", "format_vendor", "measure_vendor", "pool", "run_vendor")
+
+_PATTERNS = ("1", "4", "ld")
 
 VENDOR_LAYOUTS = {"mlu": ("nhd", "hnd", "mla"), "musa": ("nhd", "mla", "kv_list")}
 """Layouts LMCache's own backend serves, per vendor."""
@@ -56,8 +60,9 @@ def pool(fake: FakeVendor, layout: str) -> Pool:
 def _patterns(
     makers: dict[str, Any], p: Pool, dev: Any, sets: list[Any], mod: Any
 ) -> dict[tuple[str, str], list[Lane]]:
-    """Per contender: ``1`` one thread making the engine's mix, ``4`` the engine's threads;
-    every thread on its own stream, its windows ending with that stream synchronized."""
+    """Per contender: ``1`` one thread making the engine's mix, ``4`` the engine's threads,
+    ``ld`` the mix with a record after each transfer; every thread on its own stream, its
+    windows ending with that stream synchronized."""
 
     def lane(calls: list[tuple[str, Callable[[], object]]]) -> Lane:
         s = mod.Stream()
@@ -65,10 +70,18 @@ def _patterns(
 
     out: dict[tuple[str, str], list[Lane]] = {}
     for name, make in makers.items():
-        store = [make(p.request(1, sets[k]), p.paged, p.objects, dev, sets[k::4]) for k in range(3)]
-        mix = [("store", f) for f in store]
-        mix.append(("retrieve", make(p.request(0, sets[3]), p.paged, p.objects, dev, sets[3::4])))
-        out[name, "1"], out[name, "4"] = [lane(mix)], [lane([c]) for c in mix]
+        for record in (False, True):
+            calls = [
+                (
+                    tag,
+                    make(p.request(d, sets[k]), p.paged, p.objects, dev, sets[k::4], record=record),
+                )
+                for k, (tag, d) in enumerate((("store", 1),) * 3 + (("retrieve", 0),))
+            ]
+            if record:
+                out[name, "ld"] = [lane(calls)]
+            else:
+                out[name, "1"], out[name, "4"] = [lane(calls)], [lane([c]) for c in calls]
     return out
 
 
@@ -104,8 +117,8 @@ def measure_vendor(kind: str, *, calls: int = 30, rounds: int = 3) -> list[Vendo
                 got = rates(_patterns(makers, p, dev, sets, getattr(torch, kind)), calls, rounds)
                 for name in makers:
                     for d, tag in (("gather", "store"), ("scatter", "retrieve")):
-                        host = {n: got[name, n].p50_us[tag] for n in "14"}
-                        cps = {n: got[name, n].calls_per_s for n in "14"}
+                        host = {n: got[name, n].p50_us[tag] for n in _PATTERNS}
+                        cps = {n: got[name, n].calls_per_s for n in _PATTERNS}
                         key = {"vendor": kind, "layout": layout, "direction": d}
                         row = {**key, "contender": name, "host_us": host, "calls_per_s": cps}
                         rows.append(msgspec.convert(row, VendorRow))
@@ -135,7 +148,8 @@ def run_vendor(calls: int, rounds: int, python: str | None) -> tuple[list[Vendor
 
 def format_vendor(rows: Sequence[VendorRow]) -> str:
     """Host us per call (1 thread / the engine's 4) of both contenders, kvactors' over
-    LMCache's, and kvactors' aggregate calls/s with 4 threads over 1."""
+    LMCache's (also with a record after each transfer: ``ld``), and kvactors' aggregate
+    calls/s with 4 threads over 1."""
     by: dict[tuple[str, str, str], dict[str, VendorRow]] = {}
     for r in rows:
         by.setdefault((r.vendor, r.layout, r.direction), {})[r.contender] = r
@@ -150,13 +164,15 @@ def format_vendor(rows: Sequence[VendorRow]) -> str:
         "lmc 4",
         "kva/lmc 1",
         "4",
+        "ld",
         "kva 4/1",
     )
     return table(
         "fake vendors: host us per call until it returned (1 thread / the engine's 4)",
         head,
         ((*k, r.host_us["1"], r.host_us["4"], m["1"], m["4"], r.host_us["1"] / m["1"],
-          r.host_us["4"] / m["4"], r.calls_per_s["4"] / r.calls_per_s["1"]) for k, r, m in g),
+          r.host_us["4"] / m["4"], r.host_us["ld"] / m["ld"],
+          r.calls_per_s["4"] / r.calls_per_s["1"]) for k, r, m in g),
     )  # fmt: skip
 
 
