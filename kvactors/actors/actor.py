@@ -91,11 +91,9 @@ class ActorState(enum.Enum):
 
 
 class ActorStatistics(msgspec.Struct, frozen=True, kw_only=True):
-    """A frozen snapshot of one actor's counters.
-
-    ``mailbox_depth`` counts envelopes waiting; ``deferred_pending`` replies taken over and not
-    yet settled; both count against ``capacity``, and ``mailbox_peak`` is their highest sum.
-    """
+    """A frozen snapshot of one actor's counters. ``mailbox_depth`` (envelopes waiting) and
+    ``deferred_pending`` (replies taken over) count against ``capacity``; ``mailbox_peak``
+    is their highest sum."""
 
     name: str
     state: Literal["created", "running", "stopping", "stopped", "broken"]
@@ -125,8 +123,8 @@ class Actor(Generic[M]):
         self._capacity = capacity
         self._mutex = threading.Lock()  # the FIFO, the turn, the deferred set, the state
         self._fifo: collections.deque[Envelope[M]] = collections.deque()
-        self._wake: asyncio.Event | None = None  # the task's: something queued for it
-        self._changed: asyncio.Event | None = None  # what the actor holds changed
+        self._wake = asyncio.Event()  # the task's: something queued for it
+        self._changed = asyncio.Event()  # what the actor holds changed
         self._watched = False  # the loop waits on ``_changed``: a change must wake it
         self._state = ActorState.CREATED
         self._cause: BaseException | None = None
@@ -180,10 +178,7 @@ class Actor(Generic[M]):
             )
 
     def __repr__(self) -> str:
-        return (
-            f"<{type(self).__name__} {self.name} {self._state.name} "
-            f"depth={len(self._fifo)} deferred={len(self._deferred)}>"
-        )
+        return f"<{type(self).__name__} {self.name} {self._state.name} pending={self.pending}>"
 
     # ---- lifecycle -----------------------------------------------------------------
 
@@ -192,7 +187,6 @@ class Actor(Generic[M]):
         if self._state is not ActorState.CREATED:
             raise ActorClosedError(f"cannot start from {self._state.value}", actor=self.name)
         self._loop = loop = asyncio.get_running_loop() if loop is None else loop
-        self._wake, self._changed = asyncio.Event(), asyncio.Event()
         self._state = ActorState.RUNNING
         if on_loop(loop):
             self._spawn()
@@ -209,13 +203,12 @@ class Actor(Generic[M]):
 
     async def _until(self, ready: Callable[[], bool]) -> None:
         # On the loop: sleep until ``ready()``, checked again whenever what it holds changed.
-        changed = self._changed
-        while changed is not None:
+        while True:
             self._watched = True  # before the check: a change after it wakes the loop
             if ready():
                 return
-            changed.clear()
-            await changed.wait()
+            self._changed.clear()
+            await self._changed.wait()
 
     def close_if_idle(self) -> bool:
         """Refuse every later send if the actor holds nothing now (atomic with sends); the
@@ -228,12 +221,11 @@ class Actor(Generic[M]):
 
     async def stop(self, *, graceful: bool = True, timeout: float | None = None) -> None:
         """Stop: optionally drain first (bounded by ``timeout``), then fail whatever is left."""
-        if self._state is ActorState.CREATED:
+        state = self._state
+        if state is ActorState.CREATED or state is ActorState.STOPPED:
             self._state = ActorState.STOPPED
             return
-        if self._state is ActorState.STOPPED or (
-            self._state is ActorState.STOPPING and self._task is None  # a stop in progress
-        ):
+        if state is ActorState.STOPPING and self._task is None:  # a stop in progress
             return
         if graceful and self._state is ActorState.RUNNING:
             with contextlib.suppress(asyncio.TimeoutError):
@@ -273,9 +265,8 @@ class Actor(Generic[M]):
         """Hook: settle (complete or fail) everything the subclass took over. Bounded."""
 
     def went_idle(self) -> None:
-        """Hook: the actor holds nothing now (no turn, envelope or reply), after a turn or
-        a settle; called on the thread that saw it (any thread), so it must be short.
-        Called only while :meth:`hear_idle` is on (off by default)."""
+        """Hook: the actor holds nothing now (no turn, envelope or reply); called while
+        :meth:`hear_idle` is on (off by default), on the thread that saw it: keep it short."""
 
     def hear_idle(self, on: bool) -> None:
         """Whether this actor's :meth:`went_idle` is called."""
@@ -294,8 +285,7 @@ class Actor(Generic[M]):
                 raise UnknownMessageError(actor=self.name, message_type=type(msg).__name__)
             if depth > self._capacity:
                 raise MailboxFullError(actor=self.name, capacity=self._capacity)
-            if depth > self._peak:
-                self._peak = depth
+            self._peak = max(self._peak, depth)
             busy = self._busy
             if (
                 here
@@ -311,7 +301,7 @@ class Actor(Generic[M]):
         if here:
             self._turn(env)
         elif not busy:
-            self._wake_task()
+            self._on_loop(self._wake.set)
 
     def claim(self, *, shared: bool = False) -> bool:
         """Take an idle actor's turn for a plain call, run by the claimer without an
@@ -338,7 +328,7 @@ class Actor(Generic[M]):
             self._processed += ran
             more = not self._busy and bool(self._fifo)
         if more:
-            self._wake_task()
+            self._on_loop(self._wake.set)
         if self._watched or self._tells_idle:  # else _signal has nobody to tell
             self._signal()
         return False
@@ -434,18 +424,15 @@ class Actor(Generic[M]):
 
     def _signal(self) -> None:
         # What the actor holds changed: tell the hook if it holds nothing, and the loop if
-        # it waits for a change (on the loop's thread only; another thread wakes the loop).
+        # it waits for a change.
         if self._tells_idle and not (self._busy or self._fifo or self._deferred):
             self.went_idle()
-        loop, changed = self._loop, self._changed
-        if loop is None or changed is None or not self._watched:
-            return
-        if _running_loop() is loop:
-            self._watched = False
-            changed.set()
-        else:
-            with contextlib.suppress(RuntimeError):  # a closed loop: nobody waits
-                loop.call_soon_threadsafe(self._signal)
+        if self._watched:
+            self._on_loop(self._changed_now)
+
+    def _changed_now(self) -> None:
+        self._watched = False
+        self._changed.set()
 
     def _refusal(self) -> ActorClosedError | ActorBrokenError:
         # What a send to (or an envelope left in) an actor that does not run gets.
@@ -453,15 +440,13 @@ class Actor(Generic[M]):
             return ActorBrokenError("actor is broken", actor=self.name, cause=self._cause)
         return ActorClosedError(f"actor is {self._state.value}", actor=self.name)
 
-    def _wake_task(self) -> None:
-        wake, loop = self._wake, self._loop
-        if wake is None or loop is None:
-            return
-        if on_loop(loop):
-            wake.set()
-        else:
-            with contextlib.suppress(RuntimeError):  # a closed loop: its stop failed the FIFO
-                loop.call_soon_threadsafe(wake.set)
+    def _on_loop(self, fn: Callable[[], object]) -> None:
+        # ``fn`` on the loop's thread: now if this is it, else scheduled there.
+        if (loop := self._loop) is not None and _running_loop() is loop:
+            fn()
+        elif loop is not None:
+            with contextlib.suppress(RuntimeError):  # a closed loop: nobody waits any more
+                loop.call_soon_threadsafe(fn)
 
     def _turn(self, env: Envelope[M]) -> None:
         # The claimed turn (``_busy`` set by the claimer): handle ``env``, end the turn.
@@ -469,8 +454,7 @@ class Actor(Generic[M]):
             _turns.inside = True
             result = self.receive(env)
         except Exception as exc:
-            with self._mutex:
-                self._failed += 1
+            self.count_failure()
             if env.reply is None:
                 self.break_with(exc)
             else:
@@ -491,7 +475,6 @@ class Actor(Generic[M]):
     async def _run(self) -> None:
         # Runs on the loop, in FIFO order, what queued.
         wake = self._wake
-        assert wake is not None
         while True:
             await wake.wait()
             wake.clear()

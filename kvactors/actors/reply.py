@@ -52,8 +52,7 @@ class Reply(Generic[T]):
 
     def settle(self, exc: BaseException | None, value: Any = None) -> bool:
         """Settle with ``exc``, else with ``value``; ``False`` (a no-op) if settled already."""
-        # ``next`` on the claim counter is one atomic step (a C call under the GIL): of two
-        # racing settles exactly one writes the reply.
+        # ``next`` on the counter is one atomic C call: of racing settles one writes.
         if self._done or next(self._claims):
             return False
         self._value, self._exc = value, exc
@@ -71,10 +70,8 @@ class Reply(Generic[T]):
     def result(self) -> T:
         """The value the reply was settled with, or raise its exception (``ProtocolError``
         before it is settled)."""
-        if not self._done:
-            raise ProtocolError("not settled yet", actor="reply", state="pending")
-        if self._exc is not None:
-            raise self._exc
+        if (exc := self.exception()) is not None:
+            raise exc
         value: T = self._value
         return value
 
