@@ -7,6 +7,12 @@ binding, one core per rank (``VLLM_CPU_OMP_THREADS_BIND=0|1``), runs. Checks: hi
 logprob bits equal a native-prefix-caching server with the same parallelism; the tap ran in
 two worker processes, each restored every hit of its own heads, bit-identical to its stores;
 each worker's metrics endpoint (``KVACTORS_METRICS_PORT`` + its rank) counts its transfers.
+
+Two TP=2 servers on two cores: a PING or lookup from the connector to the LMCache server can go
+unanswered for longer than LMCache's 10 s heartbeat, which puts the connector in degraded mode,
+where lookups answer no hit. The kvactors server's heartbeat is 30 s
+(``lmcache.mp.heartbeat_interval``), the native server is stopped once its answers are in, and
+a degraded connector fails the test by name.
 """
 
 from __future__ import annotations
@@ -27,12 +33,13 @@ pytestmark = pytest.mark.skipif(
 )
 
 TP_BIND = "0|1"  # one core per rank (vLLM's CPU syntax: ranks separated by "|")
+HEARTBEAT_S = 30.0  # LMCache's server reaps a silent worker after 120 s: at least 3 heartbeats
 
 
 @pytest.fixture(scope="module")
 def tp(tmp_path_factory: pytest.TempPathFactory) -> dict[str, Any]:
     from kvactors_lmcache.endpoint import METRICS_ENV
-    from kvactors_lmcache.serving.api_server import ApiServer
+    from kvactors_lmcache.serving.api_server import DEGRADED, ApiServer
     from kvactors_lmcache.serving.model import TINY_LLAMA, make_model
     from kvactors_lmcache.serving.procedure import engine_env
     from kvactors_lmcache.serving.server import LMCacheServer, free_port
@@ -55,7 +62,7 @@ def tp(tmp_path_factory: pytest.TempPathFactory) -> dict[str, Any]:
                                                METRICS_ENV: str(metrics_port)}  # fmt: skip
         lmc.wait_ready()
         kv = ApiServer(model, env=env, lmcache_port=lmc.port, name="vllm-kvactors-tp2",
-                       tensor_parallel_size=2)  # fmt: skip
+                       tensor_parallel_size=2, heartbeat_s=HEARTBEAT_S)  # fmt: skip
         stack.callback(kv.stop)
         native.wait_ready()
         kv.wait_ready()
@@ -63,6 +70,9 @@ def tp(tmp_path_factory: pytest.TempPathFactory) -> dict[str, Any]:
             res[name] = [
                 srv.complete(list(p.tokens), max_tokens=MAX_TOKENS) for p in (*wl.store, *wl.warm)
             ]
+            if srv is native:
+                native.stop()  # its two workers leave the two cores to the kvactors server's
+        res["degraded"] = DEGRADED in kv.log(tail=None)
         res["tap"] = read_reports(work / "tap")
         # rank r listens on metrics_port + r (its torch.distributed rank: vLLM sets no variable)
         res["metrics"] = [_scrape(metrics_port + rank) for rank in (0, 1)]
@@ -78,6 +88,10 @@ def test_two_tp_workers_each_move_their_heads_bit_identical_to_native(tp: dict[s
 
     wl = tp["wl"]
     n_store = len(wl.store)
+    assert not tp["degraded"], (
+        "LMCache's connector went degraded (a PING to the LMCache server unanswered in "
+        f"{HEARTBEAT_S} s): its lookups answered no hit from then on"
+    )
     for p, n, k in zip(wl.warm, tp["native"][n_store:], tp["kvactors"][n_store:], strict=True):
         assert n.hit == k.hit == p.expected_hit, p.label
     for n, k in zip(tp["native"], tp["kvactors"], strict=True):

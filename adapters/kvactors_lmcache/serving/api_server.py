@@ -27,7 +27,11 @@ from typing import Any
 from kvactors.errors import BackendUnavailableError
 from kvactors_lmcache.serving.server import free_port
 
-__all__ = ("ApiServer", "Answer", "server_args")
+__all__ = ("DEGRADED", "ApiServer", "Answer", "server_args")
+
+DEGRADED = "entering degraded mode"
+"""What LMCache's connector logs when a PING to its server went unanswered in time: from then
+until a later PING is answered, its lookups answer no hit and its stores are skipped."""
 
 THREADS_BIND = "0"
 """``VLLM_CPU_OMP_THREADS_BIND`` of every compared server: vLLM's CPU build reserves one more core
@@ -61,8 +65,13 @@ def server_args(
     num_blocks: int | None = None,
     max_num_seqs: int | None = None,
     tensor_parallel_size: int = 1,
+    heartbeat_s: float | None = None,
 ) -> list[str]:
-    """The server's arguments after ``python -m vllm.entrypoints.openai.api_server``."""
+    """The server's arguments after ``python -m vllm.entrypoints.openai.api_server``.
+
+    ``heartbeat_s`` sets the connector's ``lmcache.mp.heartbeat_interval``, which is also how
+    long LMCache's adapters wait for the server to answer a PING before they go degraded
+    (LMCache's default is 10 s)."""
     args = [
         "--host", "127.0.0.1", "--port", str(port), "--model", str(model),
         "--skip-tokenizer-init", "--dtype", "float32", "--block-size", "32", "--enforce-eager",
@@ -77,14 +86,17 @@ def server_args(
     if tensor_parallel_size != 1:
         args += ["--tensor-parallel-size", str(tensor_parallel_size)]
     if lmcache_port is not None:
+        extra: dict[str, object] = {
+            "lmcache.mp.host": "tcp://127.0.0.1",
+            "lmcache.mp.port": lmcache_port,
+            "lmcache.mp.mp_transfer_mode": "engine_driven",
+        }
+        if heartbeat_s is not None:
+            extra["lmcache.mp.heartbeat_interval"] = heartbeat_s
         config = {
             "kv_connector": "LMCacheMPConnector",
             "kv_role": "kv_both",
-            "kv_connector_extra_config": {
-                "lmcache.mp.host": "tcp://127.0.0.1",
-                "lmcache.mp.port": lmcache_port,
-                "lmcache.mp.mp_transfer_mode": "engine_driven",
-            },
+            "kv_connector_extra_config": extra,
         }
         args += ["--kv-transfer-config", json.dumps(config)]
     return args
@@ -170,12 +182,14 @@ class ApiServer:
         finally:
             conn.close()
 
-    def log(self) -> str:
-        """The last 6000 characters of the server's log (until :meth:`stop` removes it)."""
+    def log(self, tail: int | None = 6000) -> str:
+        """The last ``tail`` characters of the server's log, all of it with None (until
+        :meth:`stop` removes it)."""
         if self._log.closed:
             return ""
         self._log.flush()
-        return self.log_path.read_text(errors="replace")[-6000:]
+        text = self.log_path.read_text(errors="replace")
+        return text if tail is None else text[-tail:]
 
     def stop(self, timeout: float = 60.0) -> int | None:
         """SIGTERM to the process group (server and engine core), SIGKILL after ``timeout``;
