@@ -427,9 +427,13 @@ class _Suite:
         with Runtime(self.backend, device_index=self.io.index, default_timeout=60.0) as own:
             for trial in range(self.trials):
                 value = float(trial + 1)
-                # Long work first, then the writes the transfer must see.
+                # Long work first, then the writes the transfer must see. The work still queued
+                # when the transfer is launched must outlast a launch through the mailbox (a
+                # context switch or two on a busy host): fills, each a delayed op on the fake.
                 self._slow_write(stream, big, host, value)
                 with mod.stream(stream):
+                    for _ in range(8 * self.ops):
+                        big.fill_(value)
                     for d in dev:
                         d.fill_(value)
                 _transfer(
