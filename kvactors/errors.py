@@ -8,7 +8,7 @@ Context (which actor, which device, which field) rides as attributes, never only
 Foreign errors (vendor runtimes, torch, the OS) cross into kvactors at one place each edge,
 through one helper: :func:`translate` (or its context-manager form :func:`translating`) turns
 them into the kvactors leaf that says what failed, keeps the original as ``__cause__``, and
-lets kvactors errors pass unchanged. ``tests/test_errors.py`` scans the source so that every
+lets kvactors errors pass unchanged. ``tests/core/test_errors.py`` scans the source so that every
 ``raise`` in ``kvactors/`` and in the LMCache adapter names a kvactors error (``AssertionError``
 marks an invariant).
 """

@@ -13,8 +13,8 @@
 # the other skip with a reason); scripts/test.sh runs these suites under each vendor in turn.
 set -euo pipefail
 cd "$(dirname "${BASH_SOURCE[0]}")/.."
-CORE=(tests/testing tests/devices tests/test_runtime.py tests/scenarios)
-SUITES=("${CORE[@]}" tests/adapters/test_differential_vendor.py tests/adapters/test_lmcache_ops.py)
+CORE=(tests/testing tests/devices tests/runtime tests/scenarios)
+SUITES=("${CORE[@]}" tests/adapters/vendors)
 case "${1:-}" in
     --list) echo "${SUITES[@]}"; exit 0 ;;
     --list-core) echo "${CORE[@]}"; exit 0 ;;

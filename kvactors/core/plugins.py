@@ -2,7 +2,7 @@
 
 Each entry point of :data:`ENTRY_POINT_GROUP` is named after its spec's ``backend_name``
 (``LMCACHE_DEVICE_BACKEND=<name>``); the adapter's specs and ``kvactors doctor`` read these
-constants and ``tests/test_plugins.py`` checks them against ``pyproject.toml``. Data only.
+constants and ``tests/core/test_plugins.py`` checks them against ``pyproject.toml``. Data only.
 """
 
 from __future__ import annotations

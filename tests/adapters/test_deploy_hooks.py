@@ -12,7 +12,7 @@ import pytest
 import torch
 
 from .conftest import LMCACHE_MISSING, SKIP_REASON
-from .test_lmcache_ops import CHUNK, _desc, _layers, _native, _objs, _oracle
+from .vendors.test_lmcache_ops import CHUNK, _desc, _layers, _native, _objs, _oracle
 
 if TYPE_CHECKING:
     from pathlib import Path

@@ -243,7 +243,7 @@ def _marker_trial(kind: str, *, wait: bool) -> bool:
 def test_marker_synchronize_waits_for_earlier_work(kind: str) -> None:
     """The backend's marker (what StreamActor syncs before publishing); the publication
     order itself is tested through the actors in tests/actors/test_ordering_rules.py and
-    tests/adapters/test_lmcache_ops.py."""
+    tests/adapters/vendors/test_lmcache_ops.py."""
     assert _marker_trial(kind, wait=True)
     assert not _marker_trial(kind, wait=False)
 

@@ -24,7 +24,7 @@ import pytest
 if TYPE_CHECKING:
     from collections.abc import Iterator
 
-ROOT = pathlib.Path(__file__).resolve().parents[1]
+ROOT = pathlib.Path(__file__).resolve().parents[2]
 EXAMPLES = sorted((ROOT / "examples").glob("*.py"))
 
 pytestmark = [pytest.mark.slow, pytest.mark.timeout(900)]

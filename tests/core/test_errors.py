@@ -15,7 +15,7 @@ import pytest
 import kvactors
 from kvactors import errors
 
-ROOT = pathlib.Path(__file__).resolve().parents[1]
+ROOT = pathlib.Path(__file__).resolve().parents[2]
 ALLOWED = set(errors.__all__) | {"AssertionError", "SystemExit"}
 
 

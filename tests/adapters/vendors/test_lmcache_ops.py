@@ -9,7 +9,7 @@ from typing import Any
 import pytest
 import torch
 
-from .conftest import LMCACHE_MISSING, SKIP_REASON
+from ..conftest import LMCACHE_MISSING, SKIP_REASON
 
 pytestmark = [pytest.mark.lmcache, pytest.mark.skipif(LMCACHE_MISSING, reason=SKIP_REASON)]
 

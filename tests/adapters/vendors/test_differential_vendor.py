@@ -4,7 +4,7 @@ LMCache's ``MluDeviceOps`` (0.5.7) and ``MusaDeviceOps`` run unmodified on the f
 kvactors' plugin, on identical operands, over seeded random cases: both succeed with identical
 chunks and caches, or LMCache refuses and kvactors refuses the same cases before touching
 anything (``REFUSED``). One vendor per process: the other vendor's cases run under
-``KVACTORS_FAKE_VENDOR=<kind>`` (scripts/test-fakes.sh).
+``KVACTORS_FAKE_VENDOR=<kind>`` (scripts/test.sh).
 """
 
 from __future__ import annotations
@@ -22,7 +22,7 @@ from kvactors.testing import fake_vendor
 from kvactors.testing.pytest_plugin import require_torch_devices
 from tests._transfer_cases import Case, raw
 
-from .conftest import LMCACHE_MISSING, SKIP_REASON
+from ..conftest import LMCACHE_MISSING, SKIP_REASON
 
 if TYPE_CHECKING:
     from collections.abc import Iterator

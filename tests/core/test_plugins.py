@@ -8,7 +8,7 @@ import pathlib
 
 from kvactors.core.plugins import ENTRY_POINT_GROUP, PLUGINS
 
-ROOT = pathlib.Path(__file__).resolve().parents[1]
+ROOT = pathlib.Path(__file__).resolve().parents[2]
 
 
 def test_pyproject_entry_points_are_exactly_the_plugin_names() -> None:

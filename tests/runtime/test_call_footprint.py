@@ -20,7 +20,7 @@ from typing import Any
 
 import pytest
 
-ROOT = pathlib.Path(__file__).resolve().parents[1]
+ROOT = pathlib.Path(__file__).resolve().parents[2]
 
 pytestmark = [
     pytest.mark.lmcache,

@@ -6,7 +6,7 @@ import ast
 import pathlib
 import re
 
-ROOT = pathlib.Path(__file__).resolve().parents[1]
+ROOT = pathlib.Path(__file__).resolve().parents[2]
 PURE = [
     "kvactors/core/ordering.py",
     "kvactors/core/plans.py",
