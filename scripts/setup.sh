@@ -1,42 +1,38 @@
 #!/usr/bin/env bash
-# Create (or reuse) the virtual environments, each with kvactors installed (editable). No C++
-# compiler is needed.
+# Create (or reuse) the virtual environments and install kvactors (editable) from this checkout
+# into each. No C++ compiler is needed.
 #   bash scripts/setup.sh            .venv: torch 2.13.0 (CPU build from local disk), runtime +
 #                                    CLI (kvactors demo/doctor/bench)
 #   bash scripts/setup.sh --test     all of the test job's venvs (the two parts below, in turn):
 #     --test main                    .venv: plus test tools and lmcache 0.5.6
 #     --test others                  .venv-lmcache057: torch 2.13.0, test tools, lmcache 0.5.7rc2
 #                                    (the adapter tests against the second LMCache version);
-#                                    .venv-torch24 / .venv-torch25: torch 2.4.1 / 2.5.1 (PyPI's
-#                                    builds, about 5 GB each with their CUDA libraries), test
-#                                    tools, bench and metrics extras, no lmcache (the matrix);
-#                                    .venv-vllm (scripts/setup-engine.sh, where it exists)
-#   bash scripts/setup.sh --matrix   prints the matrix ("SUFFIX TORCH_VERSION" per line)
+#                                    .venv-torch27: torch 2.7.1 (PyPI's build, about 5 GB with its
+#                                    CUDA libraries), test tools, no lmcache (the torch floor);
+#                                    .venv-vllm (scripts/setup-engine.sh)
+#   bash scripts/setup.sh --matrix   prints the torch lanes besides .venv ("SUFFIX VERSION")
+#
+# The venvs live in a store outside the checkout (KVACTORS_VENV_STORE, default
+# ~/.cache/kvactors/venvs), one directory per environment and key; `.venv*` in the checkout are
+# links into it. The key is a hash of everything that builds the environment: its name and
+# extras, the torch version, the Python that runs it, the dependencies pyproject.toml declares,
+# requirements/, this script, scripts/install-lmcache.sh and scripts/setup-engine.sh. A second
+# checkout on the same machine (CI's fresh clone) reuses a finished environment at the same key
+# and only installs kvactors from itself (`pip install --no-deps -e .`, seconds). An environment
+# is used only once its build finished (a stamp file); an interrupted one is rebuilt. The two
+# newest keys of each environment are kept, older ones removed.
 # scripts/test.sh runs "main" first and "others" in the background while the lint and the
-# first suite run; "others" builds the matrix venvs and the LMCache 0.5.7rc2 + vLLM venvs at
-# the same time. Each step is idempotent: a second run reuses what is there.
+# first suite run.
 set -euo pipefail
 cd "$(dirname "${BASH_SOURCE[0]}")/.."
 PY_BOOT="${PYTHON_BOOT:-python3}"
-# The torch version matrix: venv suffix and torch version. The oldest one is the floor
-# pyproject.toml declares and kvactors.doctor.TORCH_TESTED names (tests/test_torch_range.py
-# checks they agree).
-TORCH_MATRIX=("torch24 2.4.1" "torch25 2.5.1")
-
-make_venv() {  # make_venv DIR EXTRAS [TORCH_VERSION]
-    local dir="$1" extras="$2" torch_version="${3:-2.13.0}"
-    if [ ! -x "$dir/bin/python" ]; then
-        "$PY_BOOT" -m venv "$dir"
-    fi
-    "$dir/bin/python" -m pip install -q --upgrade pip
-    # Pin torch first: any unpinned resolution would download another multi-GB build.
-    "$dir/bin/python" -m pip install -q "torch==$torch_version"
-    "$dir/bin/python" -m pip install -q -c <(echo "torch==$torch_version") -e ".[$extras]"
-}
-
-install_lmcache() {  # install_lmcache PYTHON VERSION
-    PYTHON="$1" LMCACHE_VERSION="$2" bash scripts/install-lmcache.sh >/dev/null
-}
+STORE="${KVACTORS_VENV_STORE:-${XDG_CACHE_HOME:-${HOME:-/root}/.cache}/kvactors/venvs}"
+# The torch lanes besides .venv's 2.13.0: venv suffix and torch version. The oldest one is the
+# floor pyproject.toml declares and kvactors.cli.torch_range.TORCH_TESTED names
+# (tests/cli/test_torch_range.py checks they agree): torch 2.7.1 is what Cambricon's vLLM-MLU
+# pins and the oldest torch torch_musa ships for.
+TORCH_MATRIX=("torch27 2.7.1")
+TORCH_MAIN="2.13.0"
 
 timed() {  # timed LABEL COMMAND...: runs it, then prints how long it took
     local start=$SECONDS
@@ -44,24 +40,105 @@ timed() {  # timed LABEL COMMAND...: runs it, then prints how long it took
     echo "setup: $1 in $((SECONDS - start)) s"
 }
 
+env_key() {  # env_key NAME EXTRAS TORCH: the hash of everything that builds that environment
+    {
+        echo "$1 [$2] torch==$3"
+        "$PY_BOOT" -c 'import sys; print(sys.version)'
+        "$PY_BOOT" - <<'PYEOF'
+import tomllib
+
+project = tomllib.load(open("pyproject.toml", "rb"))["project"]
+print(project["requires-python"], project["dependencies"], project["optional-dependencies"])
+PYEOF
+        cat requirements/* scripts/setup.sh scripts/install-lmcache.sh scripts/setup-engine.sh
+    } | sha256sum | cut -c1-16
+}
+
+link_env() {  # link_env LINK TARGET: the checkout's .venv* name points into the store
+    local link="$1" target="$2"
+    if [ -e "$link" ] && [ ! -L "$link" ]; then
+        echo "setup: $link is a directory of an older layout; replaced by a link into $STORE"
+        rm -rf "$link"
+    fi
+    ln -sfn "$target" "$link"
+}
+
+prune() {  # prune NAME: keep the two newest keys of one environment
+    local old
+    # shellcheck disable=SC2012
+    for old in $(ls -1dt "$STORE/$1".* 2>/dev/null | grep -v '\.lock$' | tail -n +3); do
+        echo "setup: removing an older environment $old"
+        rm -rf "$old"
+    done
+}
+
+install_self() {  # install_self PYTHON: kvactors from this checkout, editable, nothing else
+    "$1" -m pip install -q --no-deps --no-build-isolation -e .
+}
+
+build_env() {  # build_env DIR EXTRAS TORCH [LMCACHE]: a new environment (in the store)
+    local dir="$1" extras="$2" torch_version="$3" lmcache="${4:-}"
+    rm -rf "$dir"
+    "$PY_BOOT" -m venv "$dir"
+    "$dir/bin/python" -m pip install -q --upgrade pip
+    # Pin torch first: any unpinned resolution would download another multi-GB build.
+    "$dir/bin/python" -m pip install -q "torch==$torch_version"
+    "$dir/bin/python" -m pip install -q -c <(echo "torch==$torch_version") -e ".[$extras]" \
+        hatchling editables
+    if [ -n "$lmcache" ]; then
+        PYTHON="$dir/bin/python" LMCACHE_VERSION="$lmcache" bash scripts/install-lmcache.sh \
+            >/dev/null
+    fi
+}
+
+ensure_env() {  # ensure_env LINK EXTRAS TORCH [LMCACHE]: reuse or build, link, install kvactors
+    local link="$1" extras="$2" torch_version="$3" lmcache="${4:-}" name key dir
+    name="${link#.}"
+    key="$(env_key "$name" "$extras" "$torch_version $lmcache")"
+    dir="$STORE/$name.$key"
+    mkdir -p "$STORE"
+    (
+        flock 9
+        if [ -f "$dir/.kvactors-built" ] && "$dir/bin/python" -c 'import torch' 2>/dev/null; then
+            echo "setup: $link reuses $dir"
+        else
+            timed "$link built (torch $torch_version${lmcache:+, lmcache $lmcache})" \
+                build_env "$dir" "$extras" "$torch_version" "$lmcache"
+            touch "$dir/.kvactors-built"
+            prune "$name"
+        fi
+        touch "$dir"
+    ) 9>"$dir.lock"
+    link_env "$link" "$dir"
+    install_self "$link/bin/python"
+}
+
 setup_main() {
-    timed ".venv (torch 2.13.0)" make_venv .venv test,bench,metrics
-    timed ".venv: lmcache 0.5.6" install_lmcache .venv/bin/python 0.5.6
+    timed ".venv (torch $TORCH_MAIN, lmcache 0.5.6)" \
+        ensure_env .venv test,bench,metrics "$TORCH_MAIN" 0.5.6
 }
 
 setup_lmcache057_and_engine() {
-    timed ".venv-lmcache057 (torch 2.13.0)" make_venv .venv-lmcache057 test
-    timed ".venv-lmcache057: lmcache 0.5.7rc2" install_lmcache .venv-lmcache057/bin/python 0.5.7rc2
-    if [ -f scripts/setup-engine.sh ]; then
-        timed ".venv-vllm (scripts/setup-engine.sh)" bash scripts/setup-engine.sh
-    fi
+    timed ".venv-lmcache057 (torch $TORCH_MAIN, lmcache 0.5.7rc2)" \
+        ensure_env .venv-lmcache057 test "$TORCH_MAIN" 0.5.7rc2
+    local key dir
+    key="$(env_key vllm engine "$TORCH_MAIN")"
+    dir="$STORE/venv-vllm.$key"
+    mkdir -p "$STORE"
+    (
+        flock 9
+        timed ".venv-vllm (scripts/setup-engine.sh)" env VENV="$dir" bash scripts/setup-engine.sh
+        touch "$dir"
+        prune venv-vllm
+    ) 9>"$dir.lock"
+    link_env .venv-vllm "$dir"
 }
 
 setup_matrix() {
     local entry suffix version
     for entry in "${TORCH_MATRIX[@]}"; do
         read -r suffix version <<<"$entry"
-        timed ".venv-$suffix (torch $version)" make_venv ".venv-$suffix" test,bench,metrics "$version"
+        timed ".venv-$suffix (torch $version)" ensure_env ".venv-$suffix" test,metrics "$version"
     done
 }
 
@@ -83,6 +160,6 @@ case "${1:-} ${2:-}" in
     "--test others") setup_others ;;
     "--test ") setup_main; setup_others ;;
     "--matrix ") printf '%s\n' "${TORCH_MATRIX[@]}" ;;  # for scripts/test.sh
-    " ") make_venv .venv bench ;;
-    *) echo "usage: bash scripts/setup.sh [--test [main|others]]" >&2; exit 2 ;;
+    " ") timed ".venv (torch $TORCH_MAIN)" ensure_env .venv bench "$TORCH_MAIN" ;;
+    *) echo "usage: bash scripts/setup.sh [--test [main|others] | --matrix]" >&2; exit 2 ;;
 esac

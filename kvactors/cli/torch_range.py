@@ -18,9 +18,10 @@ __all__ = (
     "torch_range_advice",
 )
 
-TORCH_TESTED = ((2, 4), (2, 13))
-"""The oldest and newest torch (major, minor) the test job runs: ``scripts/setup.sh``'s matrix
-(2.4.1, 2.5.1) and torch 2.13.0. ``pyproject.toml`` declares the oldest as its floor."""
+TORCH_TESTED = ((2, 7), (2, 13))
+"""The oldest and newest torch (major, minor) the test job runs: ``scripts/setup.sh``'s floor
+lane (2.7.1, what Cambricon's vLLM-MLU pins and the oldest torch torch_musa ships for) and torch
+2.13.0. ``pyproject.toml`` declares the oldest as its floor."""
 
 TorchPlacement = Literal["inside", "older", "newer", "unknown"]
 
@@ -35,7 +36,7 @@ _RELATION = {"inside": "inside", "older": "older than", "newer": "newer than"}
 
 
 def placement_line(version: str, placement: str) -> str:
-    """One line for the doctor's text: ``torch 2.5.1: inside the tested range 2.4-2.13``."""
+    """One line for the doctor's text: ``torch 2.9.1: inside the tested range 2.7-2.13``."""
     lo, hi = _text(TORCH_TESTED[0]), _text(TORCH_TESTED[1])
     relation = _RELATION.get(placement, "unreadable against")
     return f"torch {version}: {relation} the tested range {lo}-{hi}"
@@ -75,8 +76,9 @@ def torch_range_advice(
         return "ok", f"{what} is inside the tested range {lo}-{hi}", ""
     if placement == "older":
         fix = (
-            f"upgrade the whole vendor stack to one on torch >= {lo} (torch_mlu >= 1.22 runs on "
-            "PyTorch >= 2.4; torch_musa 2.1 and later on 2.5 or newer); never replace "
+            f"upgrade the whole vendor stack to one on torch >= {lo} (Cambricon's vLLM-MLU with "
+            "torch_mlu >= 1.27 runs on PyTorch 2.7.1; torch_musa ships for 2.7.1, 2.9.1 and "
+            "2.11); never replace "
             f"{' or '.join(installed)}'s torch alone"
             if installed
             else f"pip install 'torch>={lo},<{TORCH_TESTED[1][0]}.{TORCH_TESTED[1][1] + 1}' (on an "

@@ -11,7 +11,7 @@ Fixtures:
 Helper:
     require_torch_devices(kind): skip the calling test unless a fake of ``kind`` gets real
         ``torch.device`` objects in this process (one vendor per process; choose it with
-        ``KVACTORS_FAKE_VENDOR=mlu|musa``, as ``scripts/test-fakes.sh`` does).
+        ``KVACTORS_FAKE_VENDOR=mlu|musa``, as ``scripts/test.sh`` does).
 """
 
 from __future__ import annotations
@@ -43,7 +43,7 @@ def require_torch_devices(kind: str) -> None:
         pytest.skip(
             f"this process's torch device name belongs to the fake {owner}; vendor code "
             f"that builds torch.device({kind!r}) runs under {ENV_VENDOR}={kind} "
-            "(scripts/test-fakes.sh)"
+            "(scripts/test.sh)"
         )
 
 

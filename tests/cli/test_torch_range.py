@@ -25,12 +25,12 @@ NO_VENDOR: dict[str, str | None] = {"torch_mlu": None, "torch_musa": None}
 @pytest.mark.parametrize(
     ("version", "placement"),
     [
-        ("2.3.1", "older"),
-        ("2.3.0+cu121", "older"),
+        ("2.6.0", "older"),
+        ("2.4.1+cu121", "older"),
         ("1.13.1", "older"),
-        ("2.4.0", "inside"),
-        ("2.4.1+cu121", "inside"),
-        ("2.5.0a0+git1234", "inside"),
+        ("2.7.0", "inside"),
+        ("2.7.1+cu126", "inside"),
+        ("2.9.0a0+git1234", "inside"),
         ("2.13.0+cpu", "inside"),
         ("2.13.9", "inside"),
         ("2.14.0", "newer"),
@@ -44,16 +44,16 @@ def test_placement(version: str, placement: str) -> None:
 
 
 def test_advice_inside_is_ok_without_a_fix() -> None:
-    level, message, fix = torch_range_advice("2.5.1", NO_VENDOR)
+    level, message, fix = torch_range_advice("2.9.1", NO_VENDOR)
     assert (level, fix) == ("ok", "")
-    assert message == "torch 2.5.1 is inside the tested range 2.4-2.13"
+    assert message == "torch 2.9.1 is inside the tested range 2.7-2.13"
 
 
 def test_advice_older_with_a_vendor_stack_never_says_replace_torch() -> None:
     level, message, fix = torch_range_advice("2.2.0", {"torch_mlu": None, "torch_musa": "2.0.0"})
     assert level == "warn"
     assert "torch 2.2.0 (with torch_musa 2.0.0) is older" in message
-    assert "torch>=2.4" in message
+    assert "torch>=2.7" in message
     assert "upgrade the whole vendor stack" in fix
     assert "never replace torch_musa's torch alone" in fix
     assert "pip install" not in fix
@@ -62,7 +62,7 @@ def test_advice_older_with_a_vendor_stack_never_says_replace_torch() -> None:
 def test_advice_older_without_a_vendor_names_the_pip_range() -> None:
     level, _, fix = torch_range_advice("2.1.2", NO_VENDOR)
     assert level == "warn"
-    assert "pip install 'torch>=2.4,<2.14'" in fix
+    assert "pip install 'torch>=2.7,<2.14'" in fix
 
 
 def test_advice_newer_says_how_to_check() -> None:
@@ -91,17 +91,17 @@ def test_doctor_reports_the_running_torch(monkeypatch: pytest.MonkeyPatch) -> No
     assert finding.level == "ok"
     text = format_doctor(report)
     assert f"torch {torch.__version__} is inside" in text
-    assert f"\ntorch {torch.__version__}: inside the tested range 2.4-2.13\n" in text
+    assert f"\ntorch {torch.__version__}: inside the tested range 2.7-2.13\n" in text
 
-    monkeypatch.setattr(torch, "__version__", "2.3.1+cpu")
+    monkeypatch.setattr(torch, "__version__", "2.6.0+cpu")
     old = collect({})
-    assert (old.torch, old.torch_tested) == ("2.3.1+cpu", "older")
+    assert (old.torch, old.torch_tested) == ("2.6.0+cpu", "older")
     finding = next(f for f in old.findings if f.topic == "torch")
     assert finding.level == "warn"
     assert "older than the oldest torch" in finding.message
     text = format_doctor(old)
-    assert "[WARN] torch: torch 2.3.1+cpu is older" in text
-    assert "\ntorch 2.3.1+cpu: older than the tested range 2.4-2.13\n" in text
+    assert "[WARN] torch: torch 2.6.0+cpu is older" in text
+    assert "\ntorch 2.6.0+cpu: older than the tested range 2.7-2.13\n" in text
 
 
 def _floor(text: str) -> tuple[int, int]:

@@ -1,6 +1,6 @@
 """``vllm serve`` as operators run it: the OpenAI server, multiprocessing on, no user code.
 
-Runs in the engine's venv (``.venv-vllm``; ``scripts/test.sh`` phase 7). Everything on
+Runs in the engine's venv (``.venv-vllm``; ``scripts/test.sh``'s engine phase). Everything on
 127.0.0.1, started here and stopped by the fixtures' exit stacks (SIGTERM, then SIGKILL of the
 process group: only processes these tests started).
 

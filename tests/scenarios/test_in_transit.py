@@ -11,7 +11,7 @@ from __future__ import annotations
 import contextlib
 import dataclasses
 import threading
-from typing import TYPE_CHECKING, Any, TypeVarTuple
+from typing import TYPE_CHECKING, Any
 
 import pytest
 import torch
@@ -31,7 +31,6 @@ if TYPE_CHECKING:
     from kvactors.core.plans import TransferRequest
     from kvactors.testing import FakeVendor
 
-_Ts = TypeVarTuple("_Ts")
 _WAIT = 10.0  # bounds a wait that only a hang would exhaust; never decides a result
 IDS = (3, 5)
 KINDS = ["cpu", "mlu", "musa"]

@@ -76,7 +76,8 @@ def _nop_lines(code: types.CodeType) -> frozenset[int]:
     # interrupt lands on them.
     first: dict[int, str] = {}
     for ins in dis.get_instructions(code):
-        line = ins.positions.lineno if ins.positions is not None else None
+        pos = ins.positions  # type: ignore[attr-defined]  # 3.11+; the tests run on 3.11
+        line = pos.lineno if pos is not None else None
         if line is not None and line not in first:
             first[line] = ins.opname
     return frozenset(line for line, op in first.items() if op == "NOP")

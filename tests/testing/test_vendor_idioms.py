@@ -2,7 +2,7 @@
 
 One vendor per process: the first fake installed claims torch's private device name
 (``KVACTORS_FAKE_VENDOR`` pins which); the other vendor's idiom tests skip here and run in
-the second process of ``scripts/test-fakes.sh``.
+the fake musa process of ``scripts/test.sh``.
 """
 
 from __future__ import annotations
