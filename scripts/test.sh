@@ -102,7 +102,7 @@ sys.exit(0 if v == sys.argv[1] else f"torch {v} installed, the lane expects {sys
 
 echo "== disk: $((FREE_START / 1048576)) GB free; a first set-up of the venvs takes about 12 GB" \
     "in $STORE (reused afterwards)"
-step 150 "setup: .venv (scripts/setup.sh --test main)" bash scripts/setup.sh --test main
+step 120 "setup: .venv (scripts/setup.sh --test main)" bash scripts/setup.sh --test main
 echo "== [+$((SECONDS - START)) s] setup of the other venvs starts in the background"
 set -m  # its own process group, so an early exit can stop all of it
 bash scripts/setup.sh --test others >"$SETUP_LOG" 2>&1 &
@@ -119,10 +119,10 @@ step 15 "vulture (dead code; reasons in vulture_whitelist.py)" "$PY" -m vulture 
 
 rc=0
 KVACTORS_EXPECT_LMCACHE=0.5.6 KVACTORS_FAKE_VENDOR=mlu \
-    step 480 "pytest: whole suite, fake mlu (torch 2.13, lmcache 0.5.6)" \
+    step 330 "pytest: whole suite, fake mlu (torch 2.13, lmcache 0.5.6)" \
     run_pytest "$PY" --ignore=tests/engine "$@" || rc=$?
 KVACTORS_EXPECT_LMCACHE=0.5.6 KVACTORS_FAKE_VENDOR=musa \
-    step 120 "pytest: vendor-facing directories, fake musa (torch 2.13)" \
+    step 60 "pytest: vendor-facing directories, fake musa (torch 2.13)" \
     run_pytest "$PY" -q "${VENDOR_DIRS[@]}" || rc=$?
 
 setup_rc=0
@@ -136,7 +136,7 @@ fi
 
 if [ "${KVACTORS_LMCACHE057:-1}" != "0" ]; then
     KVACTORS_EXPECT_LMCACHE=0.5.7rc2 KVACTORS_FAKE_VENDOR=mlu \
-        step 150 "pytest: adapters + doctor, fake mlu (lmcache 0.5.7rc2)" \
+        step 120 "pytest: adapters + doctor, fake mlu (lmcache 0.5.7rc2)" \
         run_pytest "$PY057" -q tests/adapters tests/cli/test_doctor.py || rc=$?
 fi
 
@@ -144,21 +144,21 @@ if [ "${KVACTORS_MATRIX:-1}" != "0" ]; then
     while read -r suffix version; do
         venv=".venv-$suffix"
         step 5 "torch $version: $venv has it" expect_torch "$venv/bin/python" "$version" || rc=$?
-        KVACTORS_FAKE_VENDOR=mlu step 240 "torch $version: torch-facing directories, fake mlu" \
+        KVACTORS_FAKE_VENDOR=mlu step 90 "torch $version: torch-facing directories, fake mlu" \
             run_pytest "$venv/bin/python" -q -m "not lmcache" "${TORCH_DIRS[@]}" || rc=$?
-        KVACTORS_FAKE_VENDOR=musa step 120 "torch $version: vendor-facing directories, fake musa" \
+        KVACTORS_FAKE_VENDOR=musa step 60 "torch $version: vendor-facing directories, fake musa" \
             run_pytest "$venv/bin/python" -q -m "not lmcache" \
             "${VENDOR_CORE[@]}" || rc=$?
         for vendor in mlu musa; do
-            step 30 "torch $version: kvactors selftest --device $vendor --fake" \
+            step 20 "torch $version: kvactors selftest --device $vendor --fake" \
                 "$venv/bin/kvactors" selftest --device "$vendor" --fake || rc=$?
         done
-        step 30 "torch $version: kvactors demo" "$venv/bin/kvactors" demo || rc=$?
+        step 20 "torch $version: kvactors demo" "$venv/bin/kvactors" demo || rc=$?
     done < <(bash scripts/setup.sh --matrix)
 fi
 
 if [ "${KVACTORS_ENGINE:-1}" != "0" ] && [ -d tests/engine ]; then
-    step 650 "pytest: vLLM engine and deployment tests (.venv-vllm)" \
+    step 540 "pytest: vLLM engine and deployment tests (.venv-vllm)" \
         run_pytest .venv-vllm/bin/python tests/engine || rc=$?
 fi
 
