@@ -12,6 +12,8 @@
 #                                                   so each vendor's code runs as written in its
 #                                                   own process
 #   .venv-lmcache057 (lmcache 0.5.7rc2), fake mlu   tests/adapters and the doctor's tests
+#   .venv-lmcache057, fake musa                     tests/adapters/vendors (against 0.5.7's
+#                                                   own MUSA ops)
 #   .venv-torch27 (torch 2.7.1), fake mlu and musa  the torch-facing directories (TORCH_DIRS,
 #                                                   VENDOR_CORE; no lmcache there), both fake
 #                                                   selftests and the demo
@@ -138,6 +140,9 @@ if [ "${KVACTORS_LMCACHE057:-1}" != "0" ]; then
     KVACTORS_EXPECT_LMCACHE=0.5.7rc2 KVACTORS_FAKE_VENDOR=mlu \
         step 120 "pytest: adapters + doctor, fake mlu (lmcache 0.5.7rc2)" \
         run_pytest "$PY057" -q tests/adapters tests/cli/test_doctor.py || rc=$?
+    KVACTORS_EXPECT_LMCACHE=0.5.7rc2 KVACTORS_FAKE_VENDOR=musa \
+        step 30 "pytest: tests/adapters/vendors, fake musa (lmcache 0.5.7rc2)" \
+        run_pytest "$PY057" -q tests/adapters/vendors || rc=$?
 fi
 
 if [ "${KVACTORS_MATRIX:-1}" != "0" ]; then

@@ -109,7 +109,9 @@ class LMCacheServer:
                 socket.create_connection(("127.0.0.1", self.port), timeout=0.5),
             ):
                 return
-            time.sleep(0.1)  # bounded readiness poll
+            # Not yet listening: wait on the server process itself, so an exit ends this at once.
+            with contextlib.suppress(subprocess.TimeoutExpired):
+                self.proc.wait(timeout=0.1)
         raise AssertionError(f"server not ready in {timeout}s:\n{self.log()}")
 
     def log(self) -> str:

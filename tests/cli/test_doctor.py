@@ -289,19 +289,18 @@ def test_a_builtin_hash_warns_that_l2_is_lost_on_restart_and_blake3_is_ok() -> N
 
 @pytest.mark.timeout(120)
 def test_doctor_warns_about_a_running_server_with_the_builtin_hash() -> None:
-    """As users run it: a process whose command line is an LMCache server's (a sleeper that
-    carries those arguments; the doctor reads only the command line)."""
-    argv = ["-c", "import sys, time; time.sleep(120)", "lmcache.v1.multiprocess.server",
+    """As users run it: a process whose command line is an LMCache server's (one that carries
+    those arguments and lives until its stdin closes; the doctor reads only the command line)."""
+    argv = ["-c", "import sys; sys.stdin.read()", "lmcache.v1.multiprocess.server",
             "--hash-algorithm", "builtin"]  # fmt: skip
-    sleeper = subprocess.Popen([sys.executable, *argv])
+    sleeper = subprocess.Popen([sys.executable, *argv], stdin=subprocess.PIPE)
     try:
         proc = subprocess.run(
             [sys.executable, "-m", "kvactors.cli", "doctor", "--json"],
             env=_env(), capture_output=True, text=True, timeout=100, check=False,
         )  # fmt: skip
     finally:
-        sleeper.kill()
-        sleeper.wait(timeout=10)
+        sleeper.communicate(timeout=10)  # closes its stdin: it ends
     doc = json.loads(proc.stdout[proc.stdout.index("{") :])
     mine = [s for s in doc["lmcache_servers"] if s["pid"] == sleeper.pid]
     assert mine == [{"pid": sleeper.pid, "hash_algorithm": "builtin", "l2_adapters": 0}]
