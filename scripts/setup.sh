@@ -63,21 +63,32 @@ link_env() {  # link_env LINK TARGET: the checkout's .venv* name points into the
     ln -sfn "$target" "$link"
 }
 
-prune() {  # prune NAME: keep the two newest keys of one environment
+prune() {  # prune DIR: keep the two newest keys of DIR's environment
     local old
     # shellcheck disable=SC2012
-    for old in $(ls -1dt "$STORE/$1".* 2>/dev/null | grep -v '\.lock$' | tail -n +3); do
+    for old in $(ls -1dt "${1%.*}".* 2>/dev/null | grep -v '\.lock$' | tail -n +3); do
         echo "setup: removing an older environment $old"
         rm -rf "$old"
     done
 }
 
-install_self() {  # install_self PYTHON: kvactors from this checkout, editable, nothing else
-    "$1" -m pip install -q --no-deps --no-build-isolation -e .
+in_store() {  # in_store LINK DIR COMMAND...: COMMAND under DIR's lock, then LINK points to DIR
+    mkdir -p "$STORE"
+    (
+        flock 9
+        "${@:3}"
+        touch "$2"  # the newest used: the last a prune removes
+    ) 9>"$2.lock"
+    link_env "$1" "$2"
 }
 
-build_env() {  # build_env DIR EXTRAS TORCH [LMCACHE]: a new environment (in the store)
+build_env() {  # build_env DIR EXTRAS TORCH [LMCACHE]: reuse DIR once built, else build it anew
     local dir="$1" extras="$2" torch_version="$3" lmcache="${4:-}"
+    if [ -f "$dir/.kvactors-built" ] && "$dir/bin/python" -c 'import torch' 2>/dev/null; then
+        echo "setup: reusing $dir"
+        return
+    fi
+    echo "setup: building $dir"
     rm -rf "$dir"
     "$PY_BOOT" -m venv "$dir"
     "$dir/bin/python" -m pip install -q --upgrade pip
@@ -89,28 +100,20 @@ build_env() {  # build_env DIR EXTRAS TORCH [LMCACHE]: a new environment (in the
         PYTHON="$dir/bin/python" LMCACHE_VERSION="$lmcache" bash scripts/install-lmcache.sh \
             >/dev/null
     fi
+    touch "$dir/.kvactors-built"
+    prune "$dir"
+}
+
+build_engine() {  # build_engine DIR: scripts/setup-engine.sh keeps its own stamp in DIR
+    VENV="$1" bash scripts/setup-engine.sh
+    prune "$1"
 }
 
 ensure_env() {  # ensure_env LINK EXTRAS TORCH [LMCACHE]: reuse or build, link, install kvactors
-    local link="$1" extras="$2" torch_version="$3" lmcache="${4:-}" name key dir
-    name="${link#.}"
-    key="$(env_key "$name" "$extras" "$torch_version $lmcache")"
-    dir="$STORE/$name.$key"
-    mkdir -p "$STORE"
-    (
-        flock 9
-        if [ -f "$dir/.kvactors-built" ] && "$dir/bin/python" -c 'import torch' 2>/dev/null; then
-            echo "setup: $link reuses $dir"
-        else
-            timed "$link built (torch $torch_version${lmcache:+, lmcache $lmcache})" \
-                build_env "$dir" "$extras" "$torch_version" "$lmcache"
-            touch "$dir/.kvactors-built"
-            prune "$name"
-        fi
-        touch "$dir"
-    ) 9>"$dir.lock"
-    link_env "$link" "$dir"
-    install_self "$link/bin/python"
+    local link="$1" extras="$2" torch_version="$3" lmcache="${4:-}" dir
+    dir="$STORE/${link#.}.$(env_key "${link#.}" "$extras" "$torch_version $lmcache")"
+    in_store "$link" "$dir" build_env "$dir" "$extras" "$torch_version" "$lmcache"
+    "$link/bin/python" -m pip install -q --no-deps --no-build-isolation -e .  # this checkout
 }
 
 setup_main() {
@@ -121,17 +124,9 @@ setup_main() {
 setup_lmcache057_and_engine() {
     timed ".venv-lmcache057 (torch $TORCH_MAIN, lmcache 0.5.7rc2)" \
         ensure_env .venv-lmcache057 test "$TORCH_MAIN" 0.5.7rc2
-    local key dir
-    key="$(env_key vllm engine "$TORCH_MAIN")"
-    dir="$STORE/venv-vllm.$key"
-    mkdir -p "$STORE"
-    (
-        flock 9
-        timed ".venv-vllm (scripts/setup-engine.sh)" env VENV="$dir" bash scripts/setup-engine.sh
-        touch "$dir"
-        prune venv-vllm
-    ) 9>"$dir.lock"
-    link_env .venv-vllm "$dir"
+    local dir
+    dir="$STORE/venv-vllm.$(env_key vllm engine "$TORCH_MAIN")"
+    timed ".venv-vllm (scripts/setup-engine.sh)" in_store .venv-vllm "$dir" build_engine "$dir"
 }
 
 setup_matrix() {
