@@ -115,9 +115,9 @@ def build_parser() -> argparse.ArgumentParser:
     selftest_args(st)
 
     rep = add_parser("replay", help="replay a recorded trace on a fresh runtime")
-    rep.add_argument("trace", help="a file written by `kvactors demo --trace`")
-    rep.add_argument("--device", choices=DEVICE_KINDS, default="cpu")
-    rep.add_argument("--json", action="store_true")
+    from kvactors.cli.replay import add_arguments as replay_args
+
+    replay_args(rep)
     return ap
 
 

@@ -6,8 +6,10 @@ time, the encoded wire message, stream identity, operand shapes and dtype, never
 re-sends them to a fresh runtime with zero-filled operands of the recorded shapes, keeping the
 recorded overlap (call ``i`` waits for the calls that had finished before it started), and
 compares outcomes per call. :func:`read_trace` checks every record before replay acts on it
-(types, message kinds, dtypes, stream numbering, operand sizes against their request) and
-raises :class:`~kvactors.errors.InvalidFileError` for a damaged or hostile file.
+(types, message kinds, dtypes, stream numbering, operand sizes against their request, and the
+bytes of all synthetic operands against a cap the file does not control,
+:data:`DEFAULT_MAX_BYTES`) and raises :class:`~kvactors.errors.InvalidFileError` for a damaged or
+hostile file before anything is allocated.
 
 Theory of operation. A stream handle is process-local (on MLU and MUSA a native queue
 pointer), so a trace never holds one: the recorder numbers streams in the order of their first
@@ -48,6 +50,7 @@ if TYPE_CHECKING:
 
 __all__ = (
     "BACKEND_SETTINGS",
+    "DEFAULT_MAX_BYTES",
     "DeviceMemory",
     "OperandShapes",
     "ReplayReport",
@@ -72,6 +75,10 @@ class DeviceMemory(Protocol):
 _FORMAT = "kvactors-trace/2"
 _RECORDED = frozenset({"transfer", "fence", "ping", "synchronize"})
 _LEN = struct.Struct("<I")
+
+DEFAULT_MAX_BYTES = 256 * 2**20
+"""The default cap on the synthetic operands one replay allocates (bytes, all calls together);
+``kvactors replay --max-bytes`` and ``read_trace(max_bytes=...)`` change it."""
 
 BACKEND_SETTINGS: Mapping[str, tuple[str, ...]] = {"mlu": ("layout_source",)}
 """Per device kind, the backend attributes that decide whether a recorded transfer is accepted
@@ -246,12 +253,20 @@ class TraceRecorder:
         self.close()
 
 
-def read_trace(path: str) -> tuple[TraceHeader, list[TraceEntry]]:
+def read_trace(
+    path: str, *, max_bytes: int | None = DEFAULT_MAX_BYTES
+) -> tuple[TraceHeader, list[TraceEntry]]:
     """Read a trace file (a truncated last record is ignored).
 
+    Args:
+        path: A file written by :class:`TraceRecorder`.
+        max_bytes: The most bytes of synthetic operands a replay of this trace may allocate,
+            summed over every distinct operand set of every transfer call, whatever its
+            recorded outcome (:data:`DEFAULT_MAX_BYTES`; ``None`` lifts the cap).
+
     Raises:
-        InvalidFileError: not a kvactors trace of this format, or a malformed record (a
-            ValueError).
+        InvalidFileError: not a kvactors trace of this format, a malformed record, or operands
+            above ``max_bytes`` (a ValueError).
     """
     with open(path, "rb") as f:
         data = f.read()
@@ -297,6 +312,7 @@ def read_trace(path: str) -> tuple[TraceHeader, list[TraceEntry]]:
     for i, e in enumerate(entries, start=1):
         if e.kind == "call" and e.seq in ok:
             _check_sizes(path, i, e)
+    _check_total(path, entries, max_bytes)
     return header, entries
 
 
@@ -343,8 +359,9 @@ def _check_sizes(path: str, i: int, e: TraceEntry) -> None:
     """The operands of a call recorded as ok fit its request.
 
     Replay allocates them (the paged ones on the device): never far more than the request
-    describes, so a damaged file cannot make it allocate without bound. A call recorded as
-    failed may have had any operands (that can be why it failed) and is replayed as recorded.
+    describes. A call recorded as failed may have had any operands (that can be why it failed)
+    and is replayed as recorded. The request is the file's own word, so this is no bound on
+    memory: :func:`_check_total`'s cap is, for every call.
     """
     if e.op != "transfer" or e.operands is None:
         return
@@ -367,6 +384,38 @@ def _check_sizes(path: str, i: int, e: TraceEntry) -> None:
             f"request that describes {pool} paged and about {moved} chunk elements",
             path=path,
         )
+
+
+def _check_total(path: str, entries: list[TraceEntry], max_bytes: int | None) -> None:
+    """The operands replay would allocate, over all calls, fit ``max_bytes``.
+
+    Every transfer call counts, recorded as ok, as failed or with no outcome at all, and so do
+    the sizes the file declares for its requests: only the cap, which the file does not
+    control, bounds what a replay allocates. Replay keeps one paged set and one chunk set per
+    distinct signature (:class:`_Operands`), so the total is over distinct signatures.
+    """
+    if max_bytes is None:
+        return
+    seen: set[bytes] = set()
+    total = 0
+    for i, e in enumerate(entries, start=1):
+        if e.kind != "call" or e.operands is None:
+            continue
+        itemsize = getattr(torch, e.operands.dtype).itemsize  # a dtype: checked by _check_call
+        for key, shapes in zip(
+            _operand_keys(e.operands), (e.operands.paged, e.operands.objects), strict=True
+        ):
+            if key not in seen:
+                seen.add(key)
+                total += itemsize * sum(math.prod(shape) for shape in shapes)
+        if total > max_bytes:
+            raise InvalidFileError(
+                f"{path}: record {i} ({e.op}, seq {e.seq}): replaying this trace would "
+                f"allocate {total} bytes of synthetic operands by this record, above the cap "
+                f"of {max_bytes} bytes (kvactors replay --max-bytes lifts it; trust the file "
+                "first: a trace holds no data, only the shapes it declares)",
+                path=path,
+            )
 
 
 def replay_backend(header: TraceHeader, kind: str, default: Backend | None = None) -> Backend:
@@ -433,9 +482,9 @@ class _Operands:
         return self.env.zeros(tuple(shape), dtype)
 
     def get(self, s: OperandShapes) -> tuple[Any, list[torch.Tensor]]:
-        key = msgspec.msgpack.encode(s)
-        if key not in self.cache:
-            dtype = getattr(torch, s.dtype)
+        dtype = getattr(torch, s.dtype)
+        pkey, okey = _operand_keys(s)
+        if pkey not in self.cache:
             tensors = [self._dev(shape, dtype) for shape in s.paged]
             paged: Any
             if s.paged_kind == "tensor":
@@ -445,10 +494,18 @@ class _Operands:
                 paged = [tensors[:half], tensors[half:]]
             else:
                 paged = tensors
-            objects = [torch.zeros(shape, dtype=dtype) for shape in s.objects]
-            self.cache[key] = (paged, objects)
-        result: tuple[Any, list[torch.Tensor]] = self.cache[key]
-        return result
+            self.cache[pkey] = paged
+        if okey not in self.cache:
+            self.cache[okey] = [torch.zeros(shape, dtype=dtype) for shape in s.objects]
+        objects: list[torch.Tensor] = self.cache[okey]
+        return self.cache[pkey], objects
+
+
+def _operand_keys(s: OperandShapes) -> tuple[bytes, bytes]:
+    """The cache keys of a call's paged memory and of its chunks: replay makes one paged set
+    per distinct paged signature and one chunk set per distinct chunk signature."""
+    paged = msgspec.msgpack.encode(("paged", s.paged_kind, s.paged, s.dtype))
+    return paged, msgspec.msgpack.encode(("objects", s.objects, s.dtype))
 
 
 async def _replay(
@@ -528,7 +585,13 @@ async def _replay(
         await asyncio.gather(*tasks.values())
 
 
-def replay(path: str, rt: Runtime, *, env: DeviceMemory | None = None) -> ReplayReport:
+def replay(
+    path: str,
+    rt: Runtime,
+    *,
+    env: DeviceMemory | None = None,
+    max_bytes: int | None = DEFAULT_MAX_BYTES,
+) -> ReplayReport:
     """Replay the trace at ``path`` on ``rt`` (started if needed); see the module docstring.
 
     Args:
@@ -536,11 +599,14 @@ def replay(path: str, rt: Runtime, *, env: DeviceMemory | None = None) -> Replay
         rt: A fresh runtime (its device decides where synthetic paged memory lives; build its
             backend with :func:`replay_backend` to apply the recorded settings).
         env: How to allocate device memory (default: host tensors, for the ``cpu`` backend).
+        max_bytes: The cap on the synthetic operands allocated, all calls together (see
+            :func:`read_trace`; ``None`` lifts it). Checked before anything is allocated.
 
     Raises:
-        InvalidFileError: the file is not a readable trace (a ValueError).
+        InvalidFileError: the file is not a readable trace, or its operands exceed
+            ``max_bytes`` (a ValueError).
     """
-    _, entries = read_trace(path)
+    _, entries = read_trace(path, max_bytes=max_bytes)
     rt.start()
     report = ReplayReport()
     if entries:

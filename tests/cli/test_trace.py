@@ -18,7 +18,7 @@ from kvactors.cli.demo import DemoConfig, run_demo
 from kvactors.core.layouts import KVFormat, ShapeDesc
 from kvactors.core.plans import TransferRequest
 from kvactors.core.protocols.gather import Fence, Transfer
-from kvactors.errors import TransferValidationError
+from kvactors.errors import InvalidFileError, TransferValidationError
 from kvactors.observe.trace import (
     TraceEntry,
     TraceHeader,
@@ -351,3 +351,93 @@ def test_bit_flipped_traces_end_in_a_clean_exit(
     assert set(codes) <= {0, 1, 2}
     assert 2 in codes
     assert "Traceback" not in capsys.readouterr().err
+
+
+def _rec(x: msgspec.Struct) -> bytes:
+    b = msgspec.msgpack.encode(x)
+    return len(b).to_bytes(4, "little") + b
+
+
+def _one_call_trace(path: pathlib.Path, objects: list[list[int]], outcome: str | None) -> None:
+    """A hand-written trace: one store whose chunk shapes are ``objects``; ``outcome`` is the
+    recorded error (``""`` for ok, ``None`` for no done entry at all)."""
+    from kvactors.core.protocols.codec import encode
+    from kvactors.observe.trace import OperandShapes
+
+    ops = OperandShapes(
+        paged_kind="list", paged=[[2, 8, 4, 2, 8]] * 2, objects=objects, dtype="bfloat16"
+    )
+    msg = encode(Transfer(transfer_id=1, request=_req(1, (3, 1, 6, 0)), stream_handle=0))
+    data = _rec(TraceHeader(device="cpu", created=0.0))
+    data += _rec(TraceEntry(kind="call", seq=1, t=0.0, op="transfer", message=msg, operands=ops))
+    if outcome is not None:
+        data += _rec(TraceEntry(kind="done", seq=1, t=0.001, op="transfer", error=outcome))
+    path.write_bytes(data)
+
+
+_STATUSES = {"ok": "", "failed": "TransferValidationError", "no-outcome": None}
+
+
+@pytest.mark.parametrize("status", sorted(_STATUSES))
+def test_the_operand_cap_holds_whatever_the_recorded_outcome(
+    status: str, tmp_path: pathlib.Path, capsys: pytest.CaptureFixture[str]
+) -> None:
+    # The 2 paged tensors are 4,096 bytes, the chunk (within the slack of its request) 3,072.
+    path = tmp_path / "t.trace"
+    _one_call_trace(path, [[2, 2, 8, 48]], _STATUSES[status])
+    with pytest.raises(InvalidFileError, match=r"allocate 7168 bytes .* cap of 4096 bytes"):
+        read_trace(str(path), max_bytes=4096)
+    assert main(["replay", str(path), "--max-bytes", "4096"]) == 2
+    err = capsys.readouterr().err
+    assert "record 1 (transfer, seq 1)" in err
+    assert "--max-bytes" in err
+    # At the total exactly, or with the cap lifted (0), the same file replays; the oversized
+    # chunk is refused by the runtime, which matches only the call recorded as failed.
+    read_trace(str(path), max_bytes=7168)
+    assert main(["replay", str(path), "--max-bytes", "0"]) == (0 if status == "failed" else 1)
+
+
+def test_the_default_cap_refuses_a_declared_gigabyte_before_any_runtime(
+    tmp_path: pathlib.Path, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    # A few hundred bytes declaring a 1 GiB chunk: refused by read_trace, and the command never
+    # builds a runtime (nor allocates the operands it would have made).
+    from kvactors.cli import replay as replay_cli
+    from kvactors.observe.trace import DEFAULT_MAX_BYTES
+
+    path = tmp_path / "t.trace"
+    _one_call_trace(path, [[2**29]], None)
+    assert path.stat().st_size < 1024
+    with pytest.raises(InvalidFileError, match=f"cap of {DEFAULT_MAX_BYTES} bytes") as info:
+        read_trace(str(path))
+    assert info.value.path == str(path)
+
+    def no_runtime(*a: object, **k: object) -> None:
+        raise AssertionError("a runtime was built for a refused trace")
+
+    monkeypatch.setattr(replay_cli, "Runtime", no_runtime)
+    assert main(["replay", str(path)]) == 2
+    with pytest.raises(SystemExit):
+        main(["replay", str(path), "--max-bytes", "-1"])
+
+
+def test_the_operand_cap_is_over_every_distinct_operand_set(tmp_path: pathlib.Path) -> None:
+    # Replay keeps one operand set per distinct shape signature: a repeated signature counts
+    # once, two signatures count twice.
+    from kvactors.core.protocols.codec import encode
+    from kvactors.observe.trace import OperandShapes
+
+    def call(seq: int, width: int) -> TraceEntry:
+        ops = OperandShapes(
+            paged_kind="list", paged=[[2, 8, 4, 2, 8]] * 2, objects=[[width]], dtype="bfloat16"
+        )
+        msg = encode(Transfer(transfer_id=seq, request=_req(1, (3, 1)), stream_handle=0))
+        return TraceEntry(kind="call", seq=seq, t=0.0, op="transfer", message=msg, operands=ops)
+
+    head = _rec(TraceHeader(device="cpu", created=0.0))
+    same, other = tmp_path / "same.trace", tmp_path / "other.trace"
+    same.write_bytes(head + _rec(call(1, 2048)) + _rec(call(2, 2048)))
+    other.write_bytes(head + _rec(call(1, 2048)) + _rec(call(2, 2049)))
+    read_trace(str(same), max_bytes=4096 + 4096)  # one set: 4,096 paged + 4,096 chunk bytes
+    with pytest.raises(InvalidFileError, match=r"record 2 .* allocate 12290 bytes"):
+        read_trace(str(other), max_bytes=4096 + 4096)
