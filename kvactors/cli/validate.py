@@ -1,7 +1,10 @@
 """``kvactors validate STORED RESTORED``: KV bit equality between two dumps.
 
 The dump format and the comparison are :mod:`kvactors.observe.kvdump`; exit 0 when identical,
-1 on a mismatch, 2 on a file that is not a well-formed dump.
+1 on a mismatch (of bits or of layout: layer or block count, block axis, dtype, shape), 2 on a
+file that is not a well-formed dump, including one that describes more memory than it holds
+(stride-0, overlapping or out-of-bounds layers, compressed members), refused before the
+comparison allocates anything.
 """
 
 from __future__ import annotations

@@ -15,7 +15,8 @@ any difference is a transfer bug, never "numerical noise".
 from __future__ import annotations
 
 import dataclasses
-from typing import TYPE_CHECKING, Any
+import zipfile
+from typing import TYPE_CHECKING, Any, BinaryIO
 
 import msgspec
 import torch
@@ -140,10 +141,13 @@ def save_dump(dump: KVDump, path: str) -> None:
 def load_dump(path: str) -> KVDump:
     """Read a dump written by :func:`save_dump`, checking its structure before any comparison.
 
-    The file is loaded with ``weights_only=True`` (no pickled code runs), then checked: exactly
-    the keys :func:`save_dump` writes, ``block_ids`` a list of ints, ``layers`` a non-empty list
-    of dense tensors of a fixed-size dtype, ``block_dim`` an axis of every layer whose length is
-    the number of block ids.
+    Before loading, the file must be torch's zip format with stored (uncompressed) members
+    whose sizes fit the file, so loading allocates no more than the file holds. It is loaded
+    with ``weights_only=True`` (no pickled code runs), then checked: exactly the keys
+    :func:`save_dump` writes, ``block_ids`` a list of ints, ``layers`` a non-empty list of
+    dense tensors of a fixed-size dtype, ``block_dim`` an axis of every layer whose length is
+    the number of block ids, and strides that neither repeat (stride 0), overlap nor reach
+    past the layer's storage, so that no comparison materialises more than the file holds.
 
     Raises:
         InvalidFileError: the file is unreadable as a dump, or not a well-formed kvactors KV
@@ -151,6 +155,7 @@ def load_dump(path: str) -> KVDump:
         OSError: the file cannot be opened.
     """
     with open(path, "rb") as f:  # an unreadable path is an OSError; all else is the content
+        _check_archive(path, f)
         try:
             data = torch.load(f, map_location="cpu", weights_only=True)
         except Exception as exc:  # unpickling, EOF, a damaged zip: "not a dump we can read"
@@ -187,7 +192,62 @@ def load_dump(path: str) -> KVDump:
                 f"layer {i} holds {t.shape[bdim]} blocks along block_dim {bdim}, "
                 f"but there are {len(ids)} block ids"
             )
+        if (problem := _layout_problem(t)) is not None:
+            raise bad(f"layer {i} (shape {list(t.shape)}, stride {list(t.stride())}) {problem}")
     return KVDump(tuple(int(b) for b in ids), list(layers), int(bdim))
+
+
+def _check_archive(path: str, f: BinaryIO) -> None:
+    """The file is torch's zip format with every member stored, not compressed.
+
+    ``torch.load`` allocates each storage at its uncompressed size, so a deflated member could
+    make a small file allocate without bound; :func:`save_dump` (``torch.save``) never
+    compresses. With stored members, what loading allocates is bounded by the file's size
+    (a member whose header claims more than the file holds fails to read).
+    """
+    try:
+        with zipfile.ZipFile(f) as z:
+            members = z.infolist()
+    except Exception as exc:  # not a zip, or a damaged one: "not a dump we can read"
+        raise _unreadable(path, exc) from exc
+    finally:
+        f.seek(0)
+    for m in members:
+        if m.compress_type != zipfile.ZIP_STORED:
+            raise InvalidFileError(
+                f"{path}: not a kvactors KV dump: member {m.filename!r} is compressed (method "
+                f"{m.compress_type}, {m.file_size} bytes from {m.compress_size}); save_dump "
+                "writes stored members, and a compressed one would be allocated at full size",
+                path=path,
+            )
+
+
+def _layout_problem(t: torch.Tensor) -> str | None:
+    """Why ``t``'s strides are not those of a dense, non-overlapping, in-bounds tensor.
+
+    Only metadata is read. ``torch.save`` keeps a view's storage, sizes and strides, so a file
+    can describe a large tensor over a small storage (a stride of 0 repeats one element, or
+    strides that make elements alias); comparing it would materialise its full size.
+    """
+    if t.numel() == 0:
+        return None
+    dims = sorted((st, n, d) for d, (n, st) in enumerate(zip(t.shape, t.stride(), strict=True)))
+    span = 1  # elements covered by the axes of smaller strides, without overlap
+    for st, n, d in dims:
+        if n == 1:
+            continue
+        if st == 0:
+            return f"has stride 0 on axis {d} (one element repeated {n} times)"
+        if st < span:
+            return f"has overlapping elements (axis {d}'s stride {st} is below {span})"
+        span = st * n
+    # torch.load itself refuses a view past its storage (which is not resizable); checked here
+    # too, so that the bound does not rest on the loader.
+    last = t.storage_offset() + sum((n - 1) * st for n, st in zip(t.shape, t.stride(), strict=True))
+    storage = t.untyped_storage().nbytes() // t.element_size()
+    if last >= storage:
+        return f"reaches element {last} of a storage of {storage} elements (out of bounds)"
+    return None
 
 
 def _unreadable(path: str, exc: Exception) -> InvalidFileError:
@@ -210,7 +270,9 @@ def compare_kv(stored: KVDump, restored: KVDump, *, max_report: int = 50) -> Val
         max_report: At most this many :class:`BlockMismatch` entries are listed (all counted).
 
     Returns:
-        The report; ``ok`` is True only when shapes, dtypes and every bit match.
+        The report; ``ok`` is True only when the layouts (layer count, block count, block
+        axis, each layer's dtype and shape) and every bit match. Dumps with different block
+        axes are a problem, and their bits are not compared.
     """
     problems: list[str] = []
     if len(stored.layers) != len(restored.layers):
@@ -219,9 +281,17 @@ def compare_kv(stored: KVDump, restored: KVDump, *, max_report: int = 50) -> Val
         problems.append(
             f"block count differs: {len(stored.block_ids)} vs {len(restored.block_ids)}"
         )
+    axes_differ = stored.block_dim != restored.block_dim
+    if axes_differ:
+        # Same bytes under another block axis is another layout: a dumping or layout bug.
+        problems.append(
+            f"block axis differs: stored block_dim {stored.block_dim} vs restored "
+            f"{restored.block_dim} (the blocks are not compared)"
+        )
     mismatches: list[BlockMismatch] = []
     bad_blocks = bad_elems = elements = 0
-    for li, (a, b) in enumerate(zip(stored.layers, restored.layers, strict=False)):
+    layers = () if axes_differ else zip(stored.layers, restored.layers, strict=False)
+    for li, (a, b) in enumerate(layers):
         if a.dtype != b.dtype or a.shape != b.shape:
             problems.append(
                 f"layer {li}: stored {a.dtype}{list(a.shape)} vs restored {b.dtype}{list(b.shape)}"

@@ -2,8 +2,11 @@
 
 from __future__ import annotations
 
+import collections
 import os
 import random
+import types
+import zipfile
 from typing import TYPE_CHECKING
 
 import pytest
@@ -211,3 +214,125 @@ def test_bit_flipped_dumps_never_escape_as_other_errors(tmp_path: pathlib.Path) 
             invalid += 1
         assert main(["validate", str(p), str(ok)]) in (0, 1, 2)
     assert invalid > 0
+
+
+class _View:
+    """Pickles as ``torch._utils._rebuild_tensor_v2`` over ``storage`` with any size and stride
+    (what ``torch.save`` writes for a view), so a test can write strides ``as_strided`` refuses."""
+
+    def __init__(self, storage: torch.Tensor, size: tuple[int, ...], stride: tuple[int, ...]):
+        typed = torch.storage.TypedStorage(
+            wrap_storage=storage.untyped_storage(), dtype=storage.dtype, _internal=True
+        )
+        self.args: tuple[object, ...] = (typed, 0, size, stride, False, collections.OrderedDict())
+
+    def __reduce__(self) -> tuple[object, tuple[object, ...]]:
+        return (torch._utils._rebuild_tensor_v2, self.args)
+
+
+def _hostile_layers() -> dict[str, tuple[object, str]]:
+    """Layers whose storage is far smaller than their size: (layer, the refusal's fragment)."""
+    one = torch.zeros(1, dtype=torch.int32)
+    eight = torch.zeros(8, dtype=torch.int32)
+    sixteen = torch.zeros(16, dtype=torch.int32)
+    return {
+        "stride 0 (a GiB from one element)": (one.expand(2, 2**27), "stride 0 on axis"),
+        "stride 0 on one axis": (eight.as_strided((2, 4), (0, 1)), "stride 0 on axis 0"),
+        "overlapping rows": (eight.as_strided((2, 6), (1, 1)), "overlapping elements"),
+        "overlapping planes": (sixteen.as_strided((2, 2, 4), (2, 4, 1)), "overlapping elements"),
+        "past the storage": (_View(eight, (2, 100), (100, 1)), "not a readable"),
+    }
+
+
+@pytest.mark.parametrize("name", sorted(_hostile_layers()))
+def test_hostile_strides_are_refused_before_any_comparison(
+    name: str,
+    tmp_path: pathlib.Path,
+    capsys: pytest.CaptureFixture[str],
+    monkeypatch: pytest.MonkeyPatch,
+) -> None:
+    from kvactors.observe import kvdump
+
+    layer, fragment = _hostile_layers()[name]
+    bad = tmp_path / "bad"
+    torch.save({_M: 1, "block_ids": [0, 1], "block_dim": 0, "layers": [layer]}, str(bad))
+    assert bad.stat().st_size < 4096
+    with pytest.raises(InvalidFileError, match=fragment) as info:
+        load_dump(str(bad))
+    assert info.value.path == str(bad)
+
+    def no_bits(t: torch.Tensor) -> torch.Tensor:
+        raise AssertionError("a hostile layer reached the comparison")
+
+    monkeypatch.setattr(kvdump, "_bits", no_bits)
+    assert main(["validate", str(bad), str(bad)]) == 2
+    assert fragment in capsys.readouterr().err
+
+
+def test_dense_views_in_any_axis_order_are_accepted(tmp_path: pathlib.Path) -> None:
+    # Permuted and sliced layers are dense without overlap: no false refusal.
+    base = torch.arange(48, dtype=torch.int32)
+    permuted = base.reshape(4, 3, 4).permute(2, 0, 1)  # [4, 4, 3], strides (1, 12, 4)
+    sliced = base.reshape(4, 12)[:, 2:5]  # a slice of a larger storage
+    for i, layer in enumerate((permuted, sliced)):
+        p = tmp_path / f"v{i}"
+        torch.save({_M: 1, "block_ids": [0, 1, 2, 3], "block_dim": 0, "layers": [layer]}, str(p))
+        got = load_dump(str(p))
+        assert got.layers[0].stride() == layer.stride()
+        assert compare_kv(got, KVDump((0, 1, 2, 3), [layer.contiguous()], 0)).ok
+
+
+def test_out_of_bounds_strides_are_refused_without_the_loader() -> None:
+    # torch.load refuses a view past its storage itself; the check does not rest on that.
+    from kvactors.observe.kvdump import _layout_problem
+
+    t = torch.zeros(8, dtype=torch.int32)
+    past = types.SimpleNamespace(
+        shape=(2, 100),
+        stride=lambda: (100, 1),
+        numel=lambda: 200,
+        storage_offset=lambda: 0,
+        untyped_storage=t.untyped_storage,
+        element_size=t.element_size,
+    )
+    assert "out of bounds" in (_layout_problem(past) or "")  # type: ignore[arg-type]
+    assert _layout_problem(t.reshape(2, 4)) is None
+
+
+def test_a_compressed_member_is_refused_before_loading(
+    tmp_path: pathlib.Path, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    # torch.load would inflate a deflated member to its full size: a small file, a large
+    # allocation. save_dump never compresses, so a compressed member is refused unread.
+    src, bad = tmp_path / "src", tmp_path / "bad"
+    torch.save(
+        {_M: 1, "block_ids": [0, 1], "block_dim": 0, "layers": [torch.zeros(2, 2**18)]}, str(src)
+    )
+    with zipfile.ZipFile(src) as z, zipfile.ZipFile(bad, "w", zipfile.ZIP_DEFLATED) as w:
+        for m in z.infolist():
+            w.writestr(m.filename, z.read(m.filename))
+    assert bad.stat().st_size < 2**20 // 50
+    monkeypatch.setattr(torch, "load", lambda *a, **k: pytest.fail("loaded a compressed dump"))
+    with pytest.raises(InvalidFileError, match=r"member '.*' is compressed"):
+        load_dump(str(bad))
+
+
+def test_dumps_with_different_block_axes_are_a_mismatch(
+    tmp_path: pathlib.Path, capsys: pytest.CaptureFixture[str]
+) -> None:
+    # The same bytes under another block axis is another layout: never IDENTICAL.
+    t = torch.arange(16.0).reshape(4, 4)
+    for name, bdim in (("b0", 0), ("b1", 1)):
+        torch.save(
+            {_M: 1, "block_ids": [0, 1, 2, 3], "block_dim": bdim, "layers": [t]},
+            str(tmp_path / name),
+        )
+    report = compare_kv(load_dump(str(tmp_path / "b0")), load_dump(str(tmp_path / "b1")))
+    assert not report.ok
+    assert report.problems == [
+        "block axis differs: stored block_dim 0 vs restored 1 (the blocks are not compared)"
+    ]
+    assert main(["validate", str(tmp_path / "b0"), str(tmp_path / "b1")]) == 1
+    out = capsys.readouterr().out
+    assert out.startswith("MISMATCH")
+    assert "block axis differs" in out
