@@ -6,6 +6,11 @@ sticky: later work is skipped, markers carry the error and the next ``synchroniz
 Barriers (``wait_event``) block the worker until the awaited marker completed. A *lazy*
 worker (knob ``lazy``) runs an item only once something waits for it (a ``synchronize``, a
 wait on a marker behind it), so reading before waiting sees stale bytes every time.
+
+Work runs under the autograd state its submitter had (inference mode, grad mode: both are
+per thread in torch): a host thread's mode reaches the device work it enqueued, as on a card
+where kernels know nothing of autograd, and an inference tensor allocated by the caller can be
+filled by the worker.
 """
 
 from __future__ import annotations
@@ -16,12 +21,42 @@ import threading
 import time
 from typing import TYPE_CHECKING, Literal
 
+import torch
+
 from kvactors.testing._device import FakeDeviceError
 
 if TYPE_CHECKING:
     from collections.abc import Callable
 
-__all__ = ("Marker", "StreamWorker")
+__all__ = ("Marker", "StreamWorker", "under_callers_autograd")
+
+_inference_enabled = torch.is_inference_mode_enabled
+_grad_enabled = torch.is_grad_enabled
+
+
+def under_callers_autograd(fn: Callable[[], object]) -> Callable[[], object]:
+    """``fn``, bound to run under the calling thread's autograd state wherever it runs.
+
+    A fresh thread's state (grad mode on, inference mode off) is what a worker has, so work
+    submitted from it is returned as is; under ``torch.inference_mode()`` or
+    ``torch.no_grad()`` the work runs inside the same mode on the worker.
+    """
+    if _inference_enabled():
+
+        def in_inference() -> object:
+            with torch.inference_mode():
+                return fn()
+
+        return in_inference
+    if not _grad_enabled():
+
+        def without_grad() -> object:
+            with torch.no_grad():
+                return fn()
+
+        return without_grad
+    return fn
+
 
 _Kind = Literal["work", "marker", "barrier"]
 
@@ -79,8 +114,8 @@ class StreamWorker:
         return self._thread
 
     def submit(self, fn: Callable[[], object]) -> None:
-        """Enqueue device work; returns immediately."""
-        self._put("work", fn)
+        """Enqueue device work (run under the caller's autograd state); returns immediately."""
+        self._put("work", under_callers_autograd(fn))
 
     def submit_marker(self, marker: Marker) -> None:
         """Enqueue a marker that completes when all earlier work has run."""
