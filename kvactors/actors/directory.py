@@ -3,9 +3,14 @@ retired when idle.
 
 Handle 0 (the default stream) lives as long as the runtime. A borrowed caller stream gets an
 actor on its first message; once idle it joins an LRU list and is retired (``close_if_idle``,
-atomic with sends) when more than ``max_idle`` are idle or ``idle_seconds`` passed. Retiring
-changes no order; a later message makes a new actor. :meth:`StreamDirectory.on_retire`
-listeners hear each retired handle.
+atomic with sends) when more than ``max_idle`` are idle or ``idle_seconds`` passed. An actor
+is idle once its mailbox and turns hold nothing, even while its lane still watches work it
+launched (a plain call's copy): that work is on the device stream already, behind which a
+new actor's work on the same handle queues. A retired actor stops only once its lane dropped
+every lease (:meth:`StreamActor.retire`), and until then :meth:`StreamDirectory.retiring`
+lists it, so that an IPC close waits for it too (rule 2). Retiring changes no order; a later
+message makes a new actor. :meth:`StreamDirectory.on_retire` listeners hear each retired
+handle.
 """
 
 from __future__ import annotations
@@ -57,7 +62,8 @@ class StreamDirectory:
         self._idle: collections.OrderedDict[int, asyncio.TimerHandle | None] = (
             collections.OrderedDict()
         )
-        self._retiring: set[asyncio.Task[None]] = set()
+        # Retired actors whose stop has not ended, by their stop task.
+        self._retiring: dict[asyncio.Task[None], StreamActor] = {}
         self._listeners: list[Callable[[int], None]] = []
         self._retired: weakref.WeakSet[StreamActor] = weakref.WeakSet()
         self._closed = False
@@ -113,6 +119,11 @@ class StreamDirectory:
         """Every StreamActor running now."""
         return list(self._actors.values())
 
+    def retiring(self) -> list[tuple[StreamActor, asyncio.Task[None]]]:
+        """Retired StreamActors whose stop has not ended (on the loop), each with its stop
+        task: work they launched may still run on their stream until the task ended."""
+        return [(actor, task) for task, actor in self._retiring.items() if not task.done()]
+
     def on_retire(self, listener: Callable[[int], None]) -> None:
         """Call ``listener(handle)`` on the loop whenever an idle actor is retired."""
         self._listeners.append(listener)
@@ -132,7 +143,10 @@ class StreamDirectory:
             except Exception as exc:
                 failures.append(exc)
         if self._retiring:
-            await asyncio.wait(set(self._retiring), timeout=timeout)
+            _, late = await asyncio.wait(set(self._retiring), timeout=timeout)
+            for task in late:  # still waiting for its device: its lane threads live on
+                self._retiring.pop(task, None)
+                self.retired_lanes_abandoned += 1
         if failures:
             raise failures[0]
 
@@ -164,17 +178,19 @@ class StreamDirectory:
             self._retired.add(actor)
         self.retired += 1
         task = asyncio.get_running_loop().create_task(
-            actor.stop(graceful=True, timeout=self._stop_timeout), name=f"retire:{actor.name}"
+            actor.retire(self._stop_timeout), name=f"retire:{actor.name}"
         )
-        self._retiring.add(task)
-        task.add_done_callback(self._retiring.discard)
-        task.add_done_callback(lambda _t: self._count_abandoned(actor))
+        self._retiring[task] = actor
+        task.add_done_callback(self._retired_stop)
         for listener in self._listeners:
             listener(handle)
 
-    def _count_abandoned(self, actor: StreamActor) -> None:
-        # A retired actor leaves all(): keep its abandoned lanes counted (Runtime.close raises).
-        self.retired_lanes_abandoned += actor.lanes_abandoned
+    def _retired_stop(self, task: asyncio.Task[None]) -> None:
+        # A retired actor leaves all(): keep its abandoned lanes counted (Runtime.close raises);
+        # one that stop() already counted as abandoned is not counted again.
+        actor = self._retiring.pop(task, None)
+        if actor is not None:
+            self.retired_lanes_abandoned += actor.lanes_abandoned
 
     def _name(self, handle: int) -> str:
         return f"stream:{self.backend.kind}:{self.index}:{handle:#x}"

@@ -1,11 +1,13 @@
 """IPCOwnerActor: receiver-side owners of IPC-opened memory, closed only after a stream sync.
 
 Closing a context (rule 2): a ``Sync`` barrier on every stream this device's directory knows
-plus the handles the caller names, then drop the views, then close each owner (each in its
-own ``finally``). If a barrier failed or timed out nothing is released: the context stays
-open, ``owners_kept`` counts its owners, the close raises :class:`~kvactors.errors.IPCError`
-and a later close tries again. A second close of a context being closed gets the first one's
-answer; only the handle (a name and metadata, never a pointer) crosses processes.
+plus the handles the caller names, and the end of every retired stream actor still stopping
+(its lane may still watch a copy that reads a view); then drop the views, then close each
+owner (each in its own ``finally``). If a barrier failed or timed out nothing is released:
+the context stays open, ``owners_kept`` counts its owners, the close raises
+:class:`~kvactors.errors.IPCError` and a later close tries again. A second close of a
+context being closed gets the first one's answer; only the handle (a name and metadata, never
+a pointer) crosses processes.
 """
 
 from __future__ import annotations
@@ -20,10 +22,10 @@ from kvactors.actors.envelope import DEFERRED, Envelope, unreachable
 from kvactors.actors.reply import Reply
 from kvactors.core.protocols.ipc import CloseContext, ContextClosed, IPCRequest, Opened, OpenHandle
 from kvactors.core.protocols.stream import Sync
-from kvactors.errors import IPCError, ProtocolError, translate
+from kvactors.errors import DeviceOpError, IPCError, ProtocolError, translate
 
 if TYPE_CHECKING:
-    from collections.abc import Callable
+    from collections.abc import Awaitable, Callable
 
     import torch
 
@@ -147,10 +149,14 @@ class IPCOwnerActor(Actor[IPCRequest]):
         gathered.add_done_callback(after_sync)
         return DEFERRED
 
-    def _barriers(self, streams: list[StreamActor]) -> list[Reply[Any]]:
+    def _barriers(self, streams: list[StreamActor]) -> list[Awaitable[Any]]:
         # A stream that cannot take a Sync (broken, closed) yields a failed barrier, so the
-        # close still runs to the end and reports the failure instead of stalling.
-        out: list[Reply[Any]] = []
+        # close still runs to the end and reports the failure instead of stalling. A retired
+        # actor still stopping is waited for until its lane ended (its reaper dropped every
+        # lease, so every copy it launched completed).
+        out: list[Awaitable[Any]] = [
+            self._retired_end(actor, task) for actor, task in self._streams.retiring()
+        ]
         for stream in streams:
             try:
                 out.append(stream.ask_nowait(Sync(), timeout=self._sync_timeout))
@@ -159,6 +165,16 @@ class IPCOwnerActor(Actor[IPCRequest]):
                 failed.settle(exc)
                 out.append(failed)
         return out
+
+    async def _retired_end(self, actor: StreamActor, task: asyncio.Task[None]) -> None:
+        # shield: a timed-out barrier must not cancel the retirement itself.
+        await asyncio.wait_for(asyncio.shield(task), self._sync_timeout)
+        if actor.lanes_abandoned:
+            raise DeviceOpError(
+                f"{actor.name}: retired, and its lane did not end (work it launched may still run)",
+                device=f"{self.backend.kind}:{actor.index}",
+                op="synchronize",
+            )
 
     def _keep(self, ctx: int, sync_errors: list[BaseException]) -> IPCError:
         # Close after sync (rule 2): a stream that did not sync may still copy through the

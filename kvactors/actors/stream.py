@@ -153,6 +153,24 @@ class StreamActor(Actor[StreamRequest]):
                 outbox.withdraw(seq)
             self._records.clear()
 
+    async def retire(self, timeout: float | None) -> None:
+        """Stop an actor the directory retired (it refuses every send already): the work
+        it launched completes first, whatever it takes (retirement is housekeeping on a
+        healthy device, never a reason to abandon a copy; ``Runtime.close`` bounds it), then
+        the bounded stop of :meth:`stop`."""
+        lane = self.lane
+        if lane.watching:
+            loop = asyncio.get_running_loop()
+            dropped: asyncio.Future[bool] = loop.create_future()
+
+            def reaped() -> None:  # on the reaper: every lease watched before was dropped
+                with contextlib.suppress(RuntimeError):  # a closed loop: nobody waits
+                    loop.call_soon_threadsafe(_settle, dropped, True, None)
+
+            lane.after_reaped(reaped)
+            await dropped
+        await self.stop(graceful=True, timeout=timeout)
+
     @property
     def on_idle(self) -> Callable[[], None] | None:
         """Called on the loop when the actor holds nothing (see the module docstring)."""

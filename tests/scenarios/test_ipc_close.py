@@ -227,3 +227,81 @@ def _until_queued(rt: Runtime, closer: threading.Thread) -> None:
     while not queued():
         assert time.monotonic() < end, "the close never queued"
         closer.join(0.001)
+
+
+class _RetiredCopy:
+    """A plain call's copy reading an IPC view on a borrowed stream ``h1``, whose actor the
+    directory then retired: the call returned once the copy was enqueued, the actor held
+    nothing but its lane's watched lease, and more than ``max_idle`` borrowed streams went
+    idle after it. The fake runs every work item ``delay`` seconds late, so the copy lands
+    well after everything else here."""
+
+    def __init__(self, fake: Any, rt: Runtime, backend: MusaBackend) -> None:
+        layer = (2, NB, BS, NH, HS)
+        source = torch.randn(layer).to(DTYPE)
+        self.exported = fake.to_device(source.clone())  # the exporter keeps it alive
+        view = rt.open_ipc(backend.ipc_export(self.exported), context_id=1)
+        actors = rt._actors
+        assert actors is not None
+        self.owner = next(iter(actors.ipc._owners[1].values()))
+        # Pinned (the fake pins): a D2H into pageable memory blocks its caller.
+        self.got = [torch.full((2, 1, CHUNK, NH * HS), -1.0, dtype=DTYPE).pin_memory()]
+        self.want = expected_gather([source, source], (2, 3))[0][:, :1]
+        h1 = torch.musa.Stream().musa_stream  # type: ignore[attr-defined]
+        rt.synchronize(h1)  # h1's actor exists: the transfer below is a plain call
+        rt.transfer(
+            request(Direction.D2H, (2, 3), shape=shape(nl=1)),
+            [view],
+            self.got,
+            stream_handle=h1,
+            complete=False,
+        )
+        del view
+        for _ in range(StreamDirectory.__init__.__kwdefaults__["max_idle"]):
+            rt.synchronize(torch.musa.Stream().musa_stream)  # type: ignore[attr-defined]
+        # A round trip through the IPC actor (on the loop) lets the idle notes land.
+        rt.close_ipc_context(2**40)
+        assert actors.streams.peek(h1) is None, "setup: h1's actor was not retired"
+        assert not self.landed(), "setup: the copy landed before the retirement"
+
+    def landed(self) -> bool:
+        return same(self.got[0], self.want)
+
+
+def test_close_waits_for_the_copy_of_a_retired_borrowed_stream_actor() -> None:
+    """Rule 2 across a retirement (audit H1): a close of the context waits for the copy a
+    retired stream actor's lane still watches, although no running actor knows that stream."""
+    with fake_vendor("musa", delay=1.0) as fake:
+        import torch_musa  # noqa: F401  (the fake)
+
+        backend = MusaBackend()
+        with Runtime(backend) as rt:
+            case = _RetiredCopy(fake, rt, backend)
+            landed_at_close: list[bool] = []
+            close = case.owner.close
+
+            def checked_close() -> None:
+                landed_at_close.append(case.landed())
+                close()
+
+            case.owner.close = checked_close
+            rt.close_ipc_context(1)
+            assert landed_at_close == [True], "the owner closed under the retired stream's copy"
+
+
+def test_retiring_an_actor_whose_lane_watches_a_copy_abandons_no_lane() -> None:
+    """A retirement is housekeeping on a healthy device: a retired actor's stop waits for the
+    copy its lane watches, however short the stop timeout, so the lane is never abandoned
+    and ``Runtime.close`` does not raise."""
+    with fake_vendor("musa", delay=1.0) as fake:
+        import torch_musa  # noqa: F401  (the fake)
+
+        backend = MusaBackend()
+        rt = Runtime(backend, stop_timeout=0.3).start()  # shorter than the copy
+        try:
+            case = _RetiredCopy(fake, rt, backend)
+            rt.fence([2, 3])
+            assert case.landed()
+        finally:
+            rt.close()  # raises if a lane was abandoned
+        assert rt.statistics().lanes_abandoned == 0
