@@ -27,6 +27,7 @@ if TYPE_CHECKING:
 __all__ = (
     "POINTER_MODE_MESSAGE",
     "block_ids_tuple",
+    "check_one_cache_kind",
     "check_tensor_operands",
     "direction_of",
     "dtype_name",
@@ -342,6 +343,55 @@ def _convert_request(
         skip_blocks=skip_prefix_n_blocks,
         shape=shape_desc_of(shape_desc),
     )
+
+
+def check_one_cache_kind(paged: object, nl: int) -> None:
+    """Refuse a KV group whose caches are not all of one kind (shape and dtype).
+
+    LMCache builds a group's descriptor from its first cache and counts every cache of the
+    group as a layer (``shape_desc.nl`` is the cache count). A sparse-MLA model (DeepSeek
+    V3.2, GLM-5 class) keeps each layer's indexer key cache beside its MLA cache in one group,
+    so the cache count is not the layer count and half the caches have another shape and
+    dtype. Such a group is refused by name here, before anything is copied, instead of as one
+    tensor's shape inside the transfer's checks. Per-layer lists of tensors only: a
+    cross-layer tensor holds one kind, and nested lists (K/V lists, plane tuples) are checked
+    by the runtime.
+
+    Args:
+        paged: The paged operand as the op received it (after :func:`normalize_format`).
+        nl: The layer count LMCache's descriptor states (``shape_desc.nl``).
+
+    Raises:
+        TransferValidationError: the caches differ in shape or dtype (``field="kv_caches"``).
+    """
+    if type(paged) is not list or len(paged) < 2:
+        return
+    kinds: dict[tuple[tuple[int, ...], str], list[int]] = {}
+    for i, t in enumerate(paged):
+        if not isinstance(t, torch.Tensor):
+            return
+        dtype = str(t.dtype).removeprefix("torch.")
+        kinds.setdefault((tuple(t.shape), dtype), []).append(i)
+    if len(kinds) == 1:
+        return
+    described = "; ".join(
+        f"{len(at)} x {list(shape)} {dtype} (caches {_positions(at)})"
+        for (shape, dtype), at in kinds.items()
+    )
+    first = len(next(iter(kinds.values())))
+    raise TransferValidationError(
+        f"one KV group holds caches of {len(kinds)} kinds: {described}. Cache count "
+        f"{len(paged)} (shape_desc.nl {nl}) is not a layer count: at most {first} caches are "
+        "of the first cache's kind. A sparse-MLA model (DeepSeek V3.2, GLM-5) keeps an "
+        "indexer cache beside each layer's MLA cache in one group; kvactors moves one cache "
+        "kind per group and refuses this one before any copy",
+        field="kv_caches",
+    )
+
+
+def _positions(at: list[int]) -> str:
+    shown = ", ".join(map(str, at[:6]))
+    return shown + (f", ... ({len(at)} in all)" if len(at) > 6 else "")
 
 
 def _is_pointer_list(value: object) -> bool:

@@ -436,6 +436,8 @@ class KvactorsDeviceOps(DeviceOps):
                 skip_prefix_n_blocks,
                 shape_desc,
             )
+            # Before the request is kept: a refused group never reaches the one-frame path.
+            convert.check_one_cache_kind(paged_buffer_ptrs_tensor, request.shape.nl)
             if same is not None and convert.reusable(request, same):
                 if len(self._requests) >= _REQUESTS_KEPT:
                     self._requests.clear()

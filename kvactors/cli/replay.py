@@ -9,15 +9,19 @@ is allocated (exit 2).
 
 from __future__ import annotations
 
-import argparse
 import json
 import sys
+from typing import TYPE_CHECKING
 
 import msgspec
 
 from kvactors.cli._devenv import DEVICE_KINDS, device_env
+from kvactors.errors import InvalidSettingError
 from kvactors.observe.trace import DEFAULT_MAX_BYTES, read_trace, replay, replay_backend
 from kvactors.runtime import Runtime
+
+if TYPE_CHECKING:
+    import argparse
 
 __all__ = ("add_arguments", "run")
 
@@ -29,7 +33,7 @@ def add_arguments(ap: argparse.ArgumentParser) -> None:
     ap.add_argument("--json", action="store_true")
     ap.add_argument(
         "--max-bytes",
-        type=_nonnegative,
+        type=_byte_count,
         default=DEFAULT_MAX_BYTES,
         metavar="N",
         help="refuse a trace whose synthetic operands, all calls together, exceed N bytes "
@@ -37,10 +41,11 @@ def add_arguments(ap: argparse.ArgumentParser) -> None:
     )
 
 
-def _nonnegative(text: str) -> int:
+def _byte_count(text: str) -> int:
+    # argparse reports a ValueError as "invalid _byte_count value: '<text>'".
     n = int(text)
     if n < 0:
-        raise argparse.ArgumentTypeError(f"--max-bytes must be >= 0, got {n}")
+        raise InvalidSettingError(f"--max-bytes must be >= 0, got {n}", setting="--max-bytes")
     return n
 
 
