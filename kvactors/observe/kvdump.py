@@ -141,8 +141,8 @@ def save_dump(dump: KVDump, path: str) -> None:
 def load_dump(path: str) -> KVDump:
     """Read a dump written by :func:`save_dump`, checking its structure before any comparison.
 
-    Before loading, the file must be torch's zip format with stored (uncompressed) members
-    whose sizes fit the file, so loading allocates no more than the file holds. It is loaded
+    Before loading, the file must be torch's zip format with stored (uncompressed) members,
+    so loading allocates no more than the file holds. It is loaded
     with ``weights_only=True`` (no pickled code runs), then checked: exactly the keys
     :func:`save_dump` writes, ``block_ids`` a list of ints, ``layers`` a non-empty list of
     dense tensors of a fixed-size dtype, ``block_dim`` an axis of every layer whose length is

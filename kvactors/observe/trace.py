@@ -618,8 +618,11 @@ def replay(
 
 
 def iter_messages(path: str) -> Iterator[tuple[float, msgspec.Struct]]:
-    """``(t, message)`` of every recorded call that is a GatherActor message, in order."""
-    _, entries = read_trace(path)
+    """``(t, message)`` of every recorded call that is a GatherActor message, in order.
+
+    Nothing is allocated from the operand shapes, so no operand cap applies.
+    """
+    _, entries = read_trace(path, max_bytes=None)
     for e in entries:
         if e.kind == "call" and e.op != "synchronize":
             yield e.t, GATHER_REQUESTS.decode(e.message)

@@ -411,6 +411,8 @@ def test_the_default_cap_refuses_a_declared_gigabyte_before_any_runtime(
     with pytest.raises(InvalidFileError, match=f"cap of {DEFAULT_MAX_BYTES} bytes") as info:
         read_trace(str(path))
     assert info.value.path == str(path)
+    # Reading the messages allocates nothing from the shapes: no cap there.
+    assert [type(m) for _, m in iter_messages(str(path))] == [Transfer]
 
     def no_runtime(*a: object, **k: object) -> None:
         raise AssertionError("a runtime was built for a refused trace")
