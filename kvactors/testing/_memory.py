@@ -4,21 +4,45 @@ Fake device memory is CPU memory; every allocation is recorded as a device range
 a pointer view of a fake device succeeds only inside a live device range and mixing host and
 device addresses fails loudly. Pinned host ranges are tracked the same way and decide whether
 a ``non_blocking`` copy stays asynchronous.
+
+The device ranges double as the allocator's statistics (``memory_allocated``,
+``max_memory_allocated``, ``memory_reserved``, ``memory_stats``...): an allocation counts from
+the moment it is recorded until its storage is freed (no view of it left, queued work that
+uses it included). Sizes are rounded up to the vendors' caching-allocator block size, freed
+blocks stay reserved (cached) until ``empty_cache``, and peaks are taken at allocations, the
+only moments a peak can grow. Memory declared with ``fresh=False`` (adopted host memory) is
+device memory but not an allocation.
 """
 
 from __future__ import annotations
 
 import threading
-from typing import TYPE_CHECKING, Protocol, cast
+import weakref
+from typing import TYPE_CHECKING, Protocol, TypeVar, cast
 
 from torch.multiprocessing import reductions
 
 from kvactors.testing._counters import OpTally
 
 if TYPE_CHECKING:
+    from collections.abc import Callable
+
     import torch
 
-__all__ = ("FakeMemory", "FakeMusart", "WeakStorage", "weak_storage")
+_T = TypeVar("_T")
+
+__all__ = (
+    "BLOCK_BYTES",
+    "DeviceMemoryStats",
+    "FakeMemory",
+    "FakeMusart",
+    "WeakStorage",
+    "weak_storage",
+)
+
+BLOCK_BYTES = 512
+_COMPACT_AT = 64  # holder lists drop dead entries when they pass a power of two above this
+"""The caching allocators' smallest block: allocations are counted rounded up to it."""
 
 
 class WeakStorage(Protocol):
@@ -35,21 +59,160 @@ def weak_storage(storage: torch.UntypedStorage) -> WeakStorage:
 
 
 class _Range:
-    __slots__ = ("device", "end", "ref", "start")
+    __slots__ = ("counted", "device", "end", "holders", "ref", "start")
 
-    def __init__(self, start: int, end: int, device: int, ref: WeakStorage | None) -> None:
+    def __init__(
+        self, start: int, end: int, device: int, ref: WeakStorage | None, counted: bool = False
+    ) -> None:
         self.start = start
         self.end = end
         self.device = device
         self.ref = ref
+        self.counted = counted  # an allocation the statistics still count as allocated
+        # The device tensors the program holds over this allocation (weakly); None until the
+        # first one. Queued work holds the memory too, but not as a device tensor.
+        self.holders: list[weakref.ref[torch.Tensor]] | None = None
 
     def live(self) -> bool:
         return self.ref is None or not self.ref.expired()
+
+    def held(self) -> bool:
+        """Whether the program still holds the allocation (the allocator's view)."""
+        if not self.live():
+            return False
+        holders = self.holders
+        if holders is None:
+            return True
+        alive = [h for h in holders if h() is not None]
+        self.holders = alive
+        return bool(alive)
 
 
 def _span(t: torch.Tensor) -> tuple[int, int]:
     s = t.untyped_storage()
     return s.data_ptr(), s.data_ptr() + s.nbytes()
+
+
+def _rounded(nbytes: int) -> int:
+    return -(-nbytes // BLOCK_BYTES) * BLOCK_BYTES
+
+
+class DeviceMemoryStats:
+    """One fake device's allocator statistics (bytes rounded to :data:`BLOCK_BYTES`).
+
+    ``current``/``peak`` of allocated, reserved and requested (unrounded) bytes and of the
+    number of allocations, and the accumulated totals allocated and freed.
+    """
+
+    __slots__ = (
+        "allocated",
+        "allocated_peak",
+        "allocations",
+        "allocations_peak",
+        "freed_bytes",
+        "freed_count",
+        "requested",
+        "requested_peak",
+        "reserved",
+        "reserved_peak",
+        "total_bytes",
+        "total_count",
+        "total_requested",
+    )
+
+    def __init__(self) -> None:
+        self.allocated = self.allocated_peak = 0
+        self.requested = self.requested_peak = 0
+        self.reserved = self.reserved_peak = 0
+        self.allocations = self.allocations_peak = 0
+        self.total_bytes = self.total_count = self.total_requested = 0
+        self.freed_bytes = self.freed_count = 0
+
+    def alloc(self, nbytes: int) -> None:
+        """Count one allocation of ``nbytes`` requested bytes."""
+        size = _rounded(nbytes)
+        self.allocated += size
+        self.requested += nbytes
+        self.allocations += 1
+        self.total_bytes += size
+        self.total_requested += nbytes
+        self.total_count += 1
+        self.reserved = max(self.reserved, self.allocated)
+        self.allocated_peak = max(self.allocated_peak, self.allocated)
+        self.requested_peak = max(self.requested_peak, self.requested)
+        self.reserved_peak = max(self.reserved_peak, self.reserved)
+        self.allocations_peak = max(self.allocations_peak, self.allocations)
+
+    def free(self, nbytes: int) -> None:
+        """Count the free of an allocation of ``nbytes`` requested bytes (it stays cached)."""
+        size = _rounded(nbytes)
+        self.allocated -= size
+        self.requested -= nbytes
+        self.allocations -= 1
+        self.freed_bytes += size
+        self.freed_count += 1
+
+    def release_cached(self) -> None:
+        """``empty_cache``: give cached blocks back; reserved falls to what is allocated."""
+        self.reserved = self.allocated
+
+    def reset_peaks(self) -> None:
+        """``reset_peak_memory_stats``: every peak restarts from its current value."""
+        self.allocated_peak = self.allocated
+        self.requested_peak = self.requested
+        self.reserved_peak = self.reserved
+        self.allocations_peak = self.allocations
+
+    def reset_accumulated(self) -> None:
+        """``reset_accumulated_memory_stats``: the allocated and freed totals restart at 0."""
+        self.total_bytes = self.total_count = self.total_requested = 0
+        self.freed_bytes = self.freed_count = 0
+
+    def as_dict(self) -> dict[str, int]:
+        """The ``memory_stats()`` dictionary (torch's key names, pool ``all``)."""
+        out = {
+            "num_alloc_retries": 0,
+            "num_ooms": 0,
+            "num_device_alloc": self.total_count,
+            "num_device_free": self.freed_count,
+        }
+        for key, cur, peak, total, freed in (
+            (
+                "allocated_bytes",
+                self.allocated,
+                self.allocated_peak,
+                self.total_bytes,
+                self.freed_bytes,
+            ),
+            (
+                "active_bytes",
+                self.allocated,
+                self.allocated_peak,
+                self.total_bytes,
+                self.freed_bytes,
+            ),
+            (
+                "requested_bytes",
+                self.requested,
+                self.requested_peak,
+                self.total_requested,
+                self.total_requested - self.requested,
+            ),
+            ("reserved_bytes", self.reserved, self.reserved_peak, self.reserved, 0),
+            (
+                "allocation",
+                self.allocations,
+                self.allocations_peak,
+                self.total_count,
+                self.freed_count,
+            ),
+            ("active", self.allocations, self.allocations_peak, self.total_count, self.freed_count),
+        ):
+            out[f"{key}.all.current"] = cur
+            out[f"{key}.all.peak"] = peak
+            out[f"{key}.all.allocated"] = total
+            out[f"{key}.all.freed"] = freed
+        return dict(sorted(out.items()))
 
 
 class FakeMemory:
@@ -60,18 +223,77 @@ class FakeMemory:
         self._lock = threading.Lock()
         self._device: list[_Range] = []
         self._pinned: list[_Range] = []
+        self._stats: dict[int, DeviceMemoryStats] = {}
+        self._allocations: dict[int, _Range] = {}  # counted allocations by start address
 
     def add_device(self, t: torch.Tensor, index: int, *, fresh: bool = True) -> None:
         """Record the storage of ``t`` as device memory of ``index``.
 
-        ``fresh``: a new allocation (counted); False only declares existing memory.
+        ``fresh``: a new allocation (counted, also in the allocator statistics); False only
+        declares existing memory.
         """
         start, end = _span(t)
         if fresh:
             self.tally.allocation(end - start)
         with self._lock:
-            self._device = [r for r in self._device if r.live()]
-            self._device.append(_Range(start, end, index, weak_storage(t.untyped_storage())))
+            self._prune_device()
+            counted = fresh and end > start and start not in self._allocations
+            r = _Range(start, end, index, weak_storage(t.untyped_storage()), counted)
+            if counted:  # not the same storage again (an op that returned its input)
+                self._stats_of(index).alloc(end - start)
+                self._allocations[start] = r
+            self._device.append(r)
+
+    def hold(self, storage_ptr: int, tensor: torch.Tensor) -> None:
+        """Record that the program holds device tensor ``tensor`` over the allocation
+        starting at ``storage_ptr`` (no-op for memory that is not an allocation).
+
+        The allocator statistics count an allocation as freed once no such tensor is left,
+        even while queued work still uses the memory: a caching allocator hands a block
+        freed by the program to later work of the same stream at once (stream order keeps
+        it safe), so its numbers move when the program lets go, not when the device ran.
+        """
+        r = self._allocations.get(storage_ptr)
+        if r is None:
+            return
+        with self._lock:
+            if r.counted:
+                holders = r.holders if r.holders is not None else []
+                holders.append(weakref.ref(tensor))
+                if len(holders) > _COMPACT_AT and len(holders) & (len(holders) - 1) == 0:
+                    holders = [h for h in holders if h() is not None]  # at powers of two
+                r.holders = holders
+
+    def _prune_device(self) -> None:
+        """Forget freed device ranges, counting freed allocations (the lock is held)."""
+        live: list[_Range] = []
+        for r in self._device:
+            if r.counted and not r.held():
+                r.counted = False
+                self._stats_of(r.device).free(r.end - r.start)
+                if self._allocations.get(r.start) is r:
+                    del self._allocations[r.start]
+            if r.live():
+                live.append(r)
+        self._device = live
+
+    def _stats_of(self, index: int) -> DeviceMemoryStats:
+        stats = self._stats.get(index)
+        if stats is None:
+            stats = self._stats[index] = DeviceMemoryStats()
+        return stats
+
+    def update_stats(self, index: int, change: Callable[[DeviceMemoryStats], None]) -> None:
+        """Apply ``change`` (e.g. ``DeviceMemoryStats.reset_peaks``) after counting frees."""
+        with self._lock:
+            self._prune_device()
+            change(self._stats_of(index))
+
+    def read_stats(self, index: int, read: Callable[[DeviceMemoryStats], _T]) -> _T:
+        """``read(stats)`` of device ``index`` after counting every free, under the lock."""
+        with self._lock:
+            self._prune_device()
+            return read(self._stats_of(index))
 
     def device_of(self, ptr: int, nbytes: int) -> int | None:
         """The device index owning ``[ptr, ptr+nbytes)``, or None if it is not device memory."""

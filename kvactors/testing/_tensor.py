@@ -114,14 +114,23 @@ def wrap(t: torch.Tensor, vendor: Owner, index: int) -> FakeDeviceTensor:
         out = torch.Tensor._make_subclass(FakeDeviceTensor, t)
     out._fake_vendor = vendor
     out._fake_index = index
+    vendor.memory.hold(t.untyped_storage().data_ptr(), out)
     return out
 
 
 def plain(t: torch.Tensor) -> torch.Tensor:
-    """A plain CPU alias of a (fake device) tensor's memory; host tensors pass through."""
+    """A plain CPU alias of a (fake device) tensor's memory; host tensors pass through.
+
+    A detached alias (keeping ``requires_grad``): it shares the memory but not the device
+    tensor object, so queued work holding it does not keep the program's tensor alive (the
+    allocator statistics free an allocation when the program's last tensor over it goes).
+    """
     if isinstance(t, FakeDeviceTensor):
         with _NoTF():
-            return t.as_subclass(torch.Tensor)
+            out = t.detach()
+            if t.requires_grad:
+                out.requires_grad_()
+            return out
     return t
 
 

@@ -197,6 +197,9 @@ class StreamWorker:
                 while not item.wait(0.1):
                     if self._stopping and not self._queue:
                         break
+            # Drop the work (and the operands it holds) before it counts as done: memory a
+            # synchronize waited for is freed by the time the synchronize returns.
+            item = None  # type: ignore[assignment]
             with self._cv:
                 self.completed += 1
                 self._cv.notify_all()

@@ -24,7 +24,7 @@ import torch
 
 from kvactors.testing._counters import OpCounter, OpCounts, OpTally
 from kvactors.testing._device import FakeDevice, FakeDeviceError, parse_fake_device
-from kvactors.testing._memory import FakeMemory
+from kvactors.testing._memory import DeviceMemoryStats, FakeMemory
 from kvactors.testing._streams import (
     FakeEvent,
     FakeExternalStream,
@@ -41,6 +41,7 @@ if TYPE_CHECKING:
 __all__ = ("FakeKnobs", "FakeVendor")
 
 _KINDS = ("mlu", "musa")
+_TOTAL_MEMORY = 1 << 34
 
 
 @dataclasses.dataclass(frozen=True)
@@ -210,15 +211,62 @@ class FakeVendor:
             name=f"Fake {self.kind.upper()}",
             major=1,
             minor=0,
-            total_memory=1 << 34,
+            total_memory=_TOTAL_MEMORY,
             multi_processor_count=8,
             uuid=uuid,
         )
 
     def mem_get_info(self, device: object = None) -> tuple[int, int]:
-        """(free, total) bytes."""
-        self.device_index(device)
-        return (1 << 33, 1 << 34)
+        """(free, total) bytes: the device's total less what its allocator reserved."""
+        reserved = self.memory_reserved(device)
+        return (max(0, _TOTAL_MEMORY - reserved), _TOTAL_MEMORY)
+
+    # ---- allocator statistics (the fake memory model keeps them) --------------------
+
+    def memory_allocated(self, device: object = None) -> int:
+        """Bytes held by live allocations of ``device`` (rounded to allocator blocks)."""
+        return self.memory.read_stats(self.device_index(device), lambda s: s.allocated)
+
+    def max_memory_allocated(self, device: object = None) -> int:
+        """The peak of ``memory_allocated`` since start or ``reset_peak_memory_stats``."""
+        return self.memory.read_stats(self.device_index(device), lambda s: s.allocated_peak)
+
+    def memory_reserved(self, device: object = None) -> int:
+        """Bytes the caching allocator holds: live allocations and cached freed blocks."""
+        return self.memory.read_stats(self.device_index(device), lambda s: s.reserved)
+
+    def max_memory_reserved(self, device: object = None) -> int:
+        """The peak of ``memory_reserved`` since start or ``reset_peak_memory_stats``."""
+        return self.memory.read_stats(self.device_index(device), lambda s: s.reserved_peak)
+
+    def reset_peak_memory_stats(self, device: object = None) -> None:
+        """Restart every peak statistic of ``device`` from its current value."""
+        self.memory.update_stats(self.device_index(device), DeviceMemoryStats.reset_peaks)
+
+    def reset_max_memory_allocated(self, device: object = None) -> None:
+        """Restart the peaks (torch's older name for ``reset_peak_memory_stats``)."""
+        self.reset_peak_memory_stats(device)
+
+    def reset_accumulated_memory_stats(self, device: object = None) -> None:
+        """Restart the accumulated totals (``*.allocated`` / ``*.freed``) of ``device``."""
+        self.memory.update_stats(self.device_index(device), DeviceMemoryStats.reset_accumulated)
+
+    def memory_stats(self, device: object = None) -> dict[str, int]:
+        """The allocator statistics of ``device`` under torch's key names (pool ``all``)."""
+        return self.memory.read_stats(self.device_index(device), DeviceMemoryStats.as_dict)
+
+    def memory_summary(self, device: object = None, abbreviated: bool = False) -> str:
+        """A readable table of ``memory_stats``."""
+        idx = self.device_index(device)
+        lines = [f"fake {self.kind}:{idx} memory summary"]
+        lines += [f"  {k}: {v}" for k, v in self.memory_stats(idx).items()]
+        return "\n".join(lines)
+
+    def empty_cache(self, device: object = None) -> None:
+        """Release cached blocks: ``memory_reserved`` falls to ``memory_allocated``."""
+        indices = range(self.device_count()) if device is None else [self.device_index(device)]
+        for idx in indices:
+            self.memory.update_stats(idx, DeviceMemoryStats.release_cached)
 
     def init(self) -> None:
         """Initialise the fake runtime (no-op besides bookkeeping)."""
@@ -227,9 +275,6 @@ class FakeVendor:
     def is_initialized(self) -> bool:
         """Whether ``init`` (or any stream use) ran."""
         return self._initialized
-
-    def empty_cache(self) -> None:
-        """No-op."""
 
     def ipc_collect(self) -> None:
         """Drop registry entries of IPC storages whose producer memory is gone."""
@@ -410,6 +455,15 @@ class FakeVendor:
             "synchronize",
             "get_device_properties",
             "mem_get_info",
+            "memory_allocated",
+            "max_memory_allocated",
+            "memory_reserved",
+            "max_memory_reserved",
+            "reset_peak_memory_stats",
+            "reset_max_memory_allocated",
+            "reset_accumulated_memory_stats",
+            "memory_stats",
+            "memory_summary",
             "empty_cache",
             "ipc_collect",
             "init",
