@@ -48,8 +48,10 @@ def torch_kernel(
         if memo is not None:
             reused_kernel(plan, paged, objects, memo, inference=inference)(paged, objects)
             return
-        # Inference tensors (made under torch.inference_mode) are written only in it.
+        # Inference tensors (made under torch.inference_mode) are written only in it. The
+        # plan was made for these very operands (the plan cache matched them): no pointer
+        # check.
         with torch.inference_mode(inference):
-            run_fast(plan, paged, objects, copy=copy, scratch=scratch)
+            run_fast(plan, paged, objects, copy=copy, scratch=scratch, checked=True)
 
     return kernel
