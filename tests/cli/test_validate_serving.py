@@ -37,3 +37,23 @@ def test_the_procedure_starts_in_the_given_interpreter(capfd) -> None:
     out = capfd.readouterr().out
     assert "--corrupt-restore" in out
     assert "--bench" in out
+
+
+def test_the_report_is_written_without_matplotlib(tmp_path, monkeypatch, capsys) -> None:
+    """matplotlib is optional (the bench extra): without it the report is still written and
+    the plot is left out with a line that says how to get it, never a traceback."""
+    procedure = pytest.importorskip("kvactors_lmcache.serving.procedure")
+    monkeypatch.setitem(sys.modules, "matplotlib", None)  # ``import matplotlib`` fails
+    report = {
+        "device": "cpu",
+        "model": "llama",
+        "backend": "kvactors",
+        "verdict": "PASS",
+        "checks": [{"check": "warm", "verdict": "PASS", "detail": "5/5 identical"}],
+        "plot": {},
+    }
+    procedure.write(procedure.Options(out=tmp_path), report)
+    assert (tmp_path / "report.json").is_file()
+    assert "5/5 identical" in (tmp_path / "report.txt").read_text()
+    assert not (tmp_path / "logprob-diff.png").exists()
+    assert "pip install 'kvactors[bench]'" in capsys.readouterr().err

@@ -28,7 +28,7 @@ from pathlib import Path
 from typing import Any
 
 from kvactors.core.plugins import PLUGIN_CPU
-from kvactors.errors import BackendUnavailableError
+from kvactors.errors import BackendUnavailableError, MissingDependencyError
 from kvactors_lmcache.serving.model import TINY_LLAMA, kv_bytes_per_token, make_model
 from kvactors_lmcache.serving.server import LMCacheServer
 from kvactors_lmcache.serving.workload import BLOCK, CHUNK, Workload, make_workload
@@ -613,14 +613,23 @@ def table(report: dict[str, Any]) -> str:
 
 
 def write(opts: Options, report: dict[str, Any]) -> None:
-    """``report.json``, ``report.txt`` and ``logprob-diff.png`` into ``opts.out``."""
+    """``report.json``, ``report.txt`` and ``logprob-diff.png`` into ``opts.out``; without
+    matplotlib the plot is left out, with a line on stderr that says how to get it."""
     (opts.out / "report.json").write_text(json.dumps(report, indent=1))
     (opts.out / "report.txt").write_text(table(report) + "\n")
-    _plot(report["plot"], opts.out / "logprob-diff.png")
+    try:
+        _plot(report["plot"], opts.out / "logprob-diff.png")
+    except MissingDependencyError as exc:
+        print(f"logprob-diff.png not written: {exc}", file=sys.stderr)
 
 
 def _plot(series: dict[str, dict[str, float]], path: Path) -> None:
-    import matplotlib
+    try:
+        import matplotlib
+    except ImportError:
+        raise MissingDependencyError(
+            "the plot needs matplotlib: pip install 'kvactors[bench]'", package="matplotlib"
+        ) from None
 
     matplotlib.use("Agg")
     import matplotlib.pyplot as plt
