@@ -38,23 +38,45 @@ __all__ = ("Installation",)
 
 _MISSING = object()
 _TORCH_IS_PINNED = torch.Tensor.is_pinned
-_FACTORIES = (
-    "empty",
-    "zeros",
-    "ones",
-    "full",
-    "empty_strided",
-    "tensor",
-    "as_tensor",
-    "arange",
-    "empty_like",
-    "zeros_like",
-    "ones_like",
-    "full_like",
-    "rand",
-    "randn",
-    "randint",
+# Factories outside aten's schemas (Python bindings) that take ``device=``.
+_EXTRA_FACTORIES = ("asarray",)
+# Factories the fakes leave alone: sparse and quantized layouts are not modelled.
+_SKIPPED_FACTORIES = ("empty_quantized", "from_file")
+_UPLOADS = frozenset({"tensor", "as_tensor", "asarray", "new_tensor"})
+# Tensor methods that create a tensor on ``device=`` (on a host tensor too).
+_TENSOR_FACTORIES = (
+    "new_empty",
+    "new_empty_strided",
+    "new_zeros",
+    "new_ones",
+    "new_full",
+    "new_tensor",
 )
+
+
+@functools.lru_cache(maxsize=1)
+def factories() -> tuple[tuple[str, ...], frozenset[str]]:
+    """(torch functions that create a tensor on ``device=``, those that take ``generator=``).
+
+    Derived once from aten's operator schemas (every public ``torch.<name>`` with a
+    ``device`` argument), so a factory torch adds is covered without a list to keep.
+    """
+    names: set[str] = set(_EXTRA_FACTORIES)
+    random: set[str] = set()
+    for schema in torch._C._jit_get_all_schemas():
+        qualified = schema.name
+        if not qualified.startswith("aten::"):
+            continue
+        name = qualified[6:]
+        if name.startswith(("_", "sparse_")) or name in _SKIPPED_FACTORIES:
+            continue
+        args = {a.name for a in schema.arguments}
+        fn = getattr(torch, name, None)
+        if "device" in args and callable(fn) and not isinstance(fn, type):
+            names.add(name)
+            if "generator" in args:
+                random.add(name)
+    return tuple(sorted(n for n in names if hasattr(torch, n))), frozenset(random)
 
 
 def _ours(vendor: FakeVendor, device: object) -> int | None:
@@ -190,8 +212,16 @@ class Installation:
                     lambda t: isinstance(t, FakeDeviceTensor) and t._fake_vendor.kind == v.kind
                 ),
             )
-        for fname in _FACTORIES:
-            self._set(torch, fname, self._factory(fname, getattr(torch, fname)))
+        names, random = factories()
+        for fname in names:
+            self._set(torch, fname, self._factory(fname, getattr(torch, fname), fname in random))
+        for fname in _TENSOR_FACTORIES:
+            self._set(torch.Tensor, fname, self._factory(fname, getattr(torch.Tensor, fname)))
+        # As torch._register_device_module does for a real vendor: torch imports
+        # "torch.<name>" for its private device in places (lazy init, RNG).
+        if v.torch_devices and f"torch.{v.kind}" not in sys.modules:
+            sys.modules[f"torch.{v.kind}"] = self.torch_attr
+            self._undo.append(functools.partial(_forget_module, f"torch.{v.kind}"))
         self._set(
             torch._C,
             "_construct_storage_from_data_pointer",
@@ -216,7 +246,12 @@ class Installation:
 
     # ---- patched torch entry points ------------------------------------------------
 
-    def _factory(self, fname: str, orig: Callable[..., Any]) -> Callable[..., Any]:
+    def _factory(
+        self, fname: str, orig: Callable[..., Any], random: bool = False
+    ) -> Callable[..., Any]:
+        """The one path for every factory: ``device=`` a fake device makes the tensor in
+        host memory (random ones from the device's generator), records it as device memory
+        and returns it as a device tensor; any other call goes to torch unchanged."""
         v = self.vendor
 
         @functools.wraps(orig)
@@ -241,13 +276,15 @@ class Installation:
             ):
                 return first  # already there: as_tensor returns its input
             kwargs = {**kwargs, "device": "cpu"}
+            if random and kwargs.get("generator") is None:
+                kwargs["generator"] = v.generator(idx)
             args = tuple(plain(a) if isinstance(a, FakeDeviceTensor) else a for a in args)
             out = orig(*args, **kwargs)
             v.memory.add_device(out, idx)
-            if fname in ("tensor", "as_tensor"):  # host data, uploaded from pageable memory
+            if fname in _UPLOADS:  # host data, uploaded from pageable memory
                 v.tally.add("h2d")
                 v.tally.add("syncs")
-            elif not fname.startswith("empty"):  # a fill kernel
+            elif "empty" not in fname:  # a fill kernel
                 v.tally.add("launches")
             return wrap(out, v, idx)
 

@@ -42,6 +42,7 @@ __all__ = ("FakeKnobs", "FakeVendor")
 
 _KINDS = ("mlu", "musa")
 _TOTAL_MEMORY = 1 << 34
+_DEFAULT_SEED = 67280421310721  # the initial seed of torch's default generators
 
 
 @dataclasses.dataclass(frozen=True)
@@ -162,6 +163,11 @@ class FakeVendor:
         )
         count = knobs.devices if knobs.available else 0
         self.device_count = functools.lru_cache(maxsize=None)(lambda: count)
+        # One random generator per device (CPU generators: device random numbers are drawn
+        # on the host), seeded as torch seeds a device's default generator.
+        self.default_generators: tuple[torch.Generator, ...] = tuple(
+            torch.Generator().manual_seed(_DEFAULT_SEED) for _ in range(max(count, 1))
+        )
 
     # ---- devices -------------------------------------------------------------------
 
@@ -280,6 +286,56 @@ class FakeVendor:
         """Drop registry entries of IPC storages whose producer memory is gone."""
         for key in [k for k, v in self.ipc_storages.items() if v.ref.expired()]:
             del self.ipc_storages[key]
+
+    # ---- random number generation ---------------------------------------------------
+
+    def generator(self, device: object = None) -> torch.Generator:
+        """The default generator of ``device``: random factories on it draw from it."""
+        return self.default_generators[self.device_index(device)]
+
+    def manual_seed(self, seed: int) -> None:
+        """Seed the current device's generator."""
+        self.generator().manual_seed(int(seed))
+
+    def manual_seed_all(self, seed: int) -> None:
+        """Seed every device's generator (``torch.manual_seed`` calls it)."""
+        for g in self.default_generators:
+            g.manual_seed(int(seed))
+
+    def seed(self) -> None:
+        """Seed the current device's generator with a non-deterministic number."""
+        self.generator().seed()
+
+    def seed_all(self) -> None:
+        """Seed every device's generator with one non-deterministic number."""
+        value = self.generator().seed()
+        self.manual_seed_all(value)
+
+    def initial_seed(self) -> int:
+        """The seed of the current device's generator."""
+        return int(self.generator().initial_seed())
+
+    def get_rng_state(self, device: object = None) -> torch.Tensor:
+        """The state of ``device``'s generator (a uint8 tensor)."""
+        return self.generator(device).get_state()
+
+    def set_rng_state(self, new_state: torch.Tensor, device: object = None) -> None:
+        """Restore ``device``'s generator from ``get_rng_state``'s tensor."""
+        self.generator(device).set_state(new_state)
+
+    def get_rng_state_all(self) -> list[torch.Tensor]:
+        """Every device's generator state."""
+        return [g.get_state() for g in self.default_generators]
+
+    def set_rng_state_all(self, new_states: Sequence[torch.Tensor]) -> None:
+        """Restore every device's generator."""
+        for g, state in zip(self.default_generators, new_states, strict=False):
+            g.set_state(state)
+
+    @staticmethod
+    def _is_in_bad_fork() -> bool:
+        """False: the fake survives ``fork`` (torch asks before seeding the device)."""
+        return False
 
     # ---- streams -------------------------------------------------------------------
 
@@ -465,6 +521,17 @@ class FakeVendor:
             "memory_stats",
             "memory_summary",
             "empty_cache",
+            "manual_seed",
+            "manual_seed_all",
+            "seed",
+            "seed_all",
+            "initial_seed",
+            "get_rng_state",
+            "set_rng_state",
+            "get_rng_state_all",
+            "set_rng_state_all",
+            "default_generators",
+            "_is_in_bad_fork",
             "ipc_collect",
             "init",
             "is_initialized",
