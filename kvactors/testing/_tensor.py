@@ -239,6 +239,11 @@ def move_to(
 
 
 def _wrap_all(out: Any, vendor: Owner, index: int) -> Any:
+    if isinstance(out, torch.Tensor):
+        return out if isinstance(out, FakeDeviceTensor) else wrap(out, vendor, index)
+    if isinstance(out, torch.Size) or not isinstance(out, (tuple, list, dict)):
+        return out  # metadata (shape, dtype...) keeps its type: pytree would make a tuple
+
     def w(x: Any) -> Any:
         if isinstance(x, torch.Tensor) and not isinstance(x, FakeDeviceTensor):
             return wrap(x, vendor, index)

@@ -222,3 +222,16 @@ def test_vendor_seeding_calls_drive_the_devices_random_factories(kind: str) -> N
         mod.seed()
         assert mod.initial_seed() != 5
         assert len(mod.get_rng_state_all()) == 2
+
+
+# ---- gap 5: shape is a torch.Size ---------------------------------------------------------
+
+
+@pytest.mark.parametrize("kind", KINDS)
+def test_shape_is_a_torch_size(kind: str) -> None:
+    with fake_vendor(kind) as fake:
+        t = fake.empty((2, 3))
+        for shape in (t.shape, t.T.shape, t[0].shape, (t * 2).shape, t.view(6).shape):
+            assert type(shape) is torch.Size
+        assert t.shape == t.size() == torch.Size([2, 3])
+        assert t.shape.numel() == 6
