@@ -94,8 +94,3 @@ _.__class__  # engine.patch_llvmlite_lib: the llvmlite library object's class is
 _.stored_as  # tap.Mismatch fields: read by name from the report (Mismatch.__dict__)
 _.restore_call  # tap.Mismatch field, read by name from the report
 _.differing_bytes  # tap.Mismatch field, read by name from the report
-
-# ---- the worker's metrics endpoint (kvactors.observe.metrics.serve_http) ---------------------
-_.do_GET  # http.server's handler method, called by BaseHTTPRequestHandler by name
-_.log_message  # http.server's logging hook, overridden to keep scrapes out of the logs
-_.daemon_threads  # ThreadingHTTPServer setting: request threads do not block exit

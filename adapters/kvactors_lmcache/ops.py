@@ -33,7 +33,8 @@ from kvactors.errors import (
     TransferValidationError,
     UnsupportedOperationError,
 )
-from kvactors_lmcache import convert, endpoint
+from kvactors.observe import mirror as metrics_mirror
+from kvactors_lmcache import convert
 
 if TYPE_CHECKING:
     from kvactors.core.plans import TransferRequest
@@ -213,13 +214,12 @@ class KvactorsDeviceOps(DeviceOps):
         with self._lock:
             rt = self._runtimes.get(index)
             if rt is None:
-                # The endpoint starts with the first runtime: in the process that moves KV
-                # (LMCache makes these ops in every process that imports it).
-                metrics = endpoint.start_from_env()
                 rt = self._runtime_factory(self.kvactors_backend, index)
                 self._runtimes[index] = rt
-                if metrics is not None:
-                    metrics.watch(rt)
+                # Mirrored into prometheus_client from a background thread (in the process
+                # that moves KV: LMCache makes these ops in every process that imports it);
+                # never raises, whatever the metrics setting.
+                metrics_mirror.watch(rt)
             return rt
 
     def _current_index(self) -> int:

