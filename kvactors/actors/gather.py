@@ -241,6 +241,8 @@ class GatherActor(Actor[GatherRequest]):
         settle: Callable[[BaseException | None, Any], None]
 
         def on_done(exc: BaseException | None, _value: Any) -> None:
+            if exc is not None:
+                self._stream_failed(msg.stream_handle)
             try:
                 released = self._finish(tid, exc is None, nbytes)
             finally:
@@ -380,7 +382,7 @@ class GatherActor(Actor[GatherRequest]):
             entered = not lane.watch(
                 self.backend.record_marker(stream.stream),
                 kernel,
-                functools.partial(self._reaped, tid, nbytes, stream, done),
+                functools.partial(self._reaped, tid, nbytes, stream, handle, done),
             )
             in_stream = stream.end_turn()
             on_b = route.release()  # type: ignore[func-returns-value]
@@ -390,6 +392,7 @@ class GatherActor(Actor[GatherRequest]):
             if in_gather and not launched and isinstance(exc, Exception):
                 self.count_failure()  # refused in the gather turn
             elif launched:
+                self._stream_failed(handle)
                 stream.count_failure()
                 if isinstance(exc, Exception):
                     raise _failed(exc, tid, stream) from None
@@ -424,12 +427,14 @@ class GatherActor(Actor[GatherRequest]):
         tid: int,
         nbytes: int,
         stream: StreamActor,
+        handle: int,
         done: Reply[None] | None,
         err: BaseException | None,
     ) -> None:
         # The reaper: a plain-call copy completed (or failed); ``done``: its waiting caller.
         released = self._end_plain(tid, err is None, nbytes)
         if err is not None:
+            self._stream_failed(handle)
             stream.count_failure()
             if done is None and isinstance(err, Exception):
                 _log.error("transfer %d failed after it was enqueued: %s", tid, err)
@@ -536,6 +541,13 @@ class GatherActor(Actor[GatherRequest]):
             else:
                 self.transfers_failed += 1
         return released
+
+    def _stream_failed(self, handle: int) -> None:
+        # Work on the stream failed (any thread): block ids its kernels uploaded without
+        # waiting may never have landed, and a later synchronize may clear the error.
+        scratch = self._scratch.get(handle)
+        if scratch is not None:
+            scratch.invalidate()
 
     def _forget_stream(self, handle: int) -> None:
         # The stream's actor retired idle: no work of it is left, its staging buffers go.

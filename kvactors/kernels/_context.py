@@ -9,6 +9,7 @@ the staging buffers.
 
 from __future__ import annotations
 
+import array
 import collections
 from typing import TYPE_CHECKING
 
@@ -34,14 +35,14 @@ class ScratchCache:
     """Reusable device buffers of one stream: staging buffers keyed by device, shape and
     dtype, and index tensors (block ids, row numbers) keyed by their content.
 
-    Not thread-safe, and meant for one stream: see the module docstring. ``allocations``
-    counts the buffers and index tensors ever allocated (``DeviceStatistics.scratch_allocations``:
-    it stays flat on a warm hot path). At most ``index_capacity`` index tensors are kept
-    (least recently used go first); a repeated request finds its indices on the device and
-    uploads nothing.
+    Not thread-safe, and meant for one stream: see the module docstring (only
+    :meth:`invalidate` may be called from any thread). ``allocations`` counts the buffers and
+    index tensors ever allocated (``DeviceStatistics.scratch_allocations``: it stays flat on a
+    warm hot path). At most ``index_capacity`` index tensors are kept (least recently used go
+    first); a repeated request finds its indices on the device and uploads nothing.
     """
 
-    __slots__ = ("_buffers", "_indices", "allocations", "index_capacity")
+    __slots__ = ("_buffers", "_indices", "_stale", "allocations", "index_capacity")
 
     def __init__(self, index_capacity: int = 256) -> None:
         self._buffers: dict[tuple[str, tuple[int, ...], torch.dtype], torch.Tensor] = {}
@@ -50,6 +51,7 @@ class ScratchCache:
         )
         self.index_capacity = index_capacity
         self.allocations = 0
+        self._stale = False
 
     def get(self, device: torch.device, shape: Sequence[int], dtype: torch.dtype) -> torch.Tensor:
         """The buffer for ``(device, shape, dtype)``; allocated on first use only."""
@@ -77,16 +79,32 @@ class ScratchCache:
             self._indices.move_to_end(full)
         return hit
 
+    def invalidate(self) -> None:
+        """Forget every index tensor before the next use (any thread): work on this stream
+        failed, so an upload made without waiting (``prefetch(..., keep)``) may never have
+        landed, although a later synchronize may clear the stream's error."""
+        self._stale = True
+
     def prefetch(
-        self, device: torch.device, specs: Sequence[tuple[Hashable, Callable[[], list[int]]]]
+        self,
+        device: torch.device,
+        specs: Sequence[tuple[Hashable, Callable[[], list[int]]]],
+        keep: list[torch.Tensor] | None = None,
     ) -> None:
         """Upload every index of ``specs`` (``(key, values)``) not cached yet, in ONE copy.
 
-        The upload is synchronous, and the entries enter the cache only once it returned: an
-        index in the cache is known to be on the device, even when a stream error later skips
-        the work that uses it (a failed upload raises here and caches nothing). Only misses
-        cost anything: one upload (and one host wait) per call with new block ids.
+        With ``keep``, on an accelerator, the copy is ``non_blocking``, on the current stream
+        (the one this cache serves), from a pinned host tensor appended to ``keep``: the
+        caller keeps ``keep`` alive until the stream ran the copy (rule 3), every later use
+        of the entries is on that stream, behind the copy, and whoever sees work on the
+        stream fail calls :meth:`invalidate`. Otherwise (or where host memory cannot be
+        pinned) the upload is synchronous: the host waits for the stream, and the entries
+        enter the cache only once the copy returned. A failed upload raises here and caches
+        nothing. Only misses cost anything: one upload per call with new block ids.
         """
+        if self._stale:
+            self._stale = False
+            self._indices.clear()
         dev_name = str(device)
         missing: dict[Hashable, list[int]] = {}
         for key, values in specs:
@@ -98,9 +116,19 @@ class ScratchCache:
         if not missing:
             return
         flat = [v for vals in missing.values() for v in vals]
-        # A synchronous upload (torch copies host data to the device before it returns, or
-        # raises); the current stream's error state is not consumed by it.
-        buf = torch.tensor(flat, dtype=torch.int64, device=device)
+        buf = None
+        if keep is not None and device.type != "cpu":
+            try:
+                host = torch.frombuffer(array.array("q", flat), dtype=torch.int64).pin_memory()
+            except RuntimeError:  # no pinned memory here: the synchronous upload below
+                pass
+            else:
+                keep.append(host)
+                buf = host.to(device, non_blocking=True)
+        if buf is None:
+            # A synchronous upload (torch copies host data to the device before it returns,
+            # or raises); the current stream's error state is not consumed by it.
+            buf = torch.tensor(flat, dtype=torch.int64, device=device)
         if device.type != "cpu":
             self.allocations += 1
         off = 0
@@ -114,6 +142,7 @@ class ScratchCache:
         """Drop every buffer (only once no stream still uses them)."""
         self._buffers.clear()
         self._indices.clear()
+        self._stale = False
 
     def __len__(self) -> int:
         return len(self._buffers)

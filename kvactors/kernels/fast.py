@@ -71,6 +71,7 @@ def run_fast(
     scratch: ScratchCache | None = None,
     staged: bool | None = None,
     checked: bool = False,
+    keep: list[torch.Tensor] | None = None,
 ) -> None:
     """Execute a validated plan with the fast kernels.
 
@@ -85,6 +86,11 @@ def run_fast(
             exactly when the paged tensors are not on the CPU.
         checked: The caller already proved these are the planned operands (the runtime's
             plan cache matched their metadata), so the pointer check is skipped.
+        keep: The staged path uploads new block ids without waiting, from pinned host
+            tensors it appends here (:meth:`ScratchCache.prefetch`): the caller keeps the
+            list alive until the stream ran the copies, and calls the scratch cache's
+            ``invalidate`` when work on the stream failed. Without it new ids are uploaded
+            synchronously.
 
     Raises:
         TransferValidationError: The operands are not the ones the plan was made for, or
@@ -107,7 +113,7 @@ def run_fast(
         if bind is not None:
             bind(plan)(paged, objs)
             return
-    _run_general(plan, units, objs, use_staging, copy, scratch, {})
+    _run_general(plan, units, objs, use_staging, copy, scratch, {}, keep)
 
 
 def _run_general(
@@ -118,6 +124,7 @@ def _run_general(
     copy: Callable[[torch.Tensor, torch.Tensor], None] | None,
     scratch: ScratchCache | None,
     indices: dict[tuple[str, int, int, str], torch.Tensor],
+    keep: list[torch.Tensor] | None = None,
 ) -> None:
     """The per-segment paths (host) or the staged path (device); ``indices`` keeps the plan's
     host index tensors between calls of the same plan."""
@@ -137,6 +144,7 @@ def _run_general(
         raw_objs,
         copy if copy is not None else _default_copy,
         scratch if scratch is not None else _thread_scratch(),
+        keep,
     )
 
 
@@ -430,11 +438,13 @@ def _run_staged(
     objs: list[torch.Tensor],
     copy: Callable[[torch.Tensor, torch.Tensor], None],
     scratch: ScratchCache,
+    keep: list[torch.Tensor] | None,
 ) -> None:
     ctx.indices = scratch  # device index tensors come from (and stay in) the stream's cache
     if not ctx.plan.on_host:  # a new request: every segment's indices in one upload
         kind = "rows" if ctx.rows is not None else "ids"
-        scratch.prefetch(ctx.device, [ctx.index_spec(kind, seg) for seg in ctx.plan.segments])
+        specs = [ctx.index_spec(kind, seg) for seg in ctx.plan.segments]
+        scratch.prefetch(ctx.device, specs, keep)
     if single_kernel(ctx):
         for seg in ctx.plan.segments:
             staged_segment(ctx, seg, objs[seg.obj], copy, scratch)

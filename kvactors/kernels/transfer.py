@@ -44,6 +44,10 @@ def torch_kernel(
         else:
             return functools.partial(bound, paged, objects)
 
+    # The pinned host tensors the staged path uploads new block ids from: the kernel is the
+    # transfer's lease, kept until the stream ran it, so they outlive their copies (rule 3).
+    keep: list[torch.Tensor] = []
+
     def kernel() -> None:
         if memo is not None:
             reused_kernel(plan, paged, objects, memo, inference=inference)(paged, objects)
@@ -52,6 +56,6 @@ def torch_kernel(
         # plan was made for these very operands (the plan cache matched them): no pointer
         # check.
         with torch.inference_mode(inference):
-            run_fast(plan, paged, objects, copy=copy, scratch=scratch, checked=True)
+            run_fast(plan, paged, objects, copy=copy, scratch=scratch, checked=True, keep=keep)
 
     return kernel
