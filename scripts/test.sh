@@ -11,9 +11,14 @@
 #                                                   torch names one private device per process,
 #                                                   so each vendor's code runs as written in its
 #                                                   own process
-#   .venv-lmcache057 (lmcache 0.5.7rc2), fake mlu   tests/adapters and the doctor's tests
+#   .venv-lmcache057 (lmcache 0.5.7rc2), fake mlu   tests/adapters and the doctor's tests,
+#                                                   LMCache 0.5.7rc2's own MLU device suite
 #   .venv-lmcache057, fake musa                     tests/adapters/vendors (against 0.5.7's
-#                                                   own MUSA ops)
+#                                                   own MUSA ops), LMCache 0.5.7rc2's own
+#                                                   MUSA device suite
+# (LMCache's own device suites: tests/testing/test_lmcache_device_suites.py, one child pytest
+# per (venv, vendor), from the sdists scripts/fetch-lmcache-sdists.sh caches; LMCache 0.5.6
+# ships only a MUSA suite, run by the .venv fake musa phase.)
 #   .venv-torch27 (torch 2.7.1), fake mlu and musa  the torch-facing directories (TORCH_DIRS,
 #                                                   VENDOR_CORE; no lmcache there), both fake
 #                                                   selftests and the demo
@@ -39,6 +44,9 @@ TORCH_DIRS=(tests/core tests/kernels tests/devices tests/testing tests/actors te
     tests/observe tests/scenarios)
 VENDOR_CORE=(tests/devices tests/testing tests/actors tests/runtime tests/scenarios)
 VENDOR_DIRS=("${VENDOR_CORE[@]}" tests/adapters/vendors)
+# LMCache's own device suite of the venv's LMCache version for the phase's fake vendor (in
+# tests/testing, so the .venv phases run it already; the 0.5.7rc2 phases name it).
+LMCACHE_SUITES=tests/testing/test_lmcache_device_suites.py
 PYTEST=(-p no:cacheprovider --durations=15)
 START=$SECONDS
 SUMMARY=()
@@ -120,11 +128,17 @@ step 15 "vulture (dead code; reasons in vulture_whitelist.py)" "$PY" -m vulture 
     examples scripts vulture_whitelist.py --min-confidence 60
 
 rc=0
+# LMCache's own device suites (tests/testing/test_lmcache_device_suites.py) run from its
+# sdists: fetched once into a cache beside the venv store (not part of any venv's key); with
+# the variable set, a missing sdist fails that test instead of skipping it.
+export KVACTORS_LMCACHE_SDISTS="${KVACTORS_LMCACHE_SDISTS:-$(dirname "$STORE")/lmcache-sdists}"
+step 30 "LMCache sdists for its device suites (scripts/fetch-lmcache-sdists.sh)" \
+    bash scripts/fetch-lmcache-sdists.sh || rc=$?
 KVACTORS_EXPECT_LMCACHE=0.5.6 KVACTORS_FAKE_VENDOR=mlu \
     step 330 "pytest: whole suite, fake mlu (torch 2.13, lmcache 0.5.6)" \
     run_pytest "$PY" --ignore=tests/engine "$@" || rc=$?
 KVACTORS_EXPECT_LMCACHE=0.5.6 KVACTORS_FAKE_VENDOR=musa \
-    step 60 "pytest: vendor-facing directories, fake musa (torch 2.13)" \
+    step 75 "pytest: vendor-facing directories, fake musa (torch 2.13)" \
     run_pytest "$PY" -q "${VENDOR_DIRS[@]}" || rc=$?
 
 setup_rc=0
@@ -138,11 +152,12 @@ fi
 
 if [ "${KVACTORS_LMCACHE057:-1}" != "0" ]; then
     KVACTORS_EXPECT_LMCACHE=0.5.7rc2 KVACTORS_FAKE_VENDOR=mlu \
-        step 120 "pytest: adapters + doctor, fake mlu (lmcache 0.5.7rc2)" \
-        run_pytest "$PY057" -q tests/adapters tests/cli/test_doctor.py || rc=$?
+        step 145 "pytest: adapters + doctor + LMCache's MLU suite, fake mlu (lmcache 0.5.7rc2)" \
+        run_pytest "$PY057" -q tests/adapters tests/cli/test_doctor.py "$LMCACHE_SUITES" \
+        || rc=$?
     KVACTORS_EXPECT_LMCACHE=0.5.7rc2 KVACTORS_FAKE_VENDOR=musa \
-        step 30 "pytest: tests/adapters/vendors, fake musa (lmcache 0.5.7rc2)" \
-        run_pytest "$PY057" -q tests/adapters/vendors || rc=$?
+        step 45 "pytest: adapters/vendors + LMCache's MUSA suite, fake musa (lmcache 0.5.7rc2)" \
+        run_pytest "$PY057" -q tests/adapters/vendors "$LMCACHE_SUITES" || rc=$?
 fi
 
 if [ "${KVACTORS_MATRIX:-1}" != "0" ]; then

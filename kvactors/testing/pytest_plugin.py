@@ -12,10 +12,20 @@ Helper:
     require_torch_devices(kind): skip the calling test unless a fake of ``kind`` gets real
         ``torch.device`` objects in this process (one vendor per process; choose it with
         ``KVACTORS_FAKE_VENDOR=mlu|musa``, as ``scripts/test.sh`` does).
+
+Option:
+    ``--kvactors-fake-vendor=mlu|musa``: install that fake (default knobs) for the whole
+        session, before collection, so a suite written for a real card (which checks
+        ``torch.musa`` at import) runs on it unmodified. Load the plugin with
+        ``-p kvactors.testing.pytest_plugin`` in a suite that does not register it::
+
+            KVACTORS_FAKE_VENDOR=musa python -m pytest -p kvactors.testing.pytest_plugin \
+                --kvactors-fake-vendor=musa tests/v1/platform/devices/musa
 """
 
 from __future__ import annotations
 
+import contextlib
 from typing import TYPE_CHECKING
 
 import pytest
@@ -27,7 +37,44 @@ if TYPE_CHECKING:
 
     from kvactors.testing.vendor import FakeVendor
 
-__all__ = ("fake_mlu", "fake_musa", "require_torch_devices")
+__all__ = (
+    "fake_mlu",
+    "fake_musa",
+    "pytest_addoption",
+    "pytest_configure",
+    "pytest_unconfigure",
+    "require_torch_devices",
+)
+
+_SESSION_FAKE = pytest.StashKey[contextlib.ExitStack]()
+
+
+def pytest_addoption(parser: pytest.Parser) -> None:
+    """``--kvactors-fake-vendor``: a fake vendor installed for the whole session."""
+    parser.getgroup("kvactors").addoption(
+        "--kvactors-fake-vendor",
+        choices=("mlu", "musa"),
+        default=None,
+        help="install kvactors' fake torch_mlu / torch_musa for the whole session, before "
+        "collection (one vendor per process; set KVACTORS_FAKE_VENDOR to the same kind)",
+    )
+
+
+def pytest_configure(config: pytest.Config) -> None:
+    """Install the session's fake vendor, if the option asks for one."""
+    kind = config.getoption("--kvactors-fake-vendor", default=None)
+    if kind:
+        stack = contextlib.ExitStack()
+        stack.enter_context(fake_vendor(str(kind)))
+        config.stash[_SESSION_FAKE] = stack
+
+
+def pytest_unconfigure(config: pytest.Config) -> None:
+    """Remove the session's fake vendor (its streams drained, its threads joined)."""
+    stack = config.stash.get(_SESSION_FAKE, None)
+    if stack is not None:
+        del config.stash[_SESSION_FAKE]
+        stack.close()
 
 
 def require_torch_devices(kind: str) -> None:
