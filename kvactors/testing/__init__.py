@@ -6,7 +6,14 @@ stream, events (also interprocess), ``ExternalStream(0)`` as a pool stream, devi
 host pinning, sticky injected errors, torch_mlu's async strided D2H bug, and timing knobs
 (``lazy``: device work runs only once something waits for it; ``delay``/``jitter``). Device
 tensors (:class:`FakeDeviceTensor`) live in CPU memory and their work runs later on the
-stream's thread, so a missing synchronize or wait reads stale bytes.
+stream's thread, so a missing synchronize or wait reads stale bytes. Queued work runs under
+the autograd state (inference mode, grad mode) of the thread that queued it. The fake memory
+model keeps the allocator statistics (``memory_allocated``, ``max_memory_allocated``,
+``reset_peak_memory_stats``, ``memory_reserved``, ``memory_stats``...), every torch factory
+with a ``device`` argument accepts a fake device, and the seeding calls (``manual_seed``,
+``manual_seed_all``, ``seed``, ``initial_seed``, RNG state) drive its random factories. IPC
+works within one process only (a second address space is not modelled). ``docs/testing.md``
+lists what is modelled and what is not.
 
 The first fake installed in a process claims torch's private device name
 (``KVACTORS_FAKE_VENDOR=mlu|musa`` pins which kind may), so ``torch.device("mlu:0")``,
@@ -35,7 +42,9 @@ where a test wants it::
 
 (``docs/testing.md`` walks through it.)
 
-Fixtures ``fake_mlu`` and ``fake_musa``: :mod:`kvactors.testing.pytest_plugin`.
+Fixtures ``fake_mlu`` and ``fake_musa``, and ``--kvactors-fake-vendor=mlu|musa`` (a fake for
+a whole pytest session, e.g. to run a vendor's own device suite):
+:mod:`kvactors.testing.pytest_plugin`.
 :func:`check_backend` (loaded on first access) is the conformance suite behind
 ``kvactors selftest``: ``check_backend("musa").ok``.
 """
