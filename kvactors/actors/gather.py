@@ -141,7 +141,8 @@ class GatherActor(Actor[GatherRequest]):
         self._prepares = backend.prepares_transfers
         self._completes = backend.completes_on_launch
         self._route = threading.Lock()
-        self._native = backend.native_kernels
+        # A native hook with no provider costs nothing: not called at all.
+        self._native = backend.native_kernels and backend.native_provided()
         self._plain = backend.plain_transfers
 
     @property

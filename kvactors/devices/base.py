@@ -99,6 +99,13 @@ class Backend(abc.ABC):
         if replaced and "completes_on_launch" not in own:
             cls.completes_on_launch = False
 
+    def native_provided(self) -> bool:
+        """Whether :meth:`transfer_kernel` may replace the torch kernel of this backend's
+        transfers (read once, when the runtime starts): ``native_kernels`` here; a backend
+        with a native slot says whether a native was opted in and provided (a subclass's own
+        ``transfer_kernel`` is always called). The actors skip the hook when it is False."""
+        return self.native_kernels
+
     @property
     def plain_transfers(self) -> bool:
         """Complete on launch, with no layout rule and no native kernel: a reused plan may

@@ -2,7 +2,7 @@
 
 from __future__ import annotations
 
-from typing import TYPE_CHECKING
+from typing import TYPE_CHECKING, Any
 
 import pytest
 import torch
@@ -100,3 +100,37 @@ def test_native_extension_point_on_mlu(fake_mlu: FakeVendor, opted_in: bool) -> 
     assert torch.equal(objs[0], want)
     assert native.moved == (1 if opted_in else 0)
     assert backend.native.counters.native_transfers == native.moved
+
+
+@pytest.mark.parametrize("opted_in", [True, False])
+def test_a_native_hook_with_no_native_to_run_is_never_entered(
+    fake_mlu: FakeVendor, opted_in: bool
+) -> None:
+    """No native registered (opted in or not): the runtime never calls the backend's
+    ``transfer_kernel`` hook, so the hook costs a transfer nothing."""
+    from kvactors.core.layouts import ShapeDesc
+    from kvactors.core.plans import TransferRequest
+    from kvactors.runtime import Runtime
+
+    env = {"KVACTORS_MLU_NATIVE_KV_TRANSFER": "1"} if opted_in else {}
+    backend = MluBackend(env=env)
+    entered: list[bool] = []
+    slot_kernel = backend.native.kernel
+
+    def spy(*args: Any) -> Any:  # the slot's own method, counted
+        entered.append(True)
+        return slot_kernel(*args)
+
+    backend.native.kernel = spy  # type: ignore[method-assign,assignment]
+    cpu = [torch.randn(2, 8, 2, 4, 8) for _ in range(2)]
+    objs = [torch.zeros(2, 2, 8, 16)]
+    req = TransferRequest(
+        fmt=6,
+        direction=1,
+        block_ids=(5, 1),
+        chunk_size=8,
+        shape=ShapeDesc(kv_size=2, nl=2, nb=8, bs=4, nh=2, hs=8, element_size=4, dtype="float32"),
+    )
+    with Runtime(backend) as rt:
+        rt.transfer(req, [fake_mlu.to_device(t) for t in cpu], objs)
+    assert entered == []

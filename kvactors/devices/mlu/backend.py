@@ -209,6 +209,11 @@ class MluBackend(TorchLikeBackend):
             )
         return request, layers, objs
 
+    def native_provided(self) -> bool:
+        """A native opted in and provided, or a subclass's own :meth:`transfer_kernel`."""
+        own = type(self).transfer_kernel is not MluBackend.transfer_kernel
+        return own or self.native.get() is not None
+
     def transfer_kernel(
         self,
         plan: TransferPlan,

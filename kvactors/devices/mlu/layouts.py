@@ -130,7 +130,11 @@ def normalize_mlu_transfer(
     f = KVFormat(fmt)
     if not isinstance(paged, (list, tuple)):
         return f, shape, chunk_size, paged, objects  # the planner names the structure error
-    layers = [unwrap_layer(v, i) for i, v in enumerate(paged)]
+    kinds = set(map(type, paged))
+    if len(kinds) == 1 and issubclass(next(iter(kinds)), torch.Tensor):
+        layers: Any = list(paged)  # tensors only (the engine's common case): nothing to unwrap
+    else:
+        layers = [unwrap_layer(v, i) for i, v in enumerate(paged)]
     if f is KVFormat.NL_X_NB_BS_HS:
         layers = [squeeze_mla(t) if isinstance(t, torch.Tensor) else t for t in layers]
         return f, shape, chunk_size, layers, objects

@@ -304,6 +304,11 @@ class MusaBackend(TorchLikeBackend):
         check_format(request.fmt)
         return request, paged, objects
 
+    def native_provided(self) -> bool:
+        """A native opted in and provided, or a subclass's own :meth:`transfer_kernel`."""
+        own = type(self).transfer_kernel is not MusaBackend.transfer_kernel
+        return own or self.native.get() is not None
+
     def transfer_kernel(
         self,
         plan: TransferPlan,
