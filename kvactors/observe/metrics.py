@@ -468,6 +468,10 @@ def register_prometheus(
 ) -> Callable[[], None]:
     """Expose ``rt`` (and ``calls``) to Prometheus; returns a function that unregisters it.
 
+    Read at scrape time, so only a registry this process serves sees it (a multiprocess
+    collector never does: use :mod:`kvactors.observe.mirror` there). Use one of the two per
+    registry: both write ``kvactors_transfers_total`` and ``kvactors_bytes_moved_total``.
+
     Args:
         rt: The runtime to read at each scrape.
         calls: Call timings to export as well (attach it to ``rt`` yourself).
