@@ -121,7 +121,8 @@ class PrometheusMirror:
         self._watched: list[_Watched] = []
         self._stop = threading.Event()
         self._thread: threading.Thread | None = None
-        #: Passes that raised (each logged): the mirror goes on with the next one.
+        #: Runtimes whose statistics could not be read (the first is logged); each is dropped
+        #: and the others are mirrored on.
         self.errors = 0
 
     def watch(self, rt: Runtime) -> None:
@@ -139,7 +140,8 @@ class PrometheusMirror:
     def update(self) -> None:
         """One pass now: add every watched runtime's changes since the last pass.
 
-        A runtime that closed is read a last time and then dropped.
+        A runtime that closed is read a last time and then dropped, as is one whose statistics
+        raise (counted in :attr:`errors`, the first logged). Never raises.
         """
         with self._lock:
             watched = list(self._watched)
@@ -148,7 +150,13 @@ class PrometheusMirror:
                 if w.closed:
                     continue
                 closed = w.rt.closed
-                self._mirror(w)
+                try:
+                    self._mirror(w)
+                except Exception:  # one runtime's failure must not end the others' metrics
+                    self.errors += 1
+                    if self.errors == 1:
+                        log.exception("kvactors metrics: mirroring %s failed (logged once)", w.rt)
+                    closed = True
                 if closed:
                     w.closed = True
                     w.detach()
@@ -182,12 +190,7 @@ class PrometheusMirror:
 
     def _run(self) -> None:
         while not self._stop.wait(self.interval):
-            try:
-                self.update()
-            except Exception:  # a pass must not end the mirror: log it and go on
-                self.errors += 1
-                if self.errors == 1:
-                    log.exception("kvactors metrics: a mirror pass failed (logged once)")
+            self.update()
 
     def stop(self) -> None:
         """A last pass, then stop the thread and detach the observers."""

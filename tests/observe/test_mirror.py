@@ -272,3 +272,28 @@ def test_the_histogram_fallback_observes_each_call_at_its_bucket_bound() -> None
     mirror_mod._add_to_histogram(Plain(), deltas, 1.0)
     bounds = mirror_mod.LATENCY_BUCKETS
     assert seen == [bounds[0], bounds[0], bounds[-1]]
+
+
+def test_a_runtime_that_cannot_be_read_is_dropped_once_logged_the_others_go_on(
+    caplog: pytest.LogCaptureFixture,
+) -> None:
+    reg = _registry()
+    mirror = PrometheusMirror(registry=reg, interval=3600.0)
+    with Runtime("cpu") as real:
+        broken, good = _StubRuntime(real), _StubRuntime(real)
+
+    def boom() -> Any:
+        raise RuntimeError("statistics unavailable")
+
+    broken.statistics = boom  # type: ignore[method-assign]
+    mirror.watch(broken)  # type: ignore[arg-type]
+    mirror.watch(good)  # type: ignore[arg-type]
+    good.stats = msgspec.structs.replace(good.stats, transfers_ok=3)
+    with caplog.at_level(logging.ERROR, logger=mirror_mod.__name__):
+        mirror.update()
+        mirror.update()
+    assert mirror.errors == 1
+    assert len(caplog.records) == 1
+    assert broken.observers == []  # dropped
+    assert _value(reg, "kvactors_transfers_total", device="cpu:0", result="ok") == 3
+    mirror.stop()
