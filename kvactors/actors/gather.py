@@ -207,11 +207,11 @@ class GatherActor(Actor[GatherRequest]):
         found = self.plans.lookup(request, paged, objects)
         plan = found.plan
         inference = found.inference
-        # A plain backend's plan from the cache runs its specialised kernel (built where the
-        # launch runs, never on the loop).
-        memo = found.memo if self._plain else None
+        # A plan from the cache runs its specialised kernel (a plain backend's built where the
+        # launch runs, never on the loop; a device backend's staged binding in the launch).
+        memo = found.memo
         scratch = copy = None
-        if memo is None:
+        if not self._plain:
             scratch = self._scratch.get(msg.stream_handle)
             if scratch is None:
                 scratch = self._scratch[msg.stream_handle] = ScratchCache()
@@ -225,7 +225,7 @@ class GatherActor(Actor[GatherRequest]):
             inference=inference,
             copy=copy,
             scratch=scratch,
-            bind_now=memo is not None and loop is not None and _running_loop() is not loop,
+            bind_now=loop is not None and _running_loop() is not loop,
         )
         # The backend may put an opted-in native transfer first (it may decline).
         kernel = (
@@ -330,9 +330,9 @@ class GatherActor(Actor[GatherRequest]):
                 request, paged, objects = self.backend.prepare_transfer(request, paged, objects)
             found = self.plans.lookup(request, paged, objects)
             plan = found.plan
-            memo = found.memo if self._plain else None
+            memo = found.memo
             scratch = copy = None
-            if memo is None:
+            if not self._plain:
                 scratch = self._scratch.get(handle)
                 if scratch is None:
                     scratch = self._scratch[handle] = ScratchCache()
@@ -345,7 +345,7 @@ class GatherActor(Actor[GatherRequest]):
                 inference=found.inference,
                 copy=copy,
                 scratch=scratch,
-                bind_now=memo is not None,
+                bind_now=True,
             )
             if self._native:
                 kernel = self.backend.transfer_kernel(plan, paged, objects, kernel)

@@ -44,13 +44,17 @@ class KernelMemo:
         binder: Builds the kernel ``kernel(paged, objects)`` of a plan of the entry (the
             path and its views' geometry, decided on the entry's first run).
         last: The block ids of the latest kernel built, and that kernel.
+        staged: A device plan's staged-path binding
+            (:class:`kvactors.kernels._bound.StagedBinding`), ``False`` where none applies,
+            ``None`` until the entry's first run decided.
     """
 
-    __slots__ = ("binder", "last")
+    __slots__ = ("binder", "last", "staged")
 
     def __init__(self) -> None:
         self.binder: Binder | None = None
         self.last: tuple[tuple[int, ...], Kernel] | None = None
+        self.staged: Any = None
 
 
 _Tensor = torch.Tensor

@@ -138,6 +138,18 @@ class ScratchCache:
         while len(self._indices) > max(self.index_capacity, len(specs)):
             self._indices.popitem(last=False)
 
+    def fetch(
+        self,
+        device: torch.device,
+        specs: Sequence[tuple[Hashable, Callable[[], list[int]]]],
+        keep: list[torch.Tensor] | None = None,
+    ) -> list[torch.Tensor]:
+        """The index tensors of ``specs``, in order: :meth:`prefetch`, then read."""
+        self.prefetch(device, specs, keep)
+        dev_name = str(device)
+        found = self._indices
+        return [found[(dev_name, key)] for key, _ in specs]
+
     def clear(self) -> None:
         """Drop every buffer (only once no stream still uses them)."""
         self._buffers.clear()

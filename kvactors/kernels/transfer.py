@@ -1,9 +1,12 @@
 """The torch kernel of one planned transfer: the callable the GatherActor hands its stream.
 
-The actors know kernels only through this module: a reused plan of a plain backend runs its
-specialised kernel (bound now on a sender's thread, where the launch runs too; else bound in
-the launch, which reports a failed bind as the copy's failure), anything else the general
-fast kernel with the backend's copy policy and the stream's staging buffers.
+The actors know kernels only through this module. A plain backend (no staging): a reused
+plan runs its specialised kernel (bound now on a sender's thread, where the launch runs too;
+else bound in the launch, which reports a failed bind as the copy's failure), anything else
+the general fast kernel. A device backend (``scratch`` given: the stream's staging buffers
+and index cache, with the backend's copy policy): a plan of a cache entry runs the entry's
+staged binding (:mod:`kvactors.kernels._bound`, decided on its first run), anything else the
+general staged path.
 """
 
 from __future__ import annotations
@@ -13,6 +16,7 @@ from typing import TYPE_CHECKING, Any
 
 import torch
 
+from kvactors.kernels._bound import staged_binding
 from kvactors.kernels.fast import ScratchCache, reused_kernel, run_fast
 
 if TYPE_CHECKING:
@@ -36,6 +40,27 @@ def torch_kernel(
     bind_now: bool,
 ) -> Callable[[], None]:
     """The kernel of ``plan`` over the operands (see the module docstring)."""
+    # The pinned host tensors the staged path uploads new block ids from: the kernel is the
+    # transfer's lease, kept until the stream ran it, so they outlive their copies (rule 3).
+    keep: list[torch.Tensor] = []
+    if scratch is not None:
+        policy = copy if copy is not None else _non_blocking
+
+        def staged() -> None:
+            # Inference tensors (made under torch.inference_mode) are written only in it.
+            with torch.inference_mode(inference):
+                binding: Any = False if memo is None else memo.staged
+                if binding is None:
+                    binding = _bind(memo, plan, paged, objects)
+                if binding:
+                    binding.run(plan, paged, objects, policy, scratch, keep)
+                else:  # the plan cache made the plan for these very operands: no check
+                    run_fast(
+                        plan, paged, objects, copy=policy, scratch=scratch, checked=True, keep=keep
+                    )
+
+        return staged
+
     if memo is not None and bind_now:
         try:
             bound = reused_kernel(plan, paged, objects, memo, inference=inference)
@@ -44,18 +69,25 @@ def torch_kernel(
         else:
             return functools.partial(bound, paged, objects)
 
-    # The pinned host tensors the staged path uploads new block ids from: the kernel is the
-    # transfer's lease, kept until the stream ran it, so they outlive their copies (rule 3).
-    keep: list[torch.Tensor] = []
-
     def kernel() -> None:
         if memo is not None:
             reused_kernel(plan, paged, objects, memo, inference=inference)(paged, objects)
             return
-        # Inference tensors (made under torch.inference_mode) are written only in it. The
-        # plan was made for these very operands (the plan cache matched them): no pointer
-        # check.
         with torch.inference_mode(inference):
-            run_fast(plan, paged, objects, copy=copy, scratch=scratch, checked=True, keep=keep)
+            run_fast(plan, paged, objects, copy=copy, checked=True)
 
     return kernel
+
+
+def _bind(memo: Any, plan: TransferPlan, paged: Any, objects: Sequence[torch.Tensor]) -> Any:
+    # The entry's first run decides (concurrent first runs decide alike; the last one stays).
+    try:
+        binding: Any = staged_binding(plan, paged, objects) or False
+    except Exception:  # the unbound path serves it, and raises what it raises
+        binding = False
+    memo.staged = binding
+    return binding
+
+
+def _non_blocking(dst: torch.Tensor, src: torch.Tensor) -> None:
+    dst.copy_(src, non_blocking=True)

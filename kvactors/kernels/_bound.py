@@ -1,0 +1,174 @@
+"""Bound staged kernels: the staged path of a device plan the plan cache matched, decided once.
+
+:func:`kvactors.kernels._staged.staged_segment` builds a call's views from its plan on every
+call: the paged view, each segment's staging shape and host view, the index kind. Those
+depend on the cache entry alone (the key holds every operand fact they read), so a
+:class:`StagedBinding` keeps them as geometry, decided on the entry's first run. A call then
+reads its block ids' index tensors from the stream's :class:`ScratchCache` (one upload for new
+ids) and, per segment, runs one kernel and one host<->device copy, exactly the torch calls of
+the unbound path.
+"""
+
+from __future__ import annotations
+
+from typing import TYPE_CHECKING, Any
+
+import torch
+
+from kvactors.core.layouts import Direction
+from kvactors.core.plans import paged_units
+from kvactors.kernels._context import KernelContext
+from kvactors.kernels._staged import single_kernel
+from kvactors.kernels._views import physical_order, raw
+
+if TYPE_CHECKING:
+    from collections.abc import Callable, Hashable, Sequence
+
+    from kvactors.core.plans import TransferPlan
+    from kvactors.kernels._context import ScratchCache
+
+__all__ = ("StagedBinding", "staged_binding")
+
+_Geometry = tuple[tuple[int, ...], tuple[int, ...], int]  # as_strided's size, stride, offset
+_RAW = {1: torch.uint8, 2: torch.int16, 4: torch.int32, 8: torch.int64}
+
+
+def _geometry(t: torch.Tensor) -> _Geometry:
+    return tuple(t.shape), t.stride(), int(t.storage_offset())
+
+
+def _first(paged: Any) -> torch.Tensor:
+    if isinstance(paged, torch.Tensor):
+        return paged
+    first = paged[0]
+    return first if isinstance(first, torch.Tensor) else first[0]  # type: ignore[no-any-return]
+
+
+class _Segment:
+    """One segment's part of a binding: its chunk, staging buffer, views and index."""
+
+    __slots__ = ("host", "obj", "staging", "start", "stop", "view")
+
+    def __init__(
+        self,
+        obj: int,
+        staging: tuple[int, ...],
+        view: _Geometry,
+        host: _Geometry,
+        start: int,
+        stop: int,
+    ) -> None:
+        self.obj = obj  # the chunk's position in ``objects``
+        self.staging = staging  # the staging buffer's shape
+        self.view = view  # the kernel's view of the staging buffer
+        self.host = host  # the chunk's view: offset relative to the chunk's own
+        self.start, self.stop = start, stop  # its block ids' slice of the request's
+
+
+class StagedBinding:
+    """The staged path of one cache entry's plans (see the module docstring)."""
+
+    __slots__ = ("d2h", "device", "dim", "dtype", "planes", "rows", "segments", "source")
+
+    def __init__(self, plan: TransferPlan, paged: Any, objects: Sequence[torch.Tensor]) -> None:
+        units = paged_units(plan.spec, paged)
+        ctx = KernelContext(plan, units)
+        self.device = ctx.device
+        self.d2h = plan.direction is Direction.D2H
+        g = plan.rows
+        if g is not None:
+            rows = ctx.rows
+            assert rows is not None
+            self.source = _geometry(rows)
+            self.dim = 0
+            self.rows: tuple[tuple[int, ...], int] | None = (g.plane_layer_rows, g.block_rows)
+        else:
+            stacked = ctx.stacked
+            assert stacked is not None
+            order = physical_order(stacked)
+            self.source = _geometry(stacked.permute(order))
+            self.dim = order.index(2)
+            self.rows = None
+        self.dtype = _RAW[units[0].element_size()]
+        shape = plan.request.shape
+        heads = 1 if plan.spec.is_mla else shape.nh
+        segments = []
+        for seg in plan.segments:
+            n = seg.count
+            obj = raw(objects[seg.obj])
+            staging = (ctx.planes, ctx.nl, n, shape.bs, heads, shape.hs)
+            meta = torch.empty(staging, dtype=obj.dtype, device="meta")
+            if g is not None:
+                view = _geometry(meta.view(len(g.plane_layer_rows) * n, -1))
+            else:
+                view = _geometry(meta.permute(1, 0, 2, 3, 4, 5).permute(order))
+            if n == ctx.bpo:
+                host_view = obj.view(staging)  # the whole chunk: contiguous, one plain DMA
+            else:
+                host_view = ctx.target_view(obj)[:, :, seg.slot0 : seg.slot0 + n]
+            size, stride, offset = _geometry(host_view)
+            host = (size, stride, offset - int(obj.storage_offset()))
+            segments.append(_Segment(seg.obj, staging, view, host, seg.start, seg.stop))
+        self.segments = tuple(segments)
+        self.planes = ctx.planes
+
+    def run(
+        self,
+        plan: TransferPlan,
+        paged: Any,
+        objects: Sequence[torch.Tensor],
+        copy: Callable[[torch.Tensor, torch.Tensor], None],
+        scratch: ScratchCache,
+        keep: list[torch.Tensor],
+    ) -> None:
+        """Move ``plan``'s segments (a plan of this binding's entry) on the current stream."""
+        dev, dim, dtype, d2h = self.device, self.dim, self.dtype, self.d2h
+        source = _first(paged).view(dtype).as_strided(*self.source)
+        block_ids = plan.request.block_ids
+        specs: list[tuple[Hashable, Callable[[], list[int]]]] = []
+        rows = self.rows
+        for seg in self.segments:
+            ids = block_ids[seg.start : seg.stop]
+            if rows is None:
+                specs.append((("ids", ids), _values(ids)))
+            else:
+                planes, block_rows = rows
+                specs.append((("rows", ids, planes, block_rows), _rows(planes, ids, block_rows)))
+        indices = scratch.fetch(dev, specs, keep)
+        for seg, idx in zip(self.segments, indices, strict=True):
+            staging = scratch.get(dev, seg.staging, dtype)
+            view = staging.as_strided(*seg.view)
+            obj = objects[seg.obj].view(dtype)
+            size, stride, offset = seg.host
+            host = obj.as_strided(size, stride, obj.storage_offset() + offset)
+            if d2h:
+                torch.index_select(source, dim, idx, out=view)
+                copy(host, staging)
+            else:
+                copy(staging, host)
+                source.index_copy_(dim, idx, view)
+
+
+def _values(ids: tuple[int, ...]) -> Callable[[], list[int]]:
+    return lambda: list(ids)
+
+
+def _rows(
+    planes: tuple[int, ...], ids: tuple[int, ...], block_rows: int
+) -> Callable[[], list[int]]:
+    return lambda: [r + b * block_rows for r in planes for b in ids]
+
+
+def staged_binding(
+    plan: TransferPlan, paged: Any, objects: Sequence[torch.Tensor]
+) -> StagedBinding | None:
+    """The binding of a device plan moved one kernel per segment (a rows or stacked view),
+    or ``None`` (the unbound path serves it)."""
+    if plan.on_host or not plan.segments:
+        return None
+    units = paged_units(plan.spec, paged)
+    if _first(paged) is not units[0]:
+        return None
+    if not single_kernel(KernelContext(plan, units)):
+        return None
+    return StagedBinding(plan, paged, objects)
