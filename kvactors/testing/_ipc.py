@@ -34,6 +34,7 @@ __all__ = (
 )
 
 _BYTES_ITEMS = (1, 4, 6)
+_SHM_PREFIX = b"kvfake-shm\0"  # a handle naming torch shared memory (knob cross_process)
 
 
 class SharedStorage:
@@ -54,7 +55,10 @@ def share_storage(vendor: FakeVendor, storage: torch.UntypedStorage) -> tuple[An
     device = vendor.memory.device_of(storage.data_ptr(), storage.nbytes())
     if device is None:
         raise FakeDeviceError(f"storage is not {vendor.kind} device memory")
-    key = os.urandom(16)
+    if vendor.knobs.cross_process:
+        key = _to_shared_memory(vendor, storage, device)
+    else:
+        key = os.urandom(16)
     entry = SharedStorage(storage, device)
     vendor.ipc_storages[key] = entry
     event_handle = b""
@@ -68,6 +72,33 @@ def share_storage(vendor: FakeVendor, storage: torch.UntypedStorage) -> tuple[An
     return (device, key, storage.nbytes(), 0, b"refcounter", 0, event_handle, sync_required)
 
 
+def _to_shared_memory(vendor: FakeVendor, storage: torch.UntypedStorage, device: int) -> bytes:
+    """Move ``storage`` into torch's shared CPU memory (every view follows: torch swaps the
+    storage's memory in place) and return a handle naming it for other processes."""
+    old = storage.data_ptr()
+    if not storage.is_shared():
+        vendor.drain(device)  # no queued copy may still run on the old memory
+    manager, name, _size = storage._share_filename_cpu_()  # type: ignore[attr-defined]
+    if storage.data_ptr() != old:
+        vendor.memory.moved(old, storage)
+    return _SHM_PREFIX + bytes(manager) + b"\0" + bytes(name)
+
+
+def _open_shared_memory(
+    vendor: FakeVendor, key: bytes, device: int, size: int
+) -> torch.UntypedStorage:
+    """Map another process's exported storage (it must still hold it)."""
+    manager, _, name = key[len(_SHM_PREFIX) :].partition(b"\0")
+    try:
+        storage = torch.UntypedStorage._new_shared_filename_cpu(  # type: ignore[attr-defined]
+            manager, name, size
+        )
+    except RuntimeError as exc:
+        raise FakeDeviceError("unknown or released IPC memory handle") from exc
+    vendor.memory.add_device(torch.empty(0, dtype=torch.uint8).set_(storage), device, fresh=False)
+    return storage
+
+
 def new_shared(vendor: FakeVendor, info: tuple[Any, ...]) -> torch.UntypedStorage:
     """``_new_shared_<kind>(*info)``: reopen a shared storage (honours the IPC event)."""
     device, key, size, offset, _refc, _refc_off, event_handle, sync_required = info
@@ -75,12 +106,20 @@ def new_shared(vendor: FakeVendor, info: tuple[Any, ...]) -> torch.UntypedStorag
         if not isinstance(value, bytes):
             raise TypeError(f"{name} must be bytes, got {type(value).__name__}")
     entry = vendor.ipc_storages.get(key)
-    if entry is None or entry.ref.expired():
+    remote = entry is None and key.startswith(_SHM_PREFIX)
+    if not remote and (entry is None or entry.ref.expired()):
         raise FakeDeviceError("unknown or released IPC memory handle")
-    if size + offset > entry.nbytes:
+    if entry is not None and size + offset > entry.nbytes:
         raise FakeDeviceError("IPC storage size exceeds the exported allocation")
+    if remote:
+        whole = _open_shared_memory(vendor, key, int(device), size + offset)
     if sync_required and event_handle:
         vendor.Event.from_ipc_handle(device, event_handle).wait(vendor.current_stream(device))
+    if remote:
+        if offset == 0:
+            return whole
+        raise FakeDeviceError("a storage opened from another process starts at its export")
+    assert entry is not None
     storage = torch._C._construct_storage_from_data_pointer(
         entry.ptr + offset, torch.device("cpu"), size
     )

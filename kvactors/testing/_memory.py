@@ -244,6 +244,18 @@ class FakeMemory:
                 self._allocations[start] = r
             self._device.append(r)
 
+    def moved(self, old_start: int, storage: torch.UntypedStorage) -> None:
+        """The device storage that started at ``old_start`` now lives at ``storage``'s
+        address (moved into shared memory): its range and allocation follow it."""
+        start, end = storage.data_ptr(), storage.data_ptr() + storage.nbytes()
+        with self._lock:
+            for r in self._device:
+                if r.start == old_start and r.live():
+                    r.start, r.end = start, end
+                    if self._allocations.get(old_start) is r:
+                        del self._allocations[old_start]
+                        self._allocations[start] = r
+
     def hold(self, storage_ptr: int, tensor: torch.Tensor) -> None:
         """Record that the program holds device tensor ``tensor`` over the allocation
         starting at ``storage_ptr`` (no-op for memory that is not an allocation).

@@ -32,6 +32,10 @@ class CopyKnobs(Protocol):
     def pageable_async(self) -> bool:
         """Let ``non_blocking`` copies with unpinned host memory stay asynchronous."""
 
+    @property
+    def cross_process(self) -> bool:
+        """Export device memory and events so that another process can open them."""
+
 
 class WorkQueue(Protocol):
     """What device tensors need of a stream: enqueue work, wait for it."""

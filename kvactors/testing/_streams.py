@@ -17,6 +17,7 @@ from typing import TYPE_CHECKING, Any, ClassVar, Protocol
 from kvactors.testing._device import FakeDeviceError
 from kvactors.testing._owner import Owner
 from kvactors.testing._worker import Marker
+from kvactors.testing._xproc import EVENT_PREFIX, RemoteMarker, SharedEventFlags
 
 if TYPE_CHECKING:
     from collections.abc import Callable
@@ -224,13 +225,22 @@ IPC_EVENT_HANDLE_BYTES = 64
 
 
 class _EventState:
-    __slots__ = ("__weakref__", "device_index", "exporter", "handle", "marker")
+    __slots__ = ("__weakref__", "device_index", "exporter", "handle", "marker", "remote", "shared")
 
     def __init__(self) -> None:
         self.device_index: int | None = None
         self.marker: Marker | None = None
         self.handle = 0
         self.exporter: weakref.ref[FakeEvent] | None = None
+        self.shared: SharedEventFlags | None = None  # exported across processes (exporter)
+        self.remote: SharedEventFlags | None = None  # opened from another process
+
+    def publish(self, marker: Marker) -> None:
+        """Let other processes see when ``marker`` (a record of this event) completes."""
+        flags = self.shared
+        if flags is not None:
+            seq = flags.record()
+            marker.when_done(lambda: flags.complete(seq))
 
 
 class FakeEvent:
@@ -267,7 +277,8 @@ class FakeEvent:
 
     def _check_exporter(self) -> None:
         ref = self._state.exporter
-        if ref is not None and ref() is None:
+        remote = self._state.remote
+        if (ref is not None and ref() is None) or (remote is not None and remote.released()):
             raise FakeDeviceError("the exporter of this IPC event was released")
 
     def record(self, stream: FakeStream | None = None) -> None:
@@ -277,18 +288,33 @@ class FakeEvent:
         if self._state.device_index != s.device_index:
             raise FakeDeviceError("event recorded on a stream of another device")
         self._check_exporter()
-        self._state.marker = s.marker()
+        if self._state.remote is not None:
+            raise FakeDeviceError("record() on an event opened from another process")
+        marker = s.marker()
+        self._state.marker = marker
+        self._state.publish(marker)
+
+    def _latest(self) -> Marker | None:
+        remote = self._state.remote
+        if remote is not None:
+            seq = remote.latest()
+            return RemoteMarker(remote, seq) if seq else None
+        return self._state.marker
 
     def wait(self, stream: FakeStream | None = None) -> None:
         """Make later work on ``stream`` (default: current) wait for the latest record."""
         s = stream if stream is not None else self._vendor.current_stream()
         self._check_exporter()
-        marker = self._state.marker
+        marker = self._latest()
         if marker is not None:
             s.worker.submit_barrier(marker)
 
     def query(self) -> bool:
         """Whether the latest record completed (never blocks)."""
+        self._check_exporter()
+        remote = self._state.remote
+        if remote is not None:
+            return remote.completed(remote.latest())
         marker = self._state.marker
         return marker is None or marker.done.is_set()
 
@@ -296,7 +322,7 @@ class FakeEvent:
         """Block until the latest record completed; raise the stream's error it carries."""
         self._check_exporter()
         self._vendor.tally.add("syncs")
-        marker = self._state.marker
+        marker = self._latest()
         if marker is None:
             return
         marker.wait()
@@ -318,9 +344,23 @@ class FakeEvent:
             raise FakeDeviceError("ipc_handle() needs an event created with interprocess=True")
         self._create(self._vendor.current_device())
         if self._ipc is None:
-            self._ipc = os.urandom(IPC_EVENT_HANDLE_BYTES)
-            self._vendor.ipc_events[self._ipc] = self._state
-            self._state.exporter = weakref.ref(self)
+            state = self._state
+            if self._vendor.knobs.cross_process and state.remote is None:
+                flags = SharedEventFlags.create(IPC_EVENT_HANDLE_BYTES - len(EVENT_PREFIX))
+                path = flags.path.encode()
+                self._ipc = (
+                    EVENT_PREFIX
+                    + path
+                    + b"\0" * (IPC_EVENT_HANDLE_BYTES - len(EVENT_PREFIX) - len(path))
+                )
+                state.shared = flags
+                if state.marker is not None:  # recorded before the export
+                    state.publish(state.marker)
+                weakref.finalize(self, flags.release)
+            else:
+                self._ipc = os.urandom(IPC_EVENT_HANDLE_BYTES)
+            self._vendor.ipc_events[self._ipc] = state
+            state.exporter = weakref.ref(self)
         return self._ipc
 
     @classmethod
@@ -331,6 +371,12 @@ class FakeEvent:
         if not isinstance(handle, bytes) or len(handle) != IPC_EVENT_HANDLE_BYTES:
             raise FakeDeviceError(f"IPC event handle must be {IPC_EVENT_HANDLE_BYTES} bytes")
         state = v.ipc_events.get(handle)
+        if state is None and handle.startswith(EVENT_PREFIX):  # another process's export
+            state = _EventState()
+            state.remote = SharedEventFlags.open(handle[len(EVENT_PREFIX) :].rstrip(b"\0").decode())
+            state.device_index = index
+            state.handle = v.next_event_handle()
+            v.ipc_events[handle] = state
         if state is None:
             raise FakeDeviceError("unknown IPC event handle")
         if state.device_index != index:

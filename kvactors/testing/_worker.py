@@ -64,13 +64,20 @@ _Kind = Literal["work", "marker", "barrier"]
 class Marker:
     """A point in one stream's queue; ``done`` is set once everything before it has run."""
 
-    __slots__ = ("done", "error", "release", "time")
+    __slots__ = ("done", "error", "on_done", "release", "time")
 
     def __init__(self) -> None:
         self.done = threading.Event()
         self.error: BaseException | None = None
         self.time = 0.0
         self.release: Callable[[], None] | None = None  # a lazy stream's work up to here
+        self.on_done: Callable[[], None] | None = None
+
+    def when_done(self, fn: Callable[[], None]) -> None:
+        """Call ``fn`` once the marker completed (at once if it has; ``fn`` is idempotent)."""
+        self.on_done = fn
+        if self.done.is_set():
+            fn()
 
     def wait(self, timeout: float | None = None) -> bool:
         """Let a lazy stream run up to the marker, then wait for it; False on timeout."""
@@ -83,6 +90,8 @@ class Marker:
         self.error = error
         self.time = time.perf_counter()
         self.done.set()
+        if self.on_done is not None:
+            self.on_done()
 
 
 class StreamWorker:

@@ -38,8 +38,10 @@ if TYPE_CHECKING:
     from kvactors.testing.vendor import FakeVendor
 
 __all__ = (
+    "ENV_SESSION",
     "fake_mlu",
     "fake_musa",
+    "install_for_process",
     "pytest_addoption",
     "pytest_configure",
     "pytest_unconfigure",
@@ -60,13 +62,58 @@ def pytest_addoption(parser: pytest.Parser) -> None:
     )
 
 
+ENV_SESSION = "KVACTORS_FAKE_SESSION"
+_SITECUSTOMIZE = f"""\
+import os
+
+if os.environ.get({ENV_SESSION!r}):
+    from kvactors.testing.pytest_plugin import install_for_process
+
+    install_for_process(os.environ[{ENV_SESSION!r}])
+"""
+
+
+def install_for_process(kind: str) -> None:
+    """Install a fake of ``kind`` for the rest of this process (knob ``cross_process``).
+
+    What a session's spawned children run at start-up (``sitecustomize``), so that a handle
+    the session exports opens in them as it would in a second process on a card.
+    """
+    import atexit
+
+    stack = contextlib.ExitStack()
+    stack.enter_context(fake_vendor(kind, cross_process=True))
+    atexit.register(stack.close)
+
+
 def pytest_configure(config: pytest.Config) -> None:
-    """Install the session's fake vendor, if the option asks for one."""
+    """Install the session's fake vendor, if the option asks for one, and make every Python
+    child the session starts (``multiprocessing`` spawn included) install it too."""
     kind = config.getoption("--kvactors-fake-vendor", default=None)
     if kind:
+        import os
+        import tempfile
+
         stack = contextlib.ExitStack()
-        stack.enter_context(fake_vendor(str(kind)))
+        stack.enter_context(fake_vendor(str(kind), cross_process=True))
+        site = stack.enter_context(tempfile.TemporaryDirectory(prefix="kvactors-fake-site-"))
+        with open(os.path.join(site, "sitecustomize.py"), "w") as f:
+            f.write(_SITECUSTOMIZE)
+        previous = {k: os.environ.get(k) for k in ("PYTHONPATH", ENV_SESSION)}
+        os.environ["PYTHONPATH"] = os.pathsep.join(p for p in (site, previous["PYTHONPATH"]) if p)
+        os.environ[ENV_SESSION] = str(kind)
+        stack.callback(_restore_environ, previous)
         config.stash[_SESSION_FAKE] = stack
+
+
+def _restore_environ(previous: dict[str, str | None]) -> None:
+    import os
+
+    for key, value in previous.items():
+        if value is None:
+            os.environ.pop(key, None)
+        else:
+            os.environ[key] = value
 
 
 def pytest_unconfigure(config: pytest.Config) -> None:

@@ -67,6 +67,10 @@ class FakeKnobs:
         event_ipc: provide interprocess events (``interprocess=``, ``from_ipc_handle``).
         musart: provide ``torch.musa.musart()`` (host registration).
         uuid: device properties carry a ``uuid``.
+        cross_process: IPC handles open in other processes too (a spawned child with the
+            fake installed): an exported storage moves into shared memory at export (its
+            device's streams drained first; pointer views taken before the export keep the
+            old address), exported events keep their progress in a shared-memory file.
     """
 
     seed: int = 0
@@ -83,6 +87,7 @@ class FakeKnobs:
     event_ipc: bool = True
     musart: bool = True
     uuid: bool = True
+    cross_process: bool = False
 
 
 @dataclasses.dataclass(frozen=True)
@@ -428,6 +433,14 @@ class FakeVendor:
                 errors.append(exc)
         if errors:
             raise errors[0]
+
+    def drain(self, index: int) -> None:
+        """Wait for every stream of device ``index`` without raising (errors stay sticky)."""
+        with self._lock:
+            streams = [s for s in self._all_streams() if s.device_index == index]
+        for s in streams:
+            with contextlib.suppress(FakeDeviceError):
+                s.worker.synchronize(clear_error=False)
 
     def _all_streams(self) -> list[FakeStream]:
         return [*self._streams.values(), *self._defaults.values()]

@@ -8,13 +8,17 @@ through one path, and the vendor's seeding calls exist; ``shape`` is a ``torch.S
 
 from __future__ import annotations
 
+import os
+from typing import Any
+
 import pytest
 import torch
 
-from kvactors.testing import FakeDeviceTensor, fake_vendor
+from kvactors.testing import FakeDeviceError, FakeDeviceTensor, fake_vendor
 from kvactors.testing.pytest_plugin import require_torch_devices
 
 KINDS = ["mlu", "musa"]
+PROCESS_KIND = os.environ.get("KVACTORS_FAKE_VENDOR", "mlu")
 
 
 # ---- gap 1: queued work runs under its caller's autograd state ---------------------------
@@ -235,3 +239,125 @@ def test_shape_is_a_torch_size(kind: str) -> None:
             assert type(shape) is torch.Size
         assert t.shape == t.size() == torch.Size([2, 3])
         assert t.shape.numel() == 6
+
+
+# ---- gap 4: IPC handles open in a spawned child (knob cross_process) ---------------------
+
+
+def _export(kind: str, t: torch.Tensor) -> object:
+    if kind == "musa":
+        return torch.musa.ipc.export_tensor(t)  # type: ignore[attr-defined]
+    return t.untyped_storage()._share_mlu_()  # type: ignore[attr-defined]
+
+
+def _open(kind: str, handle: Any) -> tuple[torch.Tensor, Any]:
+    """(a device tensor over the exported memory, what keeps it open)."""
+    if kind == "musa":
+        owner = torch.musa.ipc.open_tensor(handle)  # type: ignore[attr-defined]
+        return owner.tensor, owner
+    storage = torch.UntypedStorage._new_shared_mlu(*handle)  # type: ignore[attr-defined]
+    view = torch.empty(0, device=f"{kind}:0").set_(storage).view(torch.float32)
+    return view, storage
+
+
+def _memory_child(kind: str, kept: Any, released: Any, inbox: Any, outbox: Any) -> None:
+    with fake_vendor(kind, cross_process=True) as fake:
+        t, owner = _open(kind, kept)
+        outbox.put(float(fake.peek(t).sum()))
+        t.fill_(7.0)  # a kernel on the child's stream, into the parent's memory
+        getattr(torch, kind).synchronize()
+        outbox.put("written")
+        del t, owner
+        inbox.get(timeout=60)  # the parent released the second export
+        try:
+            _open(kind, released)
+        except FakeDeviceError as exc:
+            outbox.put(str(exc))
+        else:
+            outbox.put("opened")
+
+
+@pytest.mark.parametrize("kind", KINDS)
+def test_exported_memory_opens_in_a_spawned_child_with_the_same_lifetime_rules(
+    kind: str,
+) -> None:
+    import multiprocessing
+
+    ctx = multiprocessing.get_context("spawn")
+    inbox, outbox = ctx.Queue(), ctx.Queue()
+    with fake_vendor(kind, cross_process=True) as fake:
+        kept = fake.to_device(torch.arange(16.0))
+        doomed = fake.to_device(torch.ones(4))
+        handles = (_export(kind, kept), _export(kind, doomed))
+        assert torch.equal(fake.peek(kept), torch.arange(16.0))  # moved, bytes intact
+        child = ctx.Process(target=_memory_child, args=(kind, *handles, inbox, outbox))
+        child.start()
+        try:
+            assert outbox.get(timeout=60) == float(torch.arange(16.0).sum())
+            assert outbox.get(timeout=60) == "written"
+            assert torch.equal(kept.cpu(), torch.full((16,), 7.0))  # one memory, two processes
+            del doomed
+            inbox.put("released")
+            assert outbox.get(timeout=60) == "unknown or released IPC memory handle"
+        finally:
+            child.join(60)
+        assert child.exitcode == 0
+
+
+def _event_child(kind: str, mem: Any, ev_handle: bytes, inbox: Any, outbox: Any) -> None:
+    with fake_vendor(kind, cross_process=True) as fake:
+        mod = getattr(torch, kind)
+        src, owner = _open(kind, mem)
+        ev = mod.Event.from_ipc_handle(0, ev_handle)
+        outbox.put(ev.query())  # the parent's stream is held: not reached yet
+        consumer = mod.Stream()
+        dst = fake.empty((4,))
+        consumer.wait_event(ev)
+        with mod.stream(consumer):
+            dst.copy_(src)  # ordered after the parent's fill by the event only
+        inbox.get(timeout=60)  # the parent let its stream run
+        consumer.synchronize()
+        outbox.put(fake.peek(dst).tolist())
+        assert ev.query()
+        inbox.get(timeout=60)  # the parent released the event
+        try:
+            ev.query()
+        except FakeDeviceError as exc:
+            outbox.put(str(exc))
+        del src, owner
+
+
+def test_exported_event_orders_a_spawned_childs_stream_after_the_exporters() -> None:
+    import multiprocessing
+    import threading
+
+    kind = PROCESS_KIND
+    ctx = multiprocessing.get_context("spawn")
+    inbox, outbox = ctx.Queue(), ctx.Queue()
+    with fake_vendor(kind, cross_process=True) as fake:
+        mod = getattr(torch, kind)
+        mem = fake.to_device(torch.zeros(4))
+        handle = _export(kind, mem)
+        producer = mod.Stream()
+        gate = threading.Event()
+        producer.enqueue(gate.wait)  # holds the producer's stream until the test opens it
+        with mod.stream(producer):
+            mem.fill_(5.0)
+        ev = mod.Event(interprocess=True)
+        ev.record(producer)
+        child = ctx.Process(
+            target=_event_child, args=(kind, handle, ev.ipc_handle(), inbox, outbox)
+        )
+        child.start()
+        try:
+            assert outbox.get(timeout=60) is False
+            gate.set()
+            inbox.put("go")
+            assert outbox.get(timeout=60) == [5.0] * 4
+            del ev
+            inbox.put("released")
+            assert outbox.get(timeout=60) == "the exporter of this IPC event was released"
+        finally:
+            gate.set()
+            child.join(60)
+        assert child.exitcode == 0

@@ -5,9 +5,11 @@ written for a real card. This test runs the suite of the LMCache version install
 venv, for the fake vendor this process belongs to (``KVACTORS_FAKE_VENDOR``, one vendor per
 process as ``scripts/test.sh`` runs them), in a child pytest with the fake installed for the
 whole session (``-p kvactors.testing.pytest_plugin --kvactors-fake-vendor=<kind>``) and
-LMCache's root conftest left out (it needs the whole serving stack). It fails on any outcome
-that :data:`EXPECTED` does not name: a failure or a skip of a test not listed, and a listed
-test that now passes (the list must stay short and true).
+LMCache's root conftest left out (it needs the whole serving stack); the session's spawned
+children install the fake too, so LMCache's two-process IPC tests cross a real process
+boundary (knob ``cross_process``). It fails on any outcome that :data:`EXPECTED` does not
+name: a failure or a skip of a test not listed, and a listed test that now passes or no
+longer runs (the list must stay short and true).
 
 The sdists come from ``scripts/fetch-lmcache-sdists.sh`` (PyPI files, pinned digests) into
 ``KVACTORS_LMCACHE_SDISTS`` (default ``~/.cache/kvactors/lmcache-sdists``); when that variable
@@ -31,7 +33,6 @@ import pytest
 pytestmark = pytest.mark.lmcache
 
 ENV_SDISTS = "KVACTORS_LMCACHE_SDISTS"
-ENV_SLOW = "KVACTORS_LMCACHE_SUITES_SLOW"
 SUITES = {
     "mlu": "tests/v1/platform/devices/mlu",
     "musa": "tests/v1/platform/devices/musa",
@@ -62,17 +63,11 @@ class Expected:
     reason: str
     vendor: str
     versions: tuple[str, ...] = VERSIONS
-    slow: bool = False  # not run unless KVACTORS_LMCACHE_SUITES_SLOW=1 (a child's timeout)
 
 
 _FALLBACK_SKIP = (
     "skips by design whenever a MUSA runtime is present (its skipif asks for LMCache's "
     "Python fallback backend), so on a real card too"
-)
-_GAP_4 = (
-    "gap 4 of issue 42: the fakes' IPC lives in one process, so a handle exported here does "
-    "not open in the spawned child ('unknown IPC event handle' / 'unknown or released IPC "
-    "memory handle'); waits for the child's timeout"
 )
 EXPECTED: tuple[Expected, ...] = (
     Expected(
@@ -91,20 +86,6 @@ EXPECTED: tuple[Expected, ...] = (
             "test_musa_block_transfer_fallback_sglang_mha_d2h_and_h2d",
             "test_musa_block_transfer_rejects_unvalidated_layout",
         )
-    ),
-    Expected(
-        "test_musa_event_ordering.py::test_musa_ipc_event_wait_orders_streams",
-        "failed",
-        _GAP_4,
-        "musa",
-        slow=True,
-    ),
-    Expected(
-        "test_musa_ipc_wrapper_integration.py::test_musa_ipc_wrapper_two_process_round_trip",
-        "failed",
-        _GAP_4,
-        "musa",
-        slow=True,
     ),
 )
 
@@ -154,7 +135,7 @@ def outcomes(junit: pathlib.Path) -> dict[str, str]:
     return out
 
 
-def judge(results: dict[str, str], expected: dict[str, Expected], slow: bool) -> list[str]:
+def judge(results: dict[str, str], expected: dict[str, Expected]) -> list[str]:
     """What differs from the expected outcomes (empty: the suite is as expected)."""
     problems: list[str] = []
     for test, outcome in sorted(results.items()):
@@ -166,7 +147,7 @@ def judge(results: dict[str, str], expected: dict[str, Expected], slow: bool) ->
                 f"{test}: {outcome}, expected {exp.outcome} ({exp.reason}); update EXPECTED"
             )
     for test, exp in sorted(expected.items()):
-        if test not in results and (slow or not exp.slow):
+        if test not in results:
             problems.append(f"{test}: listed as expected {exp.outcome} but did not run")
     return problems
 
@@ -187,15 +168,11 @@ def test_judge_flags_unexpected_failures_skips_passes_and_missing_tests() -> Non
     expected = {
         "a.py::known": Expected("a.py::known", "failed", "why", "musa"),
         "a.py::gone": Expected("a.py::gone", "skipped", "why", "musa"),
-        "a.py::slow": Expected("a.py::slow", "failed", "why", "musa", slow=True),
     }
     results = {"a.py::known": "failed", "a.py::ok": "passed", "a.py::gone": "skipped"}
-    assert judge(results, expected, slow=False) == []
-    assert judge(results, expected, slow=True) == [
-        "a.py::slow: listed as expected failed but did not run"
-    ]
+    assert judge(results, expected) == []
     results = {"a.py::known": "passed", "a.py::new": "skipped", "a.py::bad": "failed"}
-    problems = judge(results, expected, slow=False)
+    problems = judge(results, expected)
     assert problems[0] == "a.py::bad: failed, not an expected outcome"
     assert problems[1].startswith("a.py::known: passed, expected failed")
     assert problems[2] == "a.py::new: skipped, not an expected outcome"
@@ -218,11 +195,7 @@ def test_lmcache_device_suite_runs_on_the_fake(tmp_path: pathlib.Path) -> None:
     if not (root / SUITES[vendor]).is_dir():
         pytest.skip(f"LMCache {version} ships no {vendor.upper()} device tests")
 
-    slow = os.environ.get(ENV_SLOW) == "1"
     expected = expected_for(version, vendor)
-    deselect = [
-        f"--deselect={SUITES[vendor]}/{e.test}" for e in expected.values() if e.slow and not slow
-    ]
     stand_ins = _stand_ins(tmp_path / "stand_ins")
     junit = tmp_path / "junit.xml"
     env = {
@@ -252,7 +225,6 @@ def test_lmcache_device_suite_runs_on_the_fake(tmp_path: pathlib.Path) -> None:
         "-o",
         "junit_family=xunit1",
         f"--junitxml={junit}",
-        *deselect,
         SUITES[vendor],
     ]
     proc = subprocess.run(
@@ -266,9 +238,9 @@ def test_lmcache_device_suite_runs_on_the_fake(tmp_path: pathlib.Path) -> None:
     }
     print(
         f"LMCache {version} {vendor.upper()} suite on the fake: {counts['passed']} passed, "
-        f"{counts['failed']} failed, {counts['skipped']} skipped, {len(deselect)} deselected"
+        f"{counts['failed']} failed, {counts['skipped']} skipped"
         f" (stand-ins: {', '.join(stand_ins) or 'none'})"
     )
     assert results, f"the child pytest ran no tests:\n{tail}"
-    problems = judge(results, expected, slow)
+    problems = judge(results, expected)
     assert not problems, "\n".join(problems) + f"\n\n{tail}"
