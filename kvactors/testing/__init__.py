@@ -11,9 +11,9 @@ the autograd state (inference mode, grad mode) of the thread that queued it. The
 model keeps the allocator statistics (``memory_allocated``, ``max_memory_allocated``,
 ``reset_peak_memory_stats``, ``memory_reserved``, ``memory_stats``...), every torch factory
 with a ``device`` argument accepts a fake device, and the seeding calls (``manual_seed``,
-``manual_seed_all``, ``seed``, ``initial_seed``, RNG state) drive its random factories. IPC
-works within one process only (a second address space is not modelled). ``docs/testing.md``
-lists what is modelled and what is not.
+``manual_seed_all``, ``seed``, ``initial_seed``, RNG state) drive its random factories. With
+the ``cross_process`` knob, exported memory and events open in a spawned child that has the
+fake installed. ``docs/testing.md`` lists what is modelled and what is not.
 
 The first fake installed in a process claims torch's private device name
 (``KVACTORS_FAKE_VENDOR=mlu|musa`` pins which kind may), so ``torch.device("mlu:0")``,

@@ -28,7 +28,7 @@ def fake_vendor(kind: str, **knobs: Any) -> Iterator[FakeVendor]:
         **knobs: fields of :class:`FakeKnobs` (``seed``, ``delay``, ``jitter``, ``lazy``,
             ``devices``, ``available``, ``strided_d2h_bug``, ``pageable_async``,
             ``pool_size``, ``vendor_constructor``, ``ipc``, ``event_ipc``, ``musart``,
-            ``uuid``).
+            ``uuid``, ``cross_process``).
 
     Yields:
         The :class:`FakeVendor` behind the module, for inspection and fault injection.

@@ -4,7 +4,10 @@ Exporting shares a whole storage (the 8-item ``shared_storage_info`` of
 ``UntypedStorage._share_musa_()``); the handle keys a registry holding only a weak reference,
 so the producer must keep its tensor alive. The export records an interprocess event that the
 opener's current stream waits on. Receivers get an owner whose ``tensor`` is a non-owning view
-until ``close()``. One process: the fakes model the protocol, not a second address space.
+until ``close()``. With the knob ``cross_process`` the export moves the storage into torch's
+shared CPU memory (in place: every view follows) and its handle names that memory, so a
+spawned child with the fake installed maps the same bytes; without it, a handle names nothing
+outside the exporting process.
 """
 
 from __future__ import annotations
