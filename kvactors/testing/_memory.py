@@ -83,9 +83,8 @@ class _Range:
         holders = self.holders
         if holders is None:
             return True
-        alive = [h for h in holders if h() is not None]
-        self.holders = alive
-        return bool(alive)
+        # The first live holder answers (a pool's views stay alive): no walk per allocation.
+        return any(h() is not None for h in holders)
 
 
 def _span(t: torch.Tensor) -> tuple[int, int]:
