@@ -22,6 +22,7 @@ import msgspec
 
 from kvactors.errors import MissingDependencyError
 from kvactors.observe import observe
+from kvactors.runtime import LATENCY_BOUNDS
 
 if TYPE_CHECKING:
     from collections.abc import Callable, Iterator
@@ -43,11 +44,9 @@ __all__ = (
     "snapshot",
 )
 
-LATENCY_BUCKETS: tuple[float, ...] = (
-    1e-5, 2.5e-5, 5e-5, 1e-4, 2.5e-4, 5e-4, 1e-3, 2.5e-3, 5e-3, 1e-2, 2.5e-2, 5e-2, 0.1, 0.25,
-    0.5, 1.0, 2.5,
-)  # fmt: skip
-"""Upper bounds (seconds) of :class:`CallMetrics`' per-call latency histogram."""
+LATENCY_BUCKETS: tuple[float, ...] = LATENCY_BOUNDS
+"""Upper bounds (seconds) of :class:`CallMetrics`' per-call latency histogram (the runtime's
+own transfer latency has the same)."""
 
 
 class Sample(msgspec.Struct, frozen=True):

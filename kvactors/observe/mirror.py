@@ -1,9 +1,10 @@
 """kvactors' counters as prometheus_client metrics, mirrored off the call path.
 
 A :class:`PrometheusMirror` watches runtimes: a daemon thread reads each runtime's statistics
-and a :class:`~kvactors.observe.metrics.CallMetrics` observer every ``interval`` seconds and
-adds what changed since its last pass to prometheus_client's own metric types. A transfer
-never calls prometheus_client: the only per-call work is the observer's counting.
+and transfer latency (:meth:`Runtime.transfer_latency <kvactors.runtime.Runtime.transfer_latency>`)
+every ``interval`` seconds and adds what changed since its last pass to prometheus_client's own
+metric types. A transfer never calls prometheus_client: its only metrics work is the
+runtime's own counting, in line (no Python call).
 
 Because these are prometheus_client's own ``Counter`` and ``Histogram``, they go wherever
 prometheus_client puts them: in one process (e.g. vLLM's offline ``LLM`` API) into its default
@@ -14,9 +15,9 @@ over processes. The families, labelled by ``device`` (e.g. ``cpu:0``):
 
 * ``kvactors_transfers_total{result="ok"|"failed"}``: transfers by result;
 * ``kvactors_bytes_moved_total``: bytes moved by completed transfers;
-* ``kvactors_call_latency_seconds{op}``: the latency histogram of facade calls (``op`` is
-  ``transfer``, ``fence``, ``synchronize``...), from mailbox admission to the settled reply,
-  with the buckets of :data:`~kvactors.observe.metrics.LATENCY_BUCKETS`.
+* ``kvactors_call_latency_seconds{op="transfer"}``: the latency histogram of transfer calls
+  that returned, from the call to its return, with the buckets of
+  :data:`~kvactors.observe.metrics.LATENCY_BUCKETS`.
 
 :func:`watch` is the process-wide mirror the LMCache adapter uses: ``KVACTORS_METRICS=0``
 turns it off, ``KVACTORS_METRICS_INTERVAL`` sets its period in seconds (default 1). It never
@@ -32,11 +33,9 @@ import threading
 from typing import TYPE_CHECKING, Any
 
 from kvactors.errors import InvalidSettingError, MissingDependencyError
-from kvactors.observe.metrics import LATENCY_BUCKETS, CallMetrics
+from kvactors.observe.metrics import LATENCY_BUCKETS
 
 if TYPE_CHECKING:
-    from collections.abc import Callable
-
     from kvactors.runtime import Runtime
 
 __all__ = (
@@ -58,18 +57,16 @@ _MAX_INTERVAL = 3600.0
 
 
 class _Watched:
-    """One runtime, its call observer and what the mirror added for it so far."""
+    """One runtime and what the mirror added for it so far."""
 
-    __slots__ = ("bytes", "calls", "closed", "detach", "failed", "ok", "rt", "seen")
+    __slots__ = ("bytes", "closed", "failed", "latency", "ok", "rt")
 
-    def __init__(self, rt: Runtime, calls: CallMetrics, detach: Callable[[], None]) -> None:
+    def __init__(self, rt: Runtime) -> None:
         self.rt = rt
-        self.calls = calls
-        self.detach = detach
         self.ok = self.failed = self.bytes = 0
         self.closed = False
-        #: Per op: (bucket counts, seconds) already added.
-        self.seen: dict[str, tuple[list[int], float]] = {}
+        #: The transfer latency already added: bucket counts, seconds.
+        self.latency: tuple[tuple[int, ...], float] = ((0,) * (len(LATENCY_BUCKETS) + 1), 0.0)
 
 
 class PrometheusMirror:
@@ -111,7 +108,7 @@ class PrometheusMirror:
         )
         self._latency = prometheus_client.Histogram(
             "kvactors_call_latency_seconds",
-            "Per-call latency of facade calls, from mailbox admission to the settled reply",
+            "Latency of the calls that returned, from the call to its return",
             ["device", "op"],
             buckets=LATENCY_BUCKETS,
             registry=reg,
@@ -126,11 +123,9 @@ class PrometheusMirror:
         self.errors = 0
 
     def watch(self, rt: Runtime) -> None:
-        """Mirror ``rt`` from now on (attaches a call observer; starts the thread once)."""
-        calls = CallMetrics()
-        detach = calls.attach(rt)
+        """Mirror ``rt`` from now on (starts the thread once)."""
         with self._lock:
-            self._watched.append(_Watched(rt, calls, detach))
+            self._watched.append(_Watched(rt))
             if self._thread is None and not self._stop.is_set():
                 self._thread = threading.Thread(
                     target=self._run, name="kvactors-metrics-mirror", daemon=True
@@ -149,8 +144,8 @@ class PrometheusMirror:
             for w in watched:
                 if w.closed:
                     continue
-                closed = w.rt.closed
                 try:
+                    closed = w.rt.closed
                     self._mirror(w)
                 except Exception:  # one runtime's failure must not end the others' metrics
                     self.errors += 1
@@ -159,7 +154,6 @@ class PrometheusMirror:
                     closed = True
                 if closed:
                     w.closed = True
-                    w.detach()
         with self._lock:
             self._watched = [w for w in self._watched if not w.closed]
 
@@ -179,30 +173,26 @@ class PrometheusMirror:
             w.bytes = stats.bytes_moved
         else:
             self._bytes.labels(dev)
-        with w.calls._lock:
-            now = {op: (list(b), w.calls.seconds.get(op, 0.0)) for op, b in w.calls.buckets.items()}
-        for op, (counts, seconds) in now.items():
-            before, before_s = w.seen.get(op, ([0] * len(counts), 0.0))
-            deltas = [a - b for a, b in zip(counts, before, strict=True)]
-            if any(deltas):
-                _add_to_histogram(self._latency.labels(dev, op), deltas, seconds - before_s)
-            w.seen[op] = (counts, seconds)
+        counts, seconds = w.rt.transfer_latency()
+        before, before_s = w.latency
+        deltas = [a - b for a, b in zip(counts, before, strict=True)]
+        if any(deltas):
+            _add_to_histogram(self._latency.labels(dev, "transfer"), deltas, seconds - before_s)
+        w.latency = (counts, seconds)
 
     def _run(self) -> None:
         while not self._stop.wait(self.interval):
             self.update()
 
     def stop(self) -> None:
-        """A last pass, then stop the thread and detach the observers."""
+        """A last pass, then stop the thread and forget the runtimes."""
         self._stop.set()
         thread = self._thread
         if thread is not None:
             thread.join(timeout=max(5.0, 2 * self.interval))
         self.update()
         with self._lock:
-            watched, self._watched = self._watched, []
-        for w in watched:
-            w.detach()
+            self._watched = []
 
     def close(self) -> None:
         """:meth:`stop`, then unregister the families from the registry (their names are
@@ -288,7 +278,12 @@ def close_process_mirror() -> None:
 
 
 def watch(rt: Runtime) -> bool:
-    """Mirror ``rt`` through :func:`process_mirror`; whether it is mirrored. Never raises."""
+    """Mirror ``rt`` through :func:`process_mirror`; whether it is mirrored (a stand-in that
+    is no :class:`~kvactors.runtime.Runtime` is not). Never raises."""
+    from kvactors.runtime import Runtime
+
+    if not isinstance(rt, Runtime):
+        return False
     mirror = process_mirror()
     if mirror is None:
         return False

@@ -3,6 +3,7 @@ for foreign threads and ``a*`` twins for asyncio), its reply bridges and its obs
 
 from __future__ import annotations
 
+from kvactors.runtime._latency import LATENCY_BOUNDS
 from kvactors.runtime._runtime import Runtime, get_runtime, resolve_backend
 
-__all__ = ("Runtime", "get_runtime", "resolve_backend")
+__all__ = ("LATENCY_BOUNDS", "Runtime", "get_runtime", "resolve_backend")

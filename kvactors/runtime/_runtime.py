@@ -24,10 +24,12 @@ from __future__ import annotations
 
 import asyncio
 import atexit
+import bisect
 import contextlib
 import functools
 import itertools
 import threading
+import time
 from typing import TYPE_CHECKING, Any
 
 from kvactors.actors.gather import TransferOperands
@@ -43,6 +45,7 @@ from kvactors.errors import (
     MailboxFullError,
     TransferAbandonedError,
 )
+from kvactors.runtime._latency import LATENCY_BOUNDS, Latency
 from kvactors.runtime.observer import Call, Observers
 
 if TYPE_CHECKING:
@@ -69,6 +72,11 @@ def resolve_backend(backend: str | Backend) -> Backend:
     from kvactors.devices import get_backend
 
     return get_backend(backend)
+
+
+_clock = time.perf_counter
+_bucket = bisect.bisect_left  # a value equal to a bound is in that bound's bucket (le)
+_BOUNDS = LATENCY_BOUNDS
 
 
 class Runtime:
@@ -102,6 +110,7 @@ class Runtime:
         self._ids = itertools.count(1)
         self._outstanding: dict[Reply[Any], object] = {}
         self._observers = Observers()
+        self._latency = Latency()
         if observer is not None:
             self._observers.add(observer)
 
@@ -370,6 +379,7 @@ class Runtime:
         Raises ``TransferValidationError`` (a ``ValueError``) or ``OperandTypeError`` (a
         ``TypeError``) before any memory is touched, ``TransferFailedError`` if the copy failed.
         """
+        t0 = _clock()
         tid = next(self._ids)
         admitted: Call | None = None
         # Rule 3 holds the tensors, not the caller's lists: see _operands (inlined here).
@@ -393,6 +403,14 @@ class Runtime:
                     actors, tid, request, paged, objects, stream_handle, complete, wait
                 )
             if done is not None:
+                # The latency histogram, in line (see kvactors.runtime._latency).
+                try:
+                    counts = self._latency.local.transfer
+                except AttributeError:
+                    counts = self._latency.mine()
+                seconds = _clock() - t0
+                counts[_bucket(_BOUNDS, seconds)] += 1
+                counts[-1] += seconds
                 return done
         msg = Transfer(
             transfer_id=tid, request=request, stream_handle=stream_handle, complete=complete
@@ -400,7 +418,22 @@ class Runtime:
         result: TransferDone = self._ask(
             _gather, msg, TransferOperands(paged, objects), timeout, stream_handle, admitted
         )
+        try:
+            counts = self._latency.local.transfer
+        except AttributeError:
+            counts = self._latency.mine()
+        seconds = _clock() - t0
+        counts[_bucket(_BOUNDS, seconds)] += 1
+        counts[-1] += seconds
         return result
+
+    def transfer_latency(self) -> tuple[tuple[int, ...], float]:
+        """The latency of the transfers that returned (not those that raised), from the call
+        to its return: calls per bucket of
+        :data:`~kvactors.runtime._latency.LATENCY_BOUNDS` (then +Inf, not cumulative) and
+        their seconds, every calling thread's summed (kept without a lock or a Python call
+        on the call's path)."""
+        return self._latency.snapshot()
 
     def _observed_now(
         self,

@@ -93,15 +93,14 @@ class _StubRuntime:
 
     def __init__(self, real: Runtime) -> None:
         self.stats = real.statistics()
+        self.latency = real.transfer_latency()
         self.closed = False
-        self.observers: list[Any] = []
 
     def statistics(self) -> Any:
         return self.stats
 
-    def add_observer(self, observer: Any) -> Any:
-        self.observers.append(observer)
-        return lambda: self.observers.remove(observer)
+    def transfer_latency(self) -> Any:
+        return self.latency
 
 
 def test_failures_and_bytes_are_added_as_they_grow() -> None:
@@ -120,7 +119,7 @@ def test_failures_and_bytes_are_added_as_they_grow() -> None:
     assert _value(reg, "kvactors_transfers_total", device="cpu:0", result="failed") == 5
     assert _value(reg, "kvactors_bytes_moved_total", device="cpu:0") == 100
     mirror.stop()
-    assert stub.observers == []
+    assert mirror._watched == []
 
 
 _CHILD = textwrap.dedent(
@@ -294,6 +293,6 @@ def test_a_runtime_that_cannot_be_read_is_dropped_once_logged_the_others_go_on(
         mirror.update()
     assert mirror.errors == 1
     assert len(caplog.records) == 1
-    assert broken.observers == []  # dropped
+    assert [w.rt for w in mirror._watched] == [good]  # the broken one dropped
     assert _value(reg, "kvactors_transfers_total", device="cpu:0", result="ok") == 3
     mirror.stop()
