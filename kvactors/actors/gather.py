@@ -210,12 +210,12 @@ class GatherActor(Actor[GatherRequest]):
         # A plan from the cache runs its specialised kernel (a plain backend's built where the
         # launch runs, never on the loop; a device backend's staged binding in the launch).
         memo = found.memo
-        scratch = copy = None
+        scratch = must_block = None
         if not self._plain:
             scratch = self._scratch.get(msg.stream_handle)
             if scratch is None:
                 scratch = self._scratch[msg.stream_handle] = ScratchCache()
-            copy = self.backend.copy_
+            must_block = self.backend.must_block
         loop = self.loop
         torch_kernel = make_kernel(
             plan,
@@ -223,7 +223,7 @@ class GatherActor(Actor[GatherRequest]):
             objects,
             memo=memo,
             inference=inference,
-            copy=copy,
+            must_block=must_block,
             scratch=scratch,
             bind_now=loop is not None and _running_loop() is not loop,
         )
@@ -331,19 +331,19 @@ class GatherActor(Actor[GatherRequest]):
             found = self.plans.lookup(request, paged, objects)
             plan = found.plan
             memo = found.memo
-            scratch = copy = None
+            scratch = must_block = None
             if not self._plain:
                 scratch = self._scratch.get(handle)
                 if scratch is None:
                     scratch = self._scratch[handle] = ScratchCache()
-                copy = self.backend.copy_
+                must_block = self.backend.must_block
             kernel = make_kernel(
                 plan,
                 paged,
                 objects,
                 memo=memo,
                 inference=found.inference,
-                copy=copy,
+                must_block=must_block,
                 scratch=scratch,
                 bind_now=True,
             )

@@ -37,7 +37,7 @@ from typing import TYPE_CHECKING, Any, final
 
 import msgspec
 
-from kvactors.actors.actor import Actor, on_loop
+from kvactors.actors.actor import Actor
 from kvactors.actors.envelope import DEFERRED, Envelope, unreachable
 from kvactors.actors.lane import Lane
 from kvactors.core.protocols.stream import (
@@ -184,11 +184,11 @@ class StreamActor(Actor[StreamRequest]):
     def went_idle(self) -> None:
         """Tell ``on_idle``, on the loop (scheduled there from another thread, unless the
         directory already noted this actor idle), if the actor still holds nothing then."""
-        hook = self.on_idle
+        hook = self._on_idle
         if hook is None:
             return
-        loop = self.loop
-        if on_loop(loop):
+        loop = self._loop
+        if loop is not None and _running_loop() is loop:  # on the loop (``on_loop``)
             if self.idle():
                 hook()
         elif loop is not None and not self.idle_noted:

@@ -15,7 +15,14 @@ from typing import TYPE_CHECKING, Literal, cast, final
 
 from kvactors.devices._vendor import as_vendor_module, device_errors, int_attr
 from kvactors.devices.base import Backend
-from kvactors.errors import InvalidPointerError, InvalidSettingError, UnsupportedOperationError
+from kvactors.errors import (
+    DeviceOpError,
+    InvalidPointerError,
+    InvalidSettingError,
+    KvactorsError,
+    UnsupportedOperationError,
+    translate,
+)
 
 if TYPE_CHECKING:
     from collections.abc import Callable
@@ -150,7 +157,7 @@ class TorchLikeBackend(Backend):
 
     def launch(self, stream: StreamLike, fn: Callable[[], None]) -> None:
         """Run ``fn`` with ``stream`` current, so its device work is ordered on it."""
-        with self.module.stream(stream):
+        with (self._module or self.module).stream(stream):
             fn()
 
     def synchronize(self, stream: StreamLike) -> None:
@@ -161,26 +168,30 @@ class TorchLikeBackend(Backend):
 
     def record_marker(self, stream: StreamLike) -> Marker:
         """Record an event on ``stream``."""
-        s = self._stream(stream)
-        name = self._name(s.device_index)
-        with device_errors(name, "record_marker"):
-            ev = self.module.Event()
+        # On every transfer's path: the translation of device_errors, written in line.
+        s: VendorStream = stream  # type: ignore[assignment]
+        try:
+            ev = (self._module or self.module).Event()
             ev.record(s)
-        return EventMarker(ev, name)
+        except KvactorsError:
+            raise
+        except RuntimeError as err:
+            name = self._name(s.device_index)
+            raise translate(
+                err, lambda m: DeviceOpError(m, device=name, op="record_marker")
+            ) from err
+        return EventMarker(ev, f"{self.kind}:{s.device_index}")
 
     # ---- copies ---------------------------------------------------------------------
 
     def must_block(self, dst: torch.Tensor, src: torch.Tensor) -> bool:
-        """Whether the copy policy makes ``dst.copy_(src)`` blocking."""
+        """Blocking strided D2H (rule 6): a device-to-host copy that converts or lands in a
+        non-contiguous or differently strided host view blocks, when the backend asks."""
         if not self.blocking_strided_d2h:
             return False
         if dst.device.type != "cpu" or src.device.type != self.kind:
             return False
         return dst.dtype != src.dtype or not dst.is_contiguous() or dst.stride() != src.stride()
-
-    def copy_(self, dst: torch.Tensor, src: torch.Tensor) -> None:
-        """``dst.copy_(src)`` on the current stream; blocking only when :meth:`must_block`."""
-        dst.copy_(src, non_blocking=not self.must_block(dst, src))
 
     # ---- shared refusals -----------------------------------------------------------
 

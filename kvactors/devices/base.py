@@ -161,9 +161,16 @@ class Backend(abc.ABC):
     def record_marker(self, stream: StreamLike) -> Marker:
         """Record a completion marker on ``stream``."""
 
+    def must_block(self, dst: torch.Tensor, src: torch.Tensor) -> bool:
+        """The copy policy: whether ``dst.copy_(src)`` must block (default: never). It may
+        read only the two tensors' devices, dtypes, shapes and strides: the kernels decide
+        it once per cache entry."""
+        return False
+
+    @final
     def copy_(self, dst: torch.Tensor, src: torch.Tensor) -> None:
-        """Copy ``src`` into ``dst`` under this backend's copy policy (default: async)."""
-        dst.copy_(src, non_blocking=True)
+        """Copy ``src`` into ``dst`` under this backend's copy policy (:meth:`must_block`)."""
+        dst.copy_(src, non_blocking=not self.must_block(dst, src))
 
     # Transfers: two hooks GatherActor consults for every transfer.
 

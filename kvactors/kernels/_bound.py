@@ -68,7 +68,17 @@ class _Segment:
 class StagedBinding:
     """The staged path of one cache entry's plans (see the module docstring)."""
 
-    __slots__ = ("d2h", "device", "dim", "dtype", "planes", "rows", "segments", "source")
+    __slots__ = (
+        "d2h",
+        "device",
+        "dim",
+        "dtype",
+        "non_blocking",
+        "planes",
+        "rows",
+        "segments",
+        "source",
+    )
 
     def __init__(self, plan: TransferPlan, paged: Any, objects: Sequence[torch.Tensor]) -> None:
         units = paged_units(plan.spec, paged)
@@ -111,52 +121,68 @@ class StagedBinding:
             segments.append(_Segment(seg.obj, staging, view, host, seg.start, seg.stop))
         self.segments = tuple(segments)
         self.planes = ctx.planes
+        # Per segment, whether its host<->device copy is non-blocking (the backend's copy
+        # policy, decided on the first run, with the tensors it reads).
+        self.non_blocking: tuple[bool, ...] | None = None
 
     def run(
         self,
         plan: TransferPlan,
         paged: Any,
         objects: Sequence[torch.Tensor],
-        copy: Callable[[torch.Tensor, torch.Tensor], None],
+        must_block: Callable[[torch.Tensor, torch.Tensor], bool],
         scratch: ScratchCache,
         keep: list[torch.Tensor],
     ) -> None:
-        """Move ``plan``'s segments (a plan of this binding's entry) on the current stream."""
+        """Move ``plan``'s segments (a plan of this binding's entry) on the current stream;
+        ``must_block`` is the backend's copy policy (decided on the first run: it reads
+        nothing the entry does not fix)."""
         dev, dim, dtype, d2h = self.device, self.dim, self.dtype, self.d2h
         source = _first(paged).view(dtype).as_strided(*self.source)
         block_ids = plan.request.block_ids
-        specs: list[tuple[Hashable, Callable[[], list[int]]]] = []
         rows = self.rows
-        for seg in self.segments:
-            ids = block_ids[seg.start : seg.stop]
-            if rows is None:
-                specs.append((("ids", ids), _values(ids)))
-            else:
-                planes, block_rows = rows
-                specs.append((("rows", ids, planes, block_rows), _rows(planes, ids, block_rows)))
-        indices = scratch.fetch(dev, specs, keep)
-        for seg, idx in zip(self.segments, indices, strict=True):
+        if rows is None:
+            keys: list[Hashable] = [("ids", block_ids[s.start : s.stop]) for s in self.segments]
+        else:
+            planes, block_rows = rows
+            keys = [
+                ("rows", block_ids[s.start : s.stop], planes, block_rows) for s in self.segments
+            ]
+        indices = scratch.fetch(dev, keys, _values, keep)
+        flags = self.non_blocking
+        decided: list[bool] = []
+        for k, (seg, idx) in enumerate(zip(self.segments, indices, strict=True)):
             staging = scratch.get(dev, seg.staging, dtype)
             view = staging.as_strided(*seg.view)
             obj = objects[seg.obj].view(dtype)
             size, stride, offset = seg.host
             host = obj.as_strided(size, stride, obj.storage_offset() + offset)
+            if flags is None:
+                blocks = must_block(host, staging) if d2h else must_block(staging, host)
+                decided.append(not blocks)
+                non_blocking = not blocks
+            else:
+                non_blocking = flags[k]
             if d2h:
                 torch.index_select(source, dim, idx, out=view)
-                copy(host, staging)
+                host.copy_(staging, non_blocking=non_blocking)
             else:
-                copy(staging, host)
+                staging.copy_(host, non_blocking=non_blocking)
                 source.index_copy_(dim, idx, view)
+        if flags is None:
+            self.non_blocking = tuple(decided)
 
 
-def _values(ids: tuple[int, ...]) -> Callable[[], list[int]]:
-    return lambda: list(ids)
-
-
-def _rows(
-    planes: tuple[int, ...], ids: tuple[int, ...], block_rows: int
-) -> Callable[[], list[int]]:
-    return lambda: [r + b * block_rows for r in planes for b in ids]
+def _values(key: Hashable) -> list[int]:
+    # An index's integers from its key: ("ids", ids) or ("rows", ids, planes, block_rows),
+    # the row numbers plane-major (ScratchCache's keys, shared with the unbound path).
+    parts: tuple[Any, ...] = key  # type: ignore[assignment]
+    if parts[0] == "ids":
+        return list(parts[1])
+    ids: tuple[int, ...] = parts[1]
+    planes: tuple[int, ...] = parts[2]
+    block_rows: int = parts[3]
+    return [r + b * block_rows for r in planes for b in ids]
 
 
 def staged_binding(

@@ -11,6 +11,7 @@ from __future__ import annotations
 
 import array
 import collections
+import functools
 from typing import TYPE_CHECKING
 
 import torch
@@ -141,14 +142,25 @@ class ScratchCache:
     def fetch(
         self,
         device: torch.device,
-        specs: Sequence[tuple[Hashable, Callable[[], list[int]]]],
+        keys: Sequence[Hashable],
+        values: Callable[[Hashable], list[int]],
         keep: list[torch.Tensor] | None = None,
     ) -> list[torch.Tensor]:
-        """The index tensors of ``specs``, in order: :meth:`prefetch`, then read."""
-        self.prefetch(device, specs, keep)
+        """The index tensors of ``keys``, in order; ``values(key)`` gives a missing one's
+        integers, all of them uploaded at once as :meth:`prefetch` does."""
         dev_name = str(device)
         found = self._indices
-        return [found[(dev_name, key)] for key, _ in specs]
+        if not self._stale:
+            try:
+                out = [found[(dev_name, key)] for key in keys]
+            except KeyError:
+                pass
+            else:
+                for key in keys:
+                    found.move_to_end((dev_name, key))  # this call's are evicted last
+                return out
+        self.prefetch(device, [(key, functools.partial(values, key)) for key in keys], keep)
+        return [found[(dev_name, key)] for key in keys]
 
     def clear(self) -> None:
         """Drop every buffer (only once no stream still uses them)."""

@@ -35,16 +35,20 @@ def torch_kernel(
     *,
     memo: KernelMemo | None,
     inference: bool,
-    copy: Callable[[torch.Tensor, torch.Tensor], None] | None,
+    must_block: Callable[[torch.Tensor, torch.Tensor], bool] | None,
     scratch: ScratchCache | None,
     bind_now: bool,
 ) -> Callable[[], None]:
-    """The kernel of ``plan`` over the operands (see the module docstring)."""
+    """The kernel of ``plan`` over the operands (see the module docstring); ``must_block``:
+    the device backend's copy policy (with ``scratch``)."""
     # The pinned host tensors the staged path uploads new block ids from: the kernel is the
     # transfer's lease, kept until the stream ran it, so they outlive their copies (rule 3).
     keep: list[torch.Tensor] = []
     if scratch is not None:
-        policy = copy if copy is not None else _non_blocking
+        policy = _never if must_block is None else must_block
+
+        def copy(dst: torch.Tensor, src: torch.Tensor) -> None:  # the unbound path's
+            dst.copy_(src, non_blocking=not policy(dst, src))
 
         def staged() -> None:
             # Inference tensors (made under torch.inference_mode) are written only in it.
@@ -56,7 +60,7 @@ def torch_kernel(
                     binding.run(plan, paged, objects, policy, scratch, keep)
                 else:  # the plan cache made the plan for these very operands: no check
                     run_fast(
-                        plan, paged, objects, copy=policy, scratch=scratch, checked=True, keep=keep
+                        plan, paged, objects, copy=copy, scratch=scratch, checked=True, keep=keep
                     )
 
         return staged
@@ -74,7 +78,7 @@ def torch_kernel(
             reused_kernel(plan, paged, objects, memo, inference=inference)(paged, objects)
             return
         with torch.inference_mode(inference):
-            run_fast(plan, paged, objects, copy=copy, checked=True)
+            run_fast(plan, paged, objects, checked=True)
 
     return kernel
 
@@ -89,5 +93,5 @@ def _bind(memo: Any, plan: TransferPlan, paged: Any, objects: Sequence[torch.Ten
     return binding
 
 
-def _non_blocking(dst: torch.Tensor, src: torch.Tensor) -> None:
-    dst.copy_(src, non_blocking=True)
+def _never(_dst: torch.Tensor, _src: torch.Tensor) -> bool:
+    return False

@@ -120,9 +120,9 @@ class CpuBackend(Backend):
         """A marker that is already complete."""
         return _DONE
 
-    def copy_(self, dst: torch.Tensor, src: torch.Tensor) -> None:
-        """A synchronous copy."""
-        dst.copy_(src)
+    def must_block(self, dst: torch.Tensor, src: torch.Tensor) -> bool:
+        """Every CPU copy is synchronous."""
+        return True
 
     def tensor_from_ptr(
         self,

@@ -11,6 +11,7 @@ MLU ops refuse them.
 
 from __future__ import annotations
 
+import operator
 from typing import TYPE_CHECKING, Any, Literal
 
 import torch
@@ -68,6 +69,15 @@ def squeeze_mla(t: torch.Tensor) -> torch.Tensor:
     if t.dim() == 5 and t.shape[0] == 1 and t.shape[2] == 1:
         return t[0, :, 0]
     return t
+
+
+def _vllm_mla(shape: tuple[int, ...]) -> bool:
+    # squeeze_mla's test, on a shape.
+    return len(shape) == 5 and shape[0] == 1 and shape[2] == 1
+
+
+_SHAPE = operator.attrgetter("shape")
+_MLA_VIEW = operator.itemgetter((0, slice(None), 0))  # squeeze_mla's view, in C
 
 
 def unwrap_layer(value: object, layer: int) -> object:
@@ -131,12 +141,18 @@ def normalize_mlu_transfer(
     if not isinstance(paged, (list, tuple)):
         return f, shape, chunk_size, paged, objects  # the planner names the structure error
     kinds = set(map(type, paged))
-    if len(kinds) == 1 and issubclass(next(iter(kinds)), torch.Tensor):
+    tensors = len(kinds) == 1 and issubclass(next(iter(kinds)), torch.Tensor)
+    if tensors:
         layers: Any = list(paged)  # tensors only (the engine's common case): nothing to unwrap
     else:
         layers = [unwrap_layer(v, i) for i, v in enumerate(paged)]
     if f is KVFormat.NL_X_NB_BS_HS:
-        layers = [squeeze_mla(t) if isinstance(t, torch.Tensor) else t for t in layers]
+        shapes = set(map(_SHAPE, layers)) if tensors else ()
+        if len(shapes) == 1:  # every layer of one shape: squeeze_mla's answer is the same
+            if _vllm_mla(next(iter(shapes))):
+                layers = list(map(_MLA_VIEW, layers))
+        else:
+            layers = [squeeze_mla(t) if isinstance(t, torch.Tensor) else t for t in layers]
         return f, shape, chunk_size, layers, objects
     if f is KVFormat.NL_X_TWO_NB_NH_BS_HS:
         return f, shape, chunk_size, layers, objects
