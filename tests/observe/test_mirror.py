@@ -9,13 +9,13 @@ import sys
 import textwrap
 import threading
 from pathlib import Path
-from typing import Any
+from typing import Any, cast
 
 import msgspec
 import pytest
 
 from kvactors.observe import mirror as mirror_mod
-from kvactors.observe.metrics import prometheus_available
+from kvactors.observe.metrics import LATENCY_BUCKETS, prometheus_available
 from kvactors.observe.mirror import PrometheusMirror
 from kvactors.runtime import Runtime
 
@@ -266,10 +266,10 @@ def test_the_histogram_fallback_observes_each_call_at_its_bucket_bound() -> None
         def observe(self, v: float) -> None:
             seen.append(v)
 
-    deltas = [0] * (len(mirror_mod.LATENCY_BUCKETS) + 1)
+    deltas = [0] * (len(LATENCY_BUCKETS) + 1)
     deltas[0], deltas[-1] = 2, 1
     mirror_mod._add_to_histogram(Plain(), deltas, 1.0)
-    bounds = mirror_mod.LATENCY_BUCKETS
+    bounds = LATENCY_BUCKETS
     assert seen == [bounds[0], bounds[0], bounds[-1]]
 
 
@@ -293,6 +293,6 @@ def test_a_runtime_that_cannot_be_read_is_dropped_once_logged_the_others_go_on(
         mirror.update()
     assert mirror.errors == 1
     assert len(caplog.records) == 1
-    assert [w.rt for w in mirror._watched] == [good]  # the broken one dropped
+    assert [w.rt for w in mirror._watched] == [cast("Any", good)]  # the broken one dropped
     assert _value(reg, "kvactors_transfers_total", device="cpu:0", result="ok") == 3
     mirror.stop()

@@ -10,6 +10,7 @@ condition variable (``wait_for``) and on reply futures, never on wall-clock slee
 from __future__ import annotations
 
 import asyncio
+import inspect
 import threading
 import time
 from typing import TYPE_CHECKING, Any
@@ -257,7 +258,8 @@ class _RetiredCopy:
             complete=False,
         )
         del view
-        for _ in range(StreamDirectory.__init__.__kwdefaults__["max_idle"]):
+        max_idle = inspect.signature(StreamDirectory).parameters["max_idle"].default
+        for _ in range(max_idle):
             rt.synchronize(torch.musa.Stream().musa_stream)  # type: ignore[attr-defined]
         # A round trip through the IPC actor (on the loop) lets the idle notes land.
         rt.close_ipc_context(2**40)
@@ -284,7 +286,7 @@ def test_close_waits_for_the_copy_of_a_retired_borrowed_stream_actor() -> None:
                 landed_at_close.append(case.landed())
                 close()
 
-            case.owner.close = checked_close
+            case.owner.close = checked_close  # type: ignore[method-assign]
             rt.close_ipc_context(1)
             assert landed_at_close == [True], "the owner closed under the retired stream's copy"
 
