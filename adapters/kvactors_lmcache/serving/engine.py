@@ -137,6 +137,8 @@ def main(argv: list[str] | None = None) -> int:
         "seed": 0,
         "disable_log_stats": False,  # vLLM's per-request statistics (preemptions, TTFT)
     }
+    if spec.get("attention_backend"):
+        kwargs["attention_backend"] = spec["attention_backend"]
     if spec.get("num_gpu_blocks_override"):
         kwargs["num_gpu_blocks_override"] = int(spec["num_gpu_blocks_override"])
     if spec.get("port"):

@@ -66,6 +66,13 @@ def block_size(model: str) -> int:
     return 16 if model == "mla" else BLOCK
 
 
+def attention_backend(model: str) -> str | None:
+    """vLLM's attention backend for the model, named: an MLA model runs vLLM's CPU_MLA
+    (float32, format 3) also where the CPU has AMX, where vLLM would take AMX_MLA, which
+    takes 16-bit weights only; else vLLM's choice (CPU_ATTN)."""
+    return "CPU_MLA" if model == "mla" else None
+
+
 def preempt_blocks(opts: Options) -> int:
     """``num_gpu_blocks_override`` of the preempting engine: its tokens plus the null block."""
     return opts.preempt_tokens // block_size(opts.model) + 1
@@ -98,6 +105,7 @@ def _spec(opts: Options, name: str, model: Path, wl: Workload, **extra: Any) -> 
         "name": name,
         "model": str(model),
         "block_size": block_size(opts.model),
+        "attention_backend": attention_backend(opts.model),
         "chunk_size": CHUNK,
         "max_model_len": 512,
         "prefix_caching": False,
