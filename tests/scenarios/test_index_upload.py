@@ -86,3 +86,47 @@ def test_uploads_that_have_not_run_yet_serve_later_calls_in_stream_order(kind: s
         for ids, got in outs:
             for g, w in zip(got, expected_gather(src, ids), strict=True):
                 assert same(g, w), f"ids {ids}"
+
+
+@pytest.mark.parametrize("kind", KINDS)
+@pytest.mark.parametrize("layout", ["nhd", "mla"])
+def test_a_warm_call_neither_plans_nor_binds(kind: str, layout: str) -> None:
+    """Planned and bound once on an accelerator: after the first call of an operand set,
+    calls with other block ids only rebind the plan's ids (no full validation) and run the
+    entry's staged binding, made once; another pool (other operands) plans and binds anew."""
+    from kvactors.kernels._bound import StagedBinding
+
+    with fake_vendor(kind) as fake, Runtime(_backend(kind), default_timeout=60.0) as rt:
+        handle = rt.backend.current_stream_handle(0)
+        actors = rt._actors
+        assert actors is not None
+        plans = actors.gather.plans
+
+        def run(p: Any, ids: tuple[int, ...]) -> None:
+            rt.transfer(p.request(1, ids), p.paged, p.objects, stream_handle=handle)
+
+        p = pool(fake, layout)
+        run(p, tuple(range(0, 16, 2)))
+        (entry,) = plans._entries.values()
+        binding = entry.memo.staged
+        assert isinstance(binding, StagedBinding)
+        before = rt.statistics()
+        for ids in (tuple(range(1, 17, 2)), tuple(range(16, 32, 2)), tuple(range(0, 16, 2))):
+            run(p, ids)
+        after = rt.statistics()
+        full = (after.plans_validated - after.plans_rebound) - (
+            before.plans_validated - before.plans_rebound
+        )
+        assert full == 0, "a warm call validated its operands in full"
+        assert after.plans_rebound - before.plans_rebound == 3
+        assert entry.memo.staged is binding, "a warm call bound its kernel again"
+        other = pool(fake, layout)  # other memory: another key
+        run(other, tuple(range(0, 16, 2)))
+        assert len(plans._entries) == 2
+        assert (
+            rt.statistics().plans_validated - rt.statistics().plans_rebound
+            == after.plans_validated - after.plans_rebound + 1
+        )
+        fresh = next(e for e in plans._entries.values() if e is not entry)
+        assert isinstance(fresh.memo.staged, StagedBinding)
+        assert fresh.memo.staged is not binding
