@@ -137,6 +137,9 @@ def transfer_counts() -> dict[str, int]:
 
 # The operand types of the engine's call, compared as sets of element types.
 _TENSOR_TYPE = {torch.Tensor}
+# Layer tensor types a full conversion took (torch.Tensor, and subclasses such as a fake
+# vendor's device tensor, learned once): the one-frame path checks layers against them.
+_LAYER_TENSORS: set[type] = {torch.Tensor}
 _LIST_TYPE = {list}
 _INT_TYPE = {int}
 
@@ -331,7 +334,7 @@ class KvactorsDeviceOps(DeviceOps):
             ids = tuple(block_ids)
             if (
                 set(map(type, lmcache_objects_ptrs)) == _TENSOR_TYPE
-                and layer_types in (_TENSOR_TYPE, _LIST_TYPE)
+                and (layer_types <= _LAYER_TENSORS or layer_types == _LIST_TYPE)
                 and set(map(type, ids)) <= _INT_TYPE
             ):
                 try:
@@ -359,6 +362,10 @@ class KvactorsDeviceOps(DeviceOps):
                 skip_prefix_n_blocks,
                 layerwise,
             )
+            if type(paged_buffer_ptrs_tensor) is list:  # accepted: learn its tensor types
+                kinds = set(map(type, paged_buffer_ptrs_tensor))
+                if kinds and all(issubclass(k, torch.Tensor) for k in kinds):
+                    _LAYER_TENSORS.update(kinds)
             return
         if index is None:  # the calling thread's current device, per call
             index = self._current_index() if self.uses_streams else 0

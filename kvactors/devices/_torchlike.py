@@ -68,6 +68,7 @@ class TorchLikeBackend(Backend):
     def __init__(self, *, blocking_strided_d2h: bool = True) -> None:
         self.blocking_strided_d2h = blocking_strided_d2h
         self._lock = threading.Lock()
+        self._checked: set[int] = set()  # device indices _check_index accepted
         self._module: VendorModule | None = None
 
     # ---- module access --------------------------------------------------------------
@@ -151,9 +152,21 @@ class TorchLikeBackend(Backend):
 
     def current_stream_handle(self, index: int) -> int:
         """The calling thread's current stream handle on ``index``."""
-        self._check_index(index)
-        with device_errors(self._name(index), "current_stream"):
-            return int_attr(self.module.current_stream(index), self.handle_attr)
+        # On every engine call's path: the index checked once (the device count is fixed in
+        # a process), the translation of device_errors in line.
+        if type(index) is not int or index not in self._checked:
+            self._checked.add(self._check_index(index))
+        try:
+            stream = (self._module or self.module).current_stream(index)
+        except KvactorsError:
+            raise
+        except RuntimeError as err:
+            name = self._name(index)
+            raise translate(
+                err, lambda m: DeviceOpError(m, device=name, op="current_stream")
+            ) from err
+        handle = getattr(stream, self.handle_attr)
+        return handle if type(handle) is int else int_attr(stream, self.handle_attr)
 
     def launch(self, stream: StreamLike, fn: Callable[[], None]) -> None:
         """Run ``fn`` with ``stream`` current, so its device work is ordered on it."""

@@ -78,6 +78,7 @@ class StagedBinding:
         "rows",
         "segments",
         "source",
+        "staging",
     )
 
     def __init__(self, plan: TransferPlan, paged: Any, objects: Sequence[torch.Tensor]) -> None:
@@ -120,6 +121,7 @@ class StagedBinding:
             host = (size, stride, offset - int(obj.storage_offset()))
             segments.append(_Segment(seg.obj, staging, view, host, seg.start, seg.stop))
         self.segments = tuple(segments)
+        self.staging = tuple(seg.staging for seg in segments)
         self.planes = ctx.planes
         # Per segment, whether its host<->device copy is non-blocking (the backend's copy
         # policy, decided on the first run, with the tensors it reads).
@@ -138,21 +140,25 @@ class StagedBinding:
         ``must_block`` is the backend's copy policy (decided on the first run: it reads
         nothing the entry does not fix)."""
         dev, dim, dtype, d2h = self.device, self.dim, self.dtype, self.d2h
-        source = _first(paged).view(dtype).as_strided(*self.source)
+        first = paged  # the first paged tensor (as _first, in line)
+        if not isinstance(first, torch.Tensor):
+            first = first[0]
+            if not isinstance(first, torch.Tensor):
+                first = first[0]
+        source = first.view(dtype).as_strided(*self.source)
         block_ids = plan.request.block_ids
         rows = self.rows
-        if rows is None:
-            keys: list[Hashable] = [("ids", block_ids[s.start : s.stop]) for s in self.segments]
-        else:
-            planes, block_rows = rows
-            keys = [
-                ("rows", block_ids[s.start : s.stop], planes, block_rows) for s in self.segments
-            ]
+        keys: list[Hashable] = []
+        for s in self.segments:  # loops, not comprehensions: no Python frame
+            if rows is None:
+                keys.append(("ids", block_ids[s.start : s.stop]))
+            else:
+                keys.append(("rows", block_ids[s.start : s.stop], *rows))
         indices = scratch.fetch(dev, keys, _values, keep)
+        buffers = scratch.buffers(dev, self.staging, dtype)
         flags = self.non_blocking
         decided: list[bool] = []
-        for k, (seg, idx) in enumerate(zip(self.segments, indices, strict=True)):
-            staging = scratch.get(dev, seg.staging, dtype)
+        for k, (seg, idx, staging) in enumerate(zip(self.segments, indices, buffers, strict=True)):
             view = staging.as_strided(*seg.view)
             obj = objects[seg.obj].view(dtype)
             size, stride, offset = seg.host

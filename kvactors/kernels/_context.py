@@ -150,17 +150,33 @@ class ScratchCache:
         integers, all of them uploaded at once as :meth:`prefetch` does."""
         dev_name = str(device)
         found = self._indices
+        out: list[torch.Tensor] = []
         if not self._stale:
             try:
-                out = [found[(dev_name, key)] for key in keys]
+                for key in keys:  # a loop, not a comprehension: no Python frame
+                    full = (dev_name, key)
+                    out.append(found[full])
+                    found.move_to_end(full)  # this call's are evicted last
             except KeyError:
-                pass
+                out.clear()
             else:
-                for key in keys:
-                    found.move_to_end((dev_name, key))  # this call's are evicted last
                 return out
         self.prefetch(device, [(key, functools.partial(values, key)) for key in keys], keep)
-        return [found[(dev_name, key)] for key in keys]
+        for key in keys:
+            out.append(found[(dev_name, key)])
+        return out
+
+    def buffers(
+        self, device: torch.device, shapes: Sequence[tuple[int, ...]], dtype: torch.dtype
+    ) -> list[torch.Tensor]:
+        """:meth:`get` of every shape, in order (a shape twice: the same buffer twice)."""
+        dev_name = str(device)
+        found = self._buffers
+        out: list[torch.Tensor] = []
+        for shape in shapes:
+            buf = found.get((dev_name, shape, dtype))
+            out.append(buf if buf is not None else self.get(device, shape, dtype))
+        return out
 
     def clear(self) -> None:
         """Drop every buffer (only once no stream still uses them)."""

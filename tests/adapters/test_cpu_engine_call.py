@@ -132,6 +132,34 @@ def test_the_repeated_engine_call_is_one_frame_with_the_full_conversions_argumen
             assert getattr(fast[0], name) == getattr(first, name), name
 
 
+class _LayerTensor(torch.Tensor):
+    """A tensor subclass, as a vendor's (or the fake vendor's) device tensor may be."""
+
+
+def test_layers_of_a_tensor_subclass_take_the_one_frame_path_once_converted() -> None:
+    """The full conversion accepts layers of a tensor subclass as tensors; from then on the
+    engine's repeated call with such layers is the one-frame path, with the same request."""
+    from kvactors_lmcache.ops import KvactorsCpuOps
+
+    rec = _Recorder()
+    ops = KvactorsCpuOps(runtime_factory=lambda _b, _i: rec)  # type: ignore[arg-type,return-value]
+    layers = [t.as_subclass(_LayerTensor) for t in _layers(1)]
+    objs = _objs()
+    first = _adapter_frames(
+        lambda: ops.multi_layer_block_kv_transfer(**_args(layers, objs, [0, 1, 2, 3]))
+    )
+    assert first > 1  # converted in full: the subclass was not known
+    other = _objs()
+    frames = _adapter_frames(
+        lambda: ops.multi_layer_block_kv_transfer(**_args(layers, other, [7, 5, 3, 1]))
+    )
+    assert frames == 1, f"the repeated call made {frames} adapter frames"
+    _in_full(ops, **_args(layers, other, [7, 5, 3, 1]))
+    fast, base = rec.calls[1], rec.calls[2]
+    assert fast[0] == base[0]
+    assert fast[1] is layers
+
+
 def _bad_calls() -> dict[str, Callable[[list[torch.Tensor], list[torch.Tensor]], dict[str, Any]]]:
     n = _native()
     no_dtype = n.PageBufferShapeDesc()
