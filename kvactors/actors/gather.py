@@ -141,8 +141,10 @@ class GatherActor(Actor[GatherRequest]):
         self._prepares = backend.prepares_transfers
         self._completes = backend.completes_on_launch
         self._route = threading.Lock()
-        # A native hook with no provider costs nothing: not called at all.
+        # A native hook with no provider costs nothing: not called at all. An instance whose
+        # hook was replaced (its own ``transfer_kernel``, also after the start) is called.
         self._native = backend.native_kernels and backend.native_provided()
+        self._backend_attrs: dict[str, Any] = getattr(backend, "__dict__", {})
         self._plain = backend.plain_transfers
 
     @property
@@ -230,7 +232,7 @@ class GatherActor(Actor[GatherRequest]):
         # The backend may put an opted-in native transfer first (it may decline).
         kernel = (
             self.backend.transfer_kernel(plan, paged, objects, torch_kernel)
-            if self._native
+            if self._native or "transfer_kernel" in self._backend_attrs
             else torch_kernel
         )
 
@@ -347,7 +349,7 @@ class GatherActor(Actor[GatherRequest]):
                 scratch=scratch,
                 bind_now=True,
             )
-            if self._native:
+            if self._native or "transfer_kernel" in self._backend_attrs:
                 kernel = self.backend.transfer_kernel(plan, paged, objects, kernel)
             nbytes = plan.nbytes
             touched = plan.touched_blocks

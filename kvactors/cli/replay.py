@@ -50,9 +50,11 @@ def _byte_count(text: str) -> int:
 
 
 def run(args: argparse.Namespace) -> int:
-    """``kvactors replay TRACE``: 0 when every call had its recorded outcome."""
+    """``kvactors replay TRACE``: 0 when every call had its recorded outcome. ``args``
+    without ``max_bytes`` (a caller of the command's earlier arguments) keeps the default
+    cap."""
     try:
-        max_bytes = args.max_bytes or None  # 0 lifts the cap
+        max_bytes = getattr(args, "max_bytes", DEFAULT_MAX_BYTES) or None  # 0 lifts the cap
         header, _ = read_trace(args.trace, max_bytes=max_bytes)  # refused before any runtime
         with device_env(args.device) as env:
             backend = replay_backend(header, env.kind, default=env.backend())

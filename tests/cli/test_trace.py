@@ -421,6 +421,10 @@ def test_the_default_cap_refuses_a_declared_gigabyte_before_any_runtime(
     assert main(["replay", str(path)]) == 2
     with pytest.raises(SystemExit):
         main(["replay", str(path), "--max-bytes", "-1"])
+    # ``run`` called with the command's earlier arguments (no max_bytes): the default cap.
+    import argparse
+
+    assert replay_cli.run(argparse.Namespace(trace=str(path), device="cpu", json=False)) == 2
 
 
 def test_the_operand_cap_is_over_every_distinct_operand_set(tmp_path: pathlib.Path) -> None:

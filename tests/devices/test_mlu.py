@@ -133,4 +133,15 @@ def test_a_native_hook_with_no_native_to_run_is_never_entered(
     )
     with Runtime(backend) as rt:
         rt.transfer(req, [fake_mlu.to_device(t) for t in cpu], objs)
-    assert entered == []
+        assert entered == []
+        # An instance whose hook is replaced after the start: called from then on.
+        hooked: list[bool] = []
+        hook = backend.transfer_kernel
+
+        def own(*args: Any) -> Any:
+            hooked.append(True)
+            return hook(*args)
+
+        backend.transfer_kernel = own  # type: ignore[method-assign,assignment]
+        rt.transfer(req, [fake_mlu.to_device(t) for t in cpu], objs)
+    assert hooked == [True]
