@@ -19,7 +19,7 @@ from kvactors.core.layouts import Direction
 from kvactors.core.plans import paged_units
 from kvactors.kernels._context import KernelContext
 from kvactors.kernels._staged import single_kernel
-from kvactors.kernels._views import physical_order, raw
+from kvactors.kernels._views import first_paged, physical_order, raw
 
 if TYPE_CHECKING:
     from collections.abc import Callable, Hashable, Sequence
@@ -30,18 +30,10 @@ if TYPE_CHECKING:
 __all__ = ("StagedBinding", "staged_binding")
 
 _Geometry = tuple[tuple[int, ...], tuple[int, ...], int]  # as_strided's size, stride, offset
-_RAW = {1: torch.uint8, 2: torch.int16, 4: torch.int32, 8: torch.int64}
 
 
 def _geometry(t: torch.Tensor) -> _Geometry:
     return tuple(t.shape), t.stride(), int(t.storage_offset())
-
-
-def _first(paged: Any) -> torch.Tensor:
-    if isinstance(paged, torch.Tensor):
-        return paged
-    first = paged[0]
-    return first if isinstance(first, torch.Tensor) else first[0]  # type: ignore[no-any-return]
 
 
 class _Segment:
@@ -74,7 +66,6 @@ class StagedBinding:
         "dim",
         "dtype",
         "non_blocking",
-        "planes",
         "rows",
         "segments",
         "source",
@@ -100,7 +91,7 @@ class StagedBinding:
             self.source = _geometry(stacked.permute(order))
             self.dim = order.index(2)
             self.rows = None
-        self.dtype = _RAW[units[0].element_size()]
+        self.dtype = raw(units[0]).dtype
         shape = plan.request.shape
         heads = 1 if plan.spec.is_mla else shape.nh
         segments = []
@@ -122,7 +113,6 @@ class StagedBinding:
             segments.append(_Segment(seg.obj, staging, view, host, seg.start, seg.stop))
         self.segments = tuple(segments)
         self.staging = tuple(seg.staging for seg in segments)
-        self.planes = ctx.planes
         # Per segment, whether its host<->device copy is non-blocking (the backend's copy
         # policy, decided on the first run, with the tensors it reads).
         self.non_blocking: tuple[bool, ...] | None = None
@@ -140,7 +130,7 @@ class StagedBinding:
         ``must_block`` is the backend's copy policy (decided on the first run: it reads
         nothing the entry does not fix)."""
         dev, dim, dtype, d2h = self.device, self.dim, self.dtype, self.d2h
-        first = paged  # the first paged tensor (as _first, in line)
+        first = paged  # the first paged tensor (first_paged, in line)
         if not isinstance(first, torch.Tensor):
             first = first[0]
             if not isinstance(first, torch.Tensor):
@@ -199,7 +189,7 @@ def staged_binding(
     if plan.on_host or not plan.segments:
         return None
     units = paged_units(plan.spec, paged)
-    if _first(paged) is not units[0]:
+    if first_paged(paged) is not units[0]:
         return None
     if not single_kernel(KernelContext(plan, units)):
         return None

@@ -9,7 +9,7 @@ memory's physical order, the order in which torch's ``index_select`` is fast.
 from __future__ import annotations
 
 import array
-from typing import TYPE_CHECKING
+from typing import TYPE_CHECKING, Any
 
 import torch
 
@@ -23,6 +23,7 @@ if TYPE_CHECKING:
 __all__ = (
     "block_runs",
     "canonical_unit",
+    "first_paged",
     "index_tensor",
     "object_view",
     "physical_order",
@@ -37,6 +38,15 @@ _RAW = {1: torch.uint8, 2: torch.int16, 4: torch.int32, 8: torch.int64}
 def raw(t: torch.Tensor) -> torch.Tensor:
     """``t`` reinterpreted as the integer dtype of the same width (no copy)."""
     return t.view(_RAW[t.element_size()])
+
+
+def first_paged(paged: Any) -> torch.Tensor:
+    """The first paged tensor of a matched structure: one tensor, a list of layers, or K/V
+    lists (nested or flat)."""
+    if isinstance(paged, torch.Tensor):
+        return paged
+    first = paged[0]
+    return first if isinstance(first, torch.Tensor) else first[0]  # type: ignore[no-any-return]
 
 
 def canonical_unit(spec: FormatSpec, t: torch.Tensor) -> torch.Tensor:

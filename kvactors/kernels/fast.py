@@ -26,7 +26,7 @@ from kvactors.kernels._moves import gather_segment, numpy_usable, scatter_segmen
 from kvactors.kernels._planes import planes_scatter_binder
 from kvactors.kernels._staged import single_kernel, staged_segment
 from kvactors.kernels._units import units_gather_binder
-from kvactors.kernels._views import index_tensor, object_view, raw
+from kvactors.kernels._views import first_paged, index_tensor, object_view, raw
 
 if TYPE_CHECKING:
     from collections.abc import Callable, Sequence
@@ -212,15 +212,6 @@ def _in_inference_mode(
     return bind_inference
 
 
-def _first(paged: Any) -> torch.Tensor:
-    """The first paged tensor of a matched structure: one tensor, a list of layers, or K/V
-    lists (nested or flat)."""
-    if isinstance(paged, torch.Tensor):
-        return paged
-    first = paged[0]
-    return first if isinstance(first, torch.Tensor) else first[0]  # type: ignore[no-any-return]
-
-
 def _host_binder(plan: TransferPlan, paged: Any, objects: Sequence[torch.Tensor]) -> Binder | None:
     """The binder of a host plan's one-call path, or ``None`` when none applies (a scatter
     without numpy, an ``HS`` axis that is not contiguous). A gather over a stacked view:
@@ -231,7 +222,7 @@ def _host_binder(plan: TransferPlan, paged: Any, objects: Sequence[torch.Tensor]
     (:mod:`kvactors.kernels._units`). A scatter takes the rows path (integer rows, the GIL
     released) where the block planes are tight and every segment full, else the block-plane
     rows of :mod:`kvactors.kernels._planes`."""
-    unit0 = _first(paged)
+    unit0 = first_paged(paged)
     bpo = plan.request.chunk_size // plan.request.shape.bs
     full = all(seg.count == bpo for seg in plan.segments)
     gather = plan.direction is Direction.D2H
@@ -280,7 +271,7 @@ def _rows_kernel(
         outs = tuple((obj, idx, (idx.numel(), -1)) for obj, idx, _ in steps)
 
         def gather(paged: Any, objs: Sequence[torch.Tensor]) -> None:
-            u0 = _first(paged)
+            u0 = first_paged(paged)
             rows = (raw(u0) if as_raw else u0).as_strided(size, stride, offset)
             for obj, idx, view in outs:
                 out = objs[obj]
@@ -292,7 +283,7 @@ def _rows_kernel(
     def scatter(paged: Any, objs: Sequence[torch.Tensor]) -> None:
         # Rows of integers, not opaque void items: numpy's fancy assignment of void items
         # holds the GIL, of 2-D integer rows it copies each row with the GIL released.
-        rows_np = raw(_first(paged)).as_strided(size, stride, offset).numpy()
+        rows_np = raw(first_paged(paged)).as_strided(size, stride, offset).numpy()
         for obj, idx_np, view in ins:
             rows_np[idx_np] = raw(objs[obj]).view(view).numpy()
 
@@ -330,7 +321,7 @@ def _stacked_binder(
                 # The first paged tensor: in line for one plain tensor or a list of them.
                 u0 = paged if type(paged) is _Tensor else paged[0]
                 if type(u0) is not _Tensor:
-                    u0 = _first(paged)
+                    u0 = first_paged(paged)
                 src = u0.as_strided(*src_geo)
                 for obj, idx, (size, stride, offset) in steps:
                     out = objs[obj]
@@ -362,7 +353,7 @@ def _stacked_kernel(
     src_geo: tuple[Any, ...], dim: int, steps: tuple[tuple[int, torch.Tensor, Any], ...]
 ) -> Kernel:
     def gather(paged: Any, objs: Sequence[torch.Tensor]) -> None:
-        src = _first(paged).as_strided(*src_geo)
+        src = first_paged(paged).as_strided(*src_geo)
         for obj, ids, (size, stride, offset) in steps:
             out = objs[obj]
             view = out.as_strided(size, stride, out.storage_offset() + offset)

@@ -402,22 +402,16 @@ class Runtime:
                 done, admitted = self._observed_now(
                     actors, tid, request, paged, objects, stream_handle, complete, wait
                 )
-            if done is not None:
-                # The latency histogram, in line (see kvactors.runtime._latency).
-                try:
-                    counts = self._latency.local.transfer
-                except AttributeError:
-                    counts = self._latency.mine()
-                seconds = _clock() - t0
-                counts[_bucket(_BOUNDS, seconds)] += 1
-                counts[-1] += seconds
-                return done
-        msg = Transfer(
-            transfer_id=tid, request=request, stream_handle=stream_handle, complete=complete
-        )
-        result: TransferDone = self._ask(
-            _gather, msg, TransferOperands(paged, objects), timeout, stream_handle, admitted
-        )
+        else:
+            done = None
+        if done is None:
+            msg = Transfer(
+                transfer_id=tid, request=request, stream_handle=stream_handle, complete=complete
+            )
+            done = self._ask(
+                _gather, msg, TransferOperands(paged, objects), timeout, stream_handle, admitted
+            )
+        # The latency histogram, in line (see kvactors.runtime._latency).
         try:
             counts = self._latency.local.transfer
         except AttributeError:
@@ -425,7 +419,7 @@ class Runtime:
         seconds = _clock() - t0
         counts[_bucket(_BOUNDS, seconds)] += 1
         counts[-1] += seconds
-        return result
+        return done
 
     def transfer_latency(self) -> tuple[tuple[int, ...], float]:
         """The latency of the transfers that returned (not those that raised), from the call
