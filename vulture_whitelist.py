@@ -89,7 +89,7 @@ _.allocations  # OpCounts field: read by name from as_dict() (the budget tests)
 _.alloc_bytes  # OpCounts field: read by name from as_dict()
 _.host_device_copies  # OpCounts property: H2D + D2H, for vendors' per-call budget checks
 
-# ---- the serving validation (adapters/kvactors_lmcache/serving) ------------------------------
+# ---- the serving validation (tools/kvactors_serving, the harness outside the wheel) ---------
 _.__class__  # engine.patch_llvmlite_lib: the llvmlite library object's class is swapped
 _.stored_as  # tap.Mismatch fields: read by name from the report (Mismatch.__dict__)
 _.restore_call  # tap.Mismatch field, read by name from the report

@@ -141,7 +141,7 @@ def test_the_tap_variable_taps_the_cpu_ops_and_compares_across_processes(
     second restores what the first stored, and its tap compares against the first's blocks;
     a restore that brings back other bytes is named."""
     from kvactors_lmcache.ops import KvactorsCpuOps
-    from kvactors_lmcache.serving.tap import read_reports
+    from kvactors_serving.tap import read_reports
 
     from .test_serving_tap import _call, _chunks, _setup
 

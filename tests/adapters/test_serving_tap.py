@@ -1,4 +1,4 @@
-"""The serving validation's tap (kvactors_lmcache.serving.tap) on LMCache's own CPU op.
+"""The serving validation's tap (kvactors_serving.tap) on LMCache's own CPU op.
 
 The engine test runs the tap inside vLLM; here it runs on format 12 blocks (vLLM CPU
 attention's [NB, NH, BS, 2*HS] per layer) in-process, so its own rules are checked fast: a
@@ -53,7 +53,7 @@ def _chunks(n):
 
 
 def test_a_faithful_round_trip_compares_every_restored_block() -> None:
-    from kvactors_lmcache.serving.tap import KVTap
+    from kvactors_serving.tap import KVTap
 
     native, op, sd, paged = _setup()
     tap = KVTap(op=op, reference_op=op)
@@ -70,7 +70,7 @@ def test_a_faithful_round_trip_compares_every_restored_block() -> None:
 
 
 def test_a_broken_restore_is_named_by_chunk_and_block() -> None:
-    from kvactors_lmcache.serving.tap import KVTap
+    from kvactors_serving.tap import KVTap
 
     native, op, sd, paged = _setup()
     tap = KVTap(op=op, reference_op=op, corrupt_restore=True)
@@ -87,7 +87,7 @@ def test_a_broken_restore_is_named_by_chunk_and_block() -> None:
 
 
 def test_a_store_that_differs_from_lmcaches_op_is_named() -> None:
-    from kvactors_lmcache.serving.tap import KVTap
+    from kvactors_serving.tap import KVTap
 
     native, op, sd, paged = _setup()
 
@@ -106,7 +106,7 @@ def test_the_wrapper_keeps_the_annotation_lmcache_reads() -> None:
     )
 
     from kvactors_lmcache.ops import KvactorsCpuOps
-    from kvactors_lmcache.serving.tap import KVTap
+    from kvactors_serving.tap import KVTap
 
     op = KvactorsCpuOps().multi_layer_block_kv_transfer
     assert _detect_block_transfer_accepts_tensor(op)

@@ -42,7 +42,7 @@ def test_the_procedure_starts_in_the_given_interpreter(capfd) -> None:
 def test_the_report_is_written_without_matplotlib(tmp_path, monkeypatch, capsys) -> None:
     """matplotlib is optional (the bench extra): without it the report is still written and
     the plot is left out with a line that says how to get it, never a traceback."""
-    procedure = pytest.importorskip("kvactors_lmcache.serving.procedure")
+    procedure = pytest.importorskip("kvactors_serving.procedure")
     monkeypatch.setitem(sys.modules, "matplotlib", None)  # ``import matplotlib`` fails
     report = {
         "device": "cpu",

@@ -30,7 +30,7 @@ pytestmark = pytest.mark.skipif(
 
 _ENGINE = r"""
 import json, sys
-from kvactors_lmcache.serving.engine import patch_llvmlite_lib
+from kvactors_serving.engine import patch_llvmlite_lib
 patch_llvmlite_lib()
 from vllm import LLM, SamplingParams
 from vllm.inputs import TokensPrompt
@@ -74,10 +74,10 @@ def _get(samples: list[Any], name: str, **labels: str) -> float | None:
 
 @pytest.mark.timeout(600)
 def test_the_offline_llm_puts_kvactors_metrics_in_the_default_registry(tmp_path: Path) -> None:
-    from kvactors_lmcache.serving.model import TINY_LLAMA, make_model
-    from kvactors_lmcache.serving.procedure import engine_env
-    from kvactors_lmcache.serving.server import LMCacheServer
-    from kvactors_lmcache.serving.workload import CHUNK, make_workload
+    from kvactors_serving.model import TINY_LLAMA, make_model
+    from kvactors_serving.procedure import engine_env
+    from kvactors_serving.server import LMCacheServer
+    from kvactors_serving.workload import CHUNK, make_workload
 
     model = make_model("llama", tmp_path / "model", seed=0)
     wl = make_workload(seed=0, vocab=int(TINY_LLAMA["vocab_size"]), max_tokens=4)

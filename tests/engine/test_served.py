@@ -67,7 +67,7 @@ def _vllm_preemptions(port: int) -> float:
 
 
 def _same_or_near_tie(a: Any, b: Any) -> bool:
-    from kvactors_lmcache.serving.procedure import NEAR_TIE
+    from kvactors_serving.procedure import NEAR_TIE
 
     for i, (x, y) in enumerate(zip(a.tokens, b.tokens, strict=True)):
         if x != y:
@@ -78,7 +78,7 @@ def _same_or_near_tie(a: Any, b: Any) -> bool:
 
 @pytest.fixture(scope="module")
 def model(tmp_path_factory: pytest.TempPathFactory) -> Path:
-    from kvactors_lmcache.serving.model import make_model
+    from kvactors_serving.model import make_model
 
     return make_model("llama", tmp_path_factory.mktemp("model") / "llama", seed=0)
 
@@ -86,13 +86,13 @@ def model(tmp_path_factory: pytest.TempPathFactory) -> Path:
 @pytest.fixture(scope="module")
 def served(model: Path, tmp_path_factory: pytest.TempPathFactory) -> dict[str, Any]:
     """Item 1's run: both servers, the one-at-a-time phases, the tapped load with scrapes."""
-    from kvactors_lmcache.serving.api_server import ApiServer
-    from kvactors_lmcache.serving.load import load_prompts, run_load
-    from kvactors_lmcache.serving.model import TINY_LLAMA
-    from kvactors_lmcache.serving.procedure import engine_env
-    from kvactors_lmcache.serving.server import LMCacheServer
-    from kvactors_lmcache.serving.tap import TAP_ENV
-    from kvactors_lmcache.serving.workload import CHUNK, make_workload
+    from kvactors_serving.api_server import ApiServer
+    from kvactors_serving.load import load_prompts, run_load
+    from kvactors_serving.model import TINY_LLAMA
+    from kvactors_serving.procedure import engine_env
+    from kvactors_serving.server import LMCacheServer
+    from kvactors_serving.tap import TAP_ENV
+    from kvactors_serving.workload import CHUNK, make_workload
 
     tap_dir = tmp_path_factory.mktemp("tap")
     wl = make_workload(seed=0, vocab=int(TINY_LLAMA["vocab_size"]), max_tokens=MAX_TOKENS)
@@ -118,7 +118,7 @@ def served(model: Path, tmp_path_factory: pytest.TempPathFactory) -> dict[str, A
                 "warm": [srv.complete(list(p.tokens), max_tokens=MAX_TOKENS) for p in wl.warm],
             }
         native.stop()
-        from kvactors_lmcache.serving.tap import read_reports
+        from kvactors_serving.tap import read_reports
 
         res["tap_single"] = read_reports(tap_dir)
         calls = _tap_calls(res["tap_single"])
@@ -176,7 +176,7 @@ def test_served_hits_tokens_and_logprob_bits_equal_native_prefix_caching(
 def test_the_tap_ran_in_the_engine_core_and_every_restore_is_bit_identical(
     served: dict[str, Any],
 ) -> None:
-    from kvactors_lmcache.serving.workload import CHUNK
+    from kvactors_serving.workload import CHUNK
 
     reports = served["tap_single"]
     assert reports, "KVACTORS_SERVING_TAP did not reach the engine-core process"
@@ -194,7 +194,7 @@ def test_the_tap_ran_in_the_engine_core_and_every_restore_is_bit_identical(
 def test_a_concurrent_preempting_load_has_no_failure_and_restores_bit_identical_kv(
     served: dict[str, Any],
 ) -> None:
-    from kvactors_lmcache.serving.workload import CHUNK
+    from kvactors_serving.workload import CHUNK
 
     load = served["load"]
     assert load.errors == []
@@ -217,8 +217,8 @@ def test_a_concurrent_preempting_load_has_no_failure_and_restores_bit_identical_
 def test_every_kvactors_metric_in_vllms_own_metrics_moves_as_the_tap_counts(
     served: dict[str, Any],
 ) -> None:
-    from kvactors_lmcache.serving.model import kv_bytes_per_token
-    from kvactors_lmcache.serving.workload import CHUNK
+    from kvactors_serving.model import kv_bytes_per_token
+    from kvactors_serving.workload import CHUNK
 
     before, after = served["metrics_before"], served["metrics_after"]
     # What vLLM's /metrics has of kvactors: every family the mirror exports, nothing else.
@@ -255,8 +255,8 @@ def test_every_kvactors_metric_in_vllms_own_metrics_moves_as_the_tap_counts(
 
 def _covers(m: dict[vm.Key, float], rounds: dict[str, list[Any]]) -> bool:
     """Whether kvactors' bytes in a scrape cover every hit of its rounds, plus whole chunks."""
-    from kvactors_lmcache.serving.model import kv_bytes_per_token
-    from kvactors_lmcache.serving.workload import CHUNK
+    from kvactors_serving.model import kv_bytes_per_token
+    from kvactors_serving.workload import CHUNK
 
     hits = sum(a.hit for r in rounds["kvactors"] for a in r.answers if a is not None)
     restored = vm.value(m, "kvactors_bytes_moved_total") / kv_bytes_per_token("llama")
@@ -266,12 +266,12 @@ def _covers(m: dict[vm.Key, float], rounds: dict[str, list[Any]]) -> bool:
 @pytest.fixture(scope="module")
 def load_ab(model: Path, tmp_path_factory: pytest.TempPathFactory) -> dict[str, Any]:
     """Item 2: kvactors and LMCache's own op, each behind its own servers, rounds ABBA."""
-    from kvactors_lmcache.serving.api_server import ApiServer
-    from kvactors_lmcache.serving.load import load_prompts, run_load
-    from kvactors_lmcache.serving.model import TINY_LLAMA
-    from kvactors_lmcache.serving.procedure import engine_env
-    from kvactors_lmcache.serving.server import LMCacheServer
-    from kvactors_lmcache.serving.workload import CHUNK
+    from kvactors_serving.api_server import ApiServer
+    from kvactors_serving.load import load_prompts, run_load
+    from kvactors_serving.model import TINY_LLAMA
+    from kvactors_serving.procedure import engine_env
+    from kvactors_serving.server import LMCacheServer
+    from kvactors_serving.workload import CHUNK
 
     with contextlib.ExitStack() as stack:
         servers = {}
@@ -316,9 +316,9 @@ def load_ab(model: Path, tmp_path_factory: pytest.TempPathFactory) -> dict[str, 
 def test_load_kvactors_vs_lmcaches_own_op_no_failures_same_answers_figures_written(
     load_ab: dict[str, Any], tmp_path: Path
 ) -> None:
-    from kvactors_lmcache.serving.load import summary
-    from kvactors_lmcache.serving.model import kv_bytes_per_token
-    from kvactors_lmcache.serving.workload import CHUNK
+    from kvactors_serving.load import summary
+    from kvactors_serving.model import kv_bytes_per_token
+    from kvactors_serving.workload import CHUNK
 
     rounds = load_ab["rounds"]
     figures: dict[str, Any] = {side: summary(rs) for side, rs in rounds.items()}

@@ -39,12 +39,12 @@ HEARTBEAT_S = 30.0  # LMCache's server reaps a silent worker after 120 s: at lea
 
 @pytest.fixture(scope="module")
 def tp(tmp_path_factory: pytest.TempPathFactory) -> dict[str, Any]:
-    from kvactors_lmcache.serving.api_server import DEGRADED, ApiServer
-    from kvactors_lmcache.serving.model import TINY_LLAMA, make_model
-    from kvactors_lmcache.serving.procedure import engine_env
-    from kvactors_lmcache.serving.server import LMCacheServer
-    from kvactors_lmcache.serving.tap import TAP_ENV, read_reports
-    from kvactors_lmcache.serving.workload import CHUNK, make_workload
+    from kvactors_serving.api_server import DEGRADED, ApiServer
+    from kvactors_serving.model import TINY_LLAMA, make_model
+    from kvactors_serving.procedure import engine_env
+    from kvactors_serving.server import LMCacheServer
+    from kvactors_serving.tap import TAP_ENV, read_reports
+    from kvactors_serving.workload import CHUNK, make_workload
 
     work = tmp_path_factory.mktemp("tp")
     model = make_model("llama", work / "model", seed=0)
@@ -83,7 +83,7 @@ def tp(tmp_path_factory: pytest.TempPathFactory) -> dict[str, Any]:
 
 @pytest.mark.timeout(900)
 def test_two_tp_workers_each_move_their_heads_bit_identical_to_native(tp: dict[str, Any]) -> None:
-    from kvactors_lmcache.serving.workload import CHUNK
+    from kvactors_serving.workload import CHUNK
 
     wl = tp["wl"]
     n_store = len(wl.store)

@@ -1,7 +1,7 @@
 """Several engines on one LMCache server, a Redis L2 across a server restart, lost L2 keys.
 
 Runs in the engine's venv (``.venv-vllm``). Engine processes are
-``python -m kvactors_lmcache.serving.engine`` (vLLM's offline engine, one process each, prompts
+``python -m kvactors_serving.engine`` (vLLM's offline engine, one process each, prompts
 one at a time); all of them tap the KV through ``KVACTORS_SERVING_TAP`` into one directory, so
 a restore in one process is compared bit for bit with the blocks another process stored.
 Debian's ``redis-server`` (``scripts/setup-engine.sh`` installs it) and the LMCache servers run
@@ -43,12 +43,12 @@ FAULT_RATE = 0.5
 
 
 def _engine(work: Path, spec: dict[str, Any], env: dict[str, str]) -> dict[str, Any]:
-    """One engine process (:mod:`kvactors_lmcache.serving.engine`); its results."""
+    """One engine process (:mod:`kvactors_serving.engine`); its results."""
     spec_path, out_path = work / f"{spec['name']}.spec.json", work / f"{spec['name']}.json"
     spec_path.write_text(json.dumps(spec))
     with (work / f"{spec['name']}.log").open("wb") as log:
         proc = subprocess.run(
-            [sys.executable, "-m", "kvactors_lmcache.serving.engine", str(spec_path),
+            [sys.executable, "-m", "kvactors_serving.engine", str(spec_path),
              str(out_path)],
             env=env, stdout=log, stderr=subprocess.STDOUT, timeout=600, check=False,
         )  # fmt: skip
@@ -69,12 +69,12 @@ def _wait_for_keys(redis: Any, n: int, timeout: float = 60.0) -> int:
 
 @pytest.fixture(scope="module")
 def shared(tmp_path_factory: pytest.TempPathFactory) -> Any:
-    from kvactors_lmcache.serving.model import TINY_LLAMA, make_model
-    from kvactors_lmcache.serving.procedure import Options, _spec, engine_env
-    from kvactors_lmcache.serving.redis import RedisServer
-    from kvactors_lmcache.serving.server import LMCacheServer
-    from kvactors_lmcache.serving.tap import TAP_ENV
-    from kvactors_lmcache.serving.workload import CHUNK, make_workload
+    from kvactors_serving.model import TINY_LLAMA, make_model
+    from kvactors_serving.procedure import Options, _spec, engine_env
+    from kvactors_serving.redis import RedisServer
+    from kvactors_serving.server import LMCacheServer
+    from kvactors_serving.tap import TAP_ENV
+    from kvactors_serving.workload import CHUNK, make_workload
 
     work = tmp_path_factory.mktemp("shared")
     opts = Options(out=work, repeats=1)
@@ -136,7 +136,7 @@ def _bits(o: dict[str, Any]) -> list[Any]:
 
 
 def _kv_checks(result: dict[str, Any]) -> None:
-    from kvactors_lmcache.serving.workload import CHUNK
+    from kvactors_serving.workload import CHUNK
 
     tap, rt = result["tap"], result["runtime"]
     hits = sum(o["hit"] for o in _warm(result))
@@ -178,7 +178,7 @@ def test_after_a_server_restart_the_hits_come_back_from_redis_bit_identical(
 def test_lost_l2_keys_are_recomputed_correctly_and_are_no_kvactors_failure(
     shared: dict[str, Any],
 ) -> None:
-    from kvactors_lmcache.serving.procedure import NEAR_TIE
+    from kvactors_serving.procedure import NEAR_TIE
 
     wl, native, d = shared["wl"], shared["native"], shared["D"]
     warm = _warm(d)
@@ -201,7 +201,7 @@ def test_lost_l2_keys_are_recomputed_correctly_and_are_no_kvactors_failure(
 
 
 def test_the_servers_hash_survives_a_restart_and_the_readme_uses_it() -> None:
-    from kvactors_lmcache.serving.server import HASH_ALGORITHM, server_command
+    from kvactors_serving.server import HASH_ALGORITHM, server_command
 
     assert HASH_ALGORITHM != "builtin"
     cmd = server_command("python", 1, 64)

@@ -2,7 +2,7 @@
 
 Runs in the engine's venv (``scripts/setup-engine.sh``; ``scripts/test.sh`` runs
 ``.venv-vllm/bin/python -m pytest tests/engine``). One run of the serving validation
-(``kvactors_lmcache.serving``: a native-prefix-caching engine, an LMCache engine with the
+(``kvactors_serving``: a native-prefix-caching engine, an LMCache engine with the
 ``kvactors_cpu`` plugin, a preempting LMCache engine, two LMCache servers on loopback) is shared
 by the tests, which check its figures; a second, short run with a broken restore must fail and
 name the chunk. CPU copies complete before the op returns: what this covers and what only the
@@ -31,7 +31,7 @@ BACKEND = os.environ.get("KVACTORS_ENGINE_BACKEND", "kvactors")
 
 @pytest.fixture(scope="module")
 def report(tmp_path_factory: pytest.TempPathFactory) -> dict[str, Any]:
-    from kvactors_lmcache.serving.procedure import Options, run
+    from kvactors_serving.procedure import Options, run
 
     out = tmp_path_factory.mktemp("serving")
     rep = run(Options(out=out, backend=BACKEND, repeats=2))
@@ -113,7 +113,7 @@ def test_single_requests_are_bit_exact_and_batches_are_reported(report: dict[str
 
 @pytest.mark.timeout(600)
 def test_a_broken_restore_fails_and_names_the_chunk(tmp_path: Path) -> None:
-    from kvactors_lmcache.serving.procedure import Options, run
+    from kvactors_serving.procedure import Options, run
 
     rep = run(
         Options(

@@ -25,7 +25,7 @@ BACKEND = os.environ.get("KVACTORS_ENGINE_BACKEND", "kvactors")
 
 @pytest.fixture(scope="module")
 def report(tmp_path_factory: pytest.TempPathFactory) -> dict[str, Any]:
-    from kvactors_lmcache.serving.procedure import Options, run
+    from kvactors_serving.procedure import Options, run
 
     return run(Options(out=tmp_path_factory.mktemp("mla"), backend=BACKEND, repeats=1, model="mla"))
 

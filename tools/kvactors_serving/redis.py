@@ -12,7 +12,7 @@ import time
 from pathlib import Path
 
 from kvactors.errors import BackendUnavailableError
-from kvactors_lmcache.serving.server import free_port
+from kvactors_serving.server import free_port
 
 __all__ = ("RedisServer", "redis_available")
 

@@ -17,7 +17,7 @@ from dataclasses import dataclass
 from typing import TYPE_CHECKING
 
 if TYPE_CHECKING:
-    from kvactors_lmcache.serving.api_server import Answer, ApiServer
+    from kvactors_serving.api_server import Answer, ApiServer
 
 __all__ = ("LoadResult", "load_prompts", "run_load", "summary")
 

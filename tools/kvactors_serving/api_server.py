@@ -25,7 +25,7 @@ from pathlib import Path
 from typing import Any
 
 from kvactors.errors import BackendUnavailableError
-from kvactors_lmcache.serving.server import free_port
+from kvactors_serving.server import free_port
 
 __all__ = ("DEGRADED", "ApiServer", "Answer", "server_args")
 

@@ -1,9 +1,9 @@
-"""One engine configuration in this process: ``python -m kvactors_lmcache.serving.engine SPEC OUT``.
+"""One engine configuration in this process: ``python -m kvactors_serving.engine SPEC OUT``.
 
 Runs in the engine's environment (``.venv-vllm``): vLLM's CPU build with the engine core in
 this process (``VLLM_ENABLE_V1_MULTIPROCESSING=0``), so the LMCache connector's worker, its
-resolved device ops and the tap (:mod:`kvactors_lmcache.serving.tap`) are all here. ``SPEC`` is
-a JSON file written by :mod:`kvactors_lmcache.serving.procedure`; the results go to ``OUT`` as
+resolved device ops and the tap (:mod:`kvactors_serving.tap`) are all here. ``SPEC`` is
+a JSON file written by :mod:`kvactors_serving.procedure`; the results go to ``OUT`` as
 JSON. Phases, in the order the spec lists them:
 
 * ``cold``: every warm prompt alone, the prefix cache reset before each (hit 0);
@@ -164,7 +164,7 @@ def main(argv: list[str] | None = None) -> int:
     if spec.get("port"):
         from lmcache.v1.platform import resolve_device_ops
 
-        from kvactors_lmcache.serving.tap import install
+        from kvactors_serving.tap import install
 
         tap = install(corrupt_restore=bool(spec.get("corrupt_restore")))
         ops = resolve_device_ops("cpu")

@@ -1,6 +1,6 @@
 """The serving validation: run the engine configurations, judge every check, write the report.
 
-Configurations (one engine process each, :mod:`kvactors_lmcache.serving.engine`):
+Configurations (one engine process each, :mod:`kvactors_serving.engine`):
 
 * ``native``: vLLM's native prefix caching, no connector: the cold runs (prefix cache reset
   before each prompt), then the warm prompts one at a time and batched, after the store prompts;
@@ -29,11 +29,11 @@ from typing import Any
 
 from kvactors.core.plugins import PLUGIN_CPU
 from kvactors.errors import BackendUnavailableError, MissingDependencyError
-from kvactors_lmcache.serving.model import TINY_LLAMA, kv_bytes_per_token, make_model
-from kvactors_lmcache.serving.server import LMCacheServer
-from kvactors_lmcache.serving.workload import BLOCK, CHUNK, Workload, make_workload
+from kvactors_serving.model import TINY_LLAMA, kv_bytes_per_token, make_model
+from kvactors_serving.server import LMCacheServer
+from kvactors_serving.workload import BLOCK, CHUNK, Workload, make_workload
 
-__all__ = ("Options", "engine_env", "run")
+__all__ = ("HARNESS_PATH", "Options", "engine_env", "run")
 
 NEAR_TIE = 1e-3
 """Top-two logprob margin (nats) under which a changed token is a near-tie, not a failure."""
@@ -78,9 +78,16 @@ def preempt_blocks(opts: Options) -> int:
     return opts.preempt_tokens // block_size(opts.model) + 1
 
 
+HARNESS_PATH = str(Path(__file__).resolve().parents[1])
+"""The folder that holds this package (a checkout's ``tools/``). The harness is not installed,
+so every process it starts gets this folder first on ``PYTHONPATH``."""
+
+
 def engine_env(backend: str | None) -> dict[str, str]:
     """The environment of an engine process (``backend``: None without a connector)."""
     env = {k: v for k, v in os.environ.items() if not k.startswith(("LMCACHE_", "KVACTORS_"))}
+    paths = [p for p in env.get("PYTHONPATH", "").split(os.pathsep) if p and p != HARNESS_PATH]
+    env["PYTHONPATH"] = os.pathsep.join([HARNESS_PATH, *paths])
     env.update(
         VLLM_ENABLE_V1_MULTIPROCESSING="0",  # the engine core (and the worker) in-process
         VLLM_CPU_KVCACHE_SPACE="1",
@@ -132,7 +139,7 @@ def _run_engine(opts: Options, spec: dict[str, Any], env: dict[str, str]) -> dic
     t0 = time.monotonic()
     with log_path.open("wb") as log:
         proc = subprocess.run(
-            [opts.python, "-m", "kvactors_lmcache.serving.engine", str(spec_path), str(out_path)],
+            [opts.python, "-m", "kvactors_serving.engine", str(spec_path), str(out_path)],
             env=env,
             stdout=log,
             stderr=subprocess.STDOUT,
@@ -662,7 +669,7 @@ def _plot(series: dict[str, dict[str, float]], path: Path) -> None:
 
 
 def main(argv: list[str] | None = None) -> int:
-    """``python -m kvactors_lmcache.serving``: exit 0 when no check failed, 1 otherwise."""
+    """``python -m kvactors_serving``: exit 0 when no check failed, 1 otherwise."""
     import argparse
 
     ap = argparse.ArgumentParser(
