@@ -664,20 +664,6 @@ class KvactorsCpuOps(KvactorsDeviceOps):
     kvactors_backend: ClassVar[str] = "cpu"
     uses_streams: ClassVar[bool] = False
 
-    def __init__(
-        self,
-        *,
-        runtime_factory: RuntimeFactory | None = None,
-        complete_on_return: bool | None = None,
-    ) -> None:
-        super().__init__(runtime_factory=runtime_factory, complete_on_return=complete_on_return)
-        if os.environ.get("KVACTORS_SERVING_TAP", "").strip():
-            # The serving validation's KV tap, in the process LMCache made these ops in (vLLM's
-            # engine core under ``vllm serve``): kvactors_lmcache.serving.tap.
-            from kvactors_lmcache.serving.tap import install_from_env
-
-            install_from_env(self)
-
 
 class KvactorsMusaOps(KvactorsDeviceOps):
     """MUSA: transfers ordered on the caller's current stream; a call returns once its copies

@@ -35,10 +35,19 @@ from typing import Any
 
 import torch
 
-__all__ = ("TAP_ENV", "KVTap", "Mismatch", "install", "install_from_env", "read_reports")
+__all__ = (
+    "TAP_ENV",
+    "KVTap",
+    "Mismatch",
+    "hook",
+    "install",
+    "install_from_env",
+    "read_reports",
+)
 
 TAP_ENV = "KVACTORS_SERVING_TAP"
-"""A directory: the kvactors ops tap themselves, keep the stored blocks and reports there."""
+"""A directory: every kvactors CPU ops instance made in a process of ``vllm serve`` is tapped
+(:func:`hook`); the stored blocks and the reports are kept there."""
 
 _numbers = itertools.count()
 
@@ -301,6 +310,34 @@ def install(*, corrupt_restore: bool = False) -> KVTap:
         existing.corrupt_restore = corrupt_restore
         return existing
     return _install_on(ops, corrupt_restore=corrupt_restore, directory=None)
+
+
+def hook() -> None:
+    """vLLM's general plugin (entry point ``vllm.general_plugins``): taps the kvactors CPU ops
+    of a ``vllm serve`` process when ``KVACTORS_SERVING_TAP`` names a directory.
+
+    The harness is not installed, so ``tools/kvactors_serving-0.dist-info`` registers the entry
+    point for a process that has ``tools/`` on its path (:func:`procedure.engine_env` puts it
+    there). vLLM calls the plugin in every process it makes (API server, engine core, workers)
+    before the KV connector exists; from then on every ``KvactorsCpuOps`` LMCache makes in the
+    process is tapped (:func:`install_from_env`). Without the variable nothing changes. vLLM may
+    call it more than once in one process; the ops class is wrapped once.
+    """
+    if not os.environ.get(TAP_ENV, "").strip():
+        return
+    from kvactors_lmcache.ops import KvactorsCpuOps
+
+    made = KvactorsCpuOps.__init__
+    if getattr(made, "_kvactors_tap_hook", False):
+        return
+
+    @functools.wraps(made)
+    def tapped_init(self: Any, *args: Any, **kwargs: Any) -> None:
+        made(self, *args, **kwargs)
+        install_from_env(self)
+
+    tapped_init._kvactors_tap_hook = True  # type: ignore[attr-defined]
+    KvactorsCpuOps.__init__ = tapped_init  # type: ignore[method-assign]
 
 
 def install_from_env(ops: Any) -> KVTap | None:
