@@ -35,7 +35,11 @@ def test_bench_writes_every_part(
         ("mla", "gather"),
         ("mla", "scatter"),
     ]
-    assert all(r["gbps"]["kvactors"] > 0 and r["gbps"]["raw"] > 0 for r in data["transfer"])
+    for r in data["transfer"]:
+        assert r["timings"]["kvactors@1"]["gbps"] > 0
+        assert r["timings"]["raw@4"]["gbps"] > 0
+        assert r["exact"] is True
+    assert data["meta"]["transfer_model"] == "small"
     assert [(r["model"], r["layout"]) for r in data["percall"]] == [("small", "mla")] * 2
     # The fake vendors: both contenders per layout LMCache serves, or a reason each is left out.
     vendors = {r["vendor"] for r in data["vendor"]}
@@ -49,6 +53,7 @@ def test_bench_writes_every_part(
     captured = capsys.readouterr()
     assert "wrote" in captured.out
     assert "per call on CPU" in captured.out
+    assert "one-chunk calls on cpu" in captured.out
     assert "[1/" in captured.err  # the progress lines
 
 

@@ -78,12 +78,20 @@ def _window(lanes: Sequence[Lane], calls: int) -> tuple[float, dict[str, list[fl
     return time.perf_counter() - t0[0], lat
 
 
-def rates(contenders: Mapping[K, Sequence[Lane]], calls: int, rounds: int) -> dict[K, Timing]:
+def rates(
+    contenders: Mapping[K, Sequence[Lane]],
+    calls: int,
+    rounds: int,
+    warmed: Callable[[], object] | None = None,
+) -> dict[K, Timing]:
     """Per contender, ``rounds`` windows of ``calls`` calls on each of its lanes at once,
-    the contenders' order rotated every round, after one untimed window each (warm-up)."""
+    the contenders' order rotated every round, after one untimed window each (warm-up, then
+    ``warmed()``: e.g. to drop samples the calls took themselves)."""
     keys = list(contenders)
     for k in keys:
         _window(contenders[k], max(2, calls // 4))
+    if warmed is not None:
+        warmed()
     lat: dict[K, dict[str, list[float]]] = {k: {} for k in keys}
     cps: dict[K, list[float]] = {k: [] for k in keys}
     for r in range(rounds):

@@ -13,7 +13,7 @@ from kvactors.core.plans import TransferRequest
 if TYPE_CHECKING:
     from collections.abc import Callable, Sequence
 
-__all__ = ("FORMATS", "MODELS", "Pool")
+__all__ = ("FORMATS", "MODELS", "Pool", "pin_host")
 
 FORMATS = {
     "nhd": KVFormat.NL_X_TWO_NB_BS_NH_HS,
@@ -64,7 +64,7 @@ class Pool:
             self.paged, self.block_dim = list(self.stack.unbind(0)), 1 + spec.axes.index("B")
         oshape = spec.object_shape(nl, tokens, nh, hs)
         objects = [torch.ones(oshape, dtype=torch.bfloat16) for _ in range(chunks)]
-        self.objects = [o.pin_memory() for o in objects] if pin else objects
+        self.objects = [pin_host(o) for o in objects] if pin else objects
         rng, self.bpo, self.tokens = random.Random(seed), tokens // BS, tokens
         # Set ``i`` lies in quarter ``i % 4`` of the blocks (when a quarter holds a chunk):
         # the sets ``[c::4]`` of four callers are apart, as concurrent requests' blocks are.
@@ -77,9 +77,29 @@ class Pool:
             kv_size=spec.planes, nl=nl, nb=nb, bs=BS, nh=nh, hs=hs, element_size=2, dtype="bfloat16"
         )
 
+    def chunk_view(self, chunk: torch.Tensor) -> torch.Tensor:
+        """``chunk`` (one host chunk's shape) seen in :attr:`stack`'s axis order, so that one
+        ``index_select`` of the stack on :attr:`block_dim` fills it."""
+        (nl, h, d), j, sp = self.dims, self.bpo, self.spec
+        if sp.is_mla:
+            return chunk.view(nl, j, BS, d)
+        if sp.is_kv_list:
+            return chunk.view(2, nl, j, BS, h, d)
+        v = chunk.view(2, nl, j, BS, h, d)
+        return v.permute(1, 0, 2, 4, 3, 5) if sp.is_hnd else v.permute(1, 0, 2, 3, 4, 5)
+
     def request(self, direction: int, ids: Sequence[int]) -> TransferRequest:
         """The request moving ``ids`` (one chunk per :attr:`bpo` of them) in ``direction``."""
         fmt, shape = int(self.fmt), self.shape
         return TransferRequest(
             fmt=fmt, direction=direction, block_ids=tuple(ids), chunk_size=self.tokens, shape=shape
         )
+
+
+def pin_host(t: torch.Tensor) -> torch.Tensor:
+    """``t`` page-locked where torch can pin (an accelerator or a fake vendor is present), else
+    ``t`` itself: CPU-only torch raises on every pin call."""
+    try:
+        return t.pin_memory()
+    except RuntimeError:
+        return t

@@ -18,7 +18,7 @@ import msgspec
 import torch
 
 from kvactors.cli.bench._harness import Lane, baseline, rates, table
-from kvactors.cli.bench._pools import BS, Pool
+from kvactors.cli.bench._pools import Pool
 
 if TYPE_CHECKING:
     from collections.abc import Callable, Sequence
@@ -49,14 +49,7 @@ class PercallRow(msgspec.Struct, frozen=True, kw_only=True):
 def _torch_call(pool: Pool, c: int, gather: bool, step: int = 4) -> Callable[[], object]:
     """Caller ``c``'s one torch call: its chunk seen in the stacked pool's axis order, with
     the block sets ``[c::step]``."""
-    (nl, h, d), j, sp, obj = pool.dims, pool.bpo, pool.spec, pool.objects[c]
-    if sp.is_mla:
-        view = obj.view(nl, j, BS, d)
-    elif sp.is_kv_list:
-        view = obj.view(2, nl, j, BS, h, d)
-    else:
-        v = obj.view(2, nl, j, BS, h, d)
-        view = v.permute(1, 0, 2, 4, 3, 5) if sp.is_hnd else v.permute(1, 0, 2, 3, 4, 5)
+    view = pool.chunk_view(pool.objects[c])
     sets, stack, dim = itertools.cycle(pool.id_sets[c::step]), pool.stack, pool.block_dim
     assert stack is not None
 
