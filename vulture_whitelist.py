@@ -90,7 +90,7 @@ _.alloc_bytes  # OpCounts field: read by name from as_dict()
 _.host_device_copies  # OpCounts property: H2D + D2H, for vendors' per-call budget checks
 
 # ---- the serving validation (tools/kvactors_serving, the harness outside the wheel) ---------
-_.__class__  # engine.patch_llvmlite_lib: the llvmlite library object's class is swapped
+_.__class__  # vllm_cpu.patch_llvmlite_lib: the llvmlite library object's class is swapped
 _.stored_as  # tap.Mismatch fields: read by name from the report (Mismatch.__dict__)
 _.restore_call  # tap.Mismatch field, read by name from the report
 _.differing_bytes  # tap.Mismatch field, read by name from the report

@@ -3,12 +3,16 @@
 from __future__ import annotations
 
 import importlib.util
+import os
 import sys
+from pathlib import Path
 
 import pytest
 
-from kvactors.cli import parse_args
-from kvactors.cli.serving import engine_python
+from kvactors.cli import main, parse_args, serving
+from kvactors.cli.serving import NO_HARNESS, engine_python, harness_folder
+
+ROOT = Path(__file__).resolve().parents[2]
 
 
 def test_the_engine_interpreter_is_explicit_or_the_engine_venv(tmp_path, monkeypatch) -> None:
@@ -29,10 +33,44 @@ def test_the_procedure_flags_pass_through() -> None:
         parse_args(["doctor", "--repeats", "5"])  # other commands refuse unknown flags
 
 
-@pytest.mark.skipif(importlib.util.find_spec("lmcache") is None, reason="lmcache not installed")
-def test_the_procedure_starts_in_the_given_interpreter(capfd) -> None:
-    from kvactors.cli import main
+def test_the_harness_is_found_in_the_checkout_from_anywhere(tmp_path, monkeypatch) -> None:
+    monkeypatch.chdir(tmp_path)  # no tools/ here: the checkout kvactors is imported from
+    assert harness_folder(None) == ROOT / "tools"
+    assert harness_folder(str(ROOT / "tools")) == ROOT / "tools"
+    assert harness_folder(str(tmp_path)) is None  # --tools names a folder without it
 
+
+def test_the_procedure_gets_the_harness_first_on_its_path(tmp_path, monkeypatch) -> None:
+    """The engine's interpreter is started as ``PY -m kvactors_serving ARGS`` with the
+    checkout's tools/ first on PYTHONPATH (a stand-in interpreter records what it got)."""
+    seen = tmp_path / "seen"
+    fake = tmp_path / "python"
+    fake.write_text(f'#!/bin/sh\nprintf "%s\\n" "$PYTHONPATH" "$@" > {seen}\nexit 1\n')
+    fake.chmod(0o755)
+    monkeypatch.setenv("PYTHONPATH", "/elsewhere")
+    monkeypatch.chdir(tmp_path)
+    assert main(["validate-serving", "--python", str(fake), "--repeats", "5"]) == 1
+    path, *argv = seen.read_text().splitlines()
+    assert path.split(os.pathsep) == [str(ROOT / "tools"), "/elsewhere"]
+    assert argv == ["-m", "kvactors_serving", "--repeats", "5"]
+
+
+def test_without_a_checkout_the_command_says_so_once(tmp_path, monkeypatch, capsys) -> None:
+    """An install without a checkout (the wheel ships no harness): one line, exit 2, nothing
+    started."""
+    monkeypatch.setattr(serving, "CHECKOUT_TOOLS", tmp_path / "site-packages" / "tools")
+    monkeypatch.chdir(tmp_path)
+    assert main(["validate-serving", "--python", "/nonexistent/python"]) == 2
+    assert capsys.readouterr().err == NO_HARNESS + "\n"
+    assert main(["validate-serving", "--tools", str(tmp_path)]) == 2
+    err = capsys.readouterr().err
+    assert err.startswith(NO_HARNESS)
+    assert f"--tools {tmp_path} holds no kvactors_serving package" in err
+
+
+@pytest.mark.skipif(importlib.util.find_spec("lmcache") is None, reason="lmcache not installed")
+def test_the_procedure_starts_in_the_given_interpreter(capfd, tmp_path, monkeypatch) -> None:
+    monkeypatch.chdir(tmp_path)
     assert main(["validate-serving", "--python", sys.executable, "--help"]) == 0
     out = capfd.readouterr().out
     assert "--corrupt-restore" in out

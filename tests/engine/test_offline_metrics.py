@@ -30,7 +30,7 @@ pytestmark = pytest.mark.skipif(
 
 _ENGINE = r"""
 import json, sys
-from kvactors_serving.engine import patch_llvmlite_lib
+from kvactors_lmcache.vllm_cpu import patch_llvmlite_lib
 patch_llvmlite_lib()
 from vllm import LLM, SamplingParams
 from vllm.inputs import TokensPrompt

@@ -26,38 +26,7 @@ import time
 from pathlib import Path
 from typing import Any
 
-__all__ = ("main", "patch_llvmlite_lib")
-
-
-def patch_llvmlite_lib() -> bool:
-    """Give ``llvmlite.binding.ffi.lib`` a real ``__dict__`` answer; True when it was needed.
-
-    vLLM 0.32's CPU platform scans module globals with ``vars(value).get("kernel")``; the
-    llvmlite library object (loaded by numba, which LMCache's CPU kernels import) answers
-    ``__dict__`` through its ``__getattr__`` with a function wrapper, and the scan fails with
-    ``'_lib_fn_wrapper' object has no attribute 'get'``. Must run before the engine starts, in
-    every process that starts an engine core.
-    """
-    try:
-        from llvmlite.binding import ffi
-    except ImportError:
-        return False
-    lib = getattr(ffi, "lib", None)
-    if lib is None:
-        return False
-    try:
-        if isinstance(vars(lib), dict):
-            return False
-    except TypeError:
-        pass
-    # A slotted subclass with the same layout whose ``__dict__`` is a real (empty) mapping.
-    base = type(lib)
-    lib.__class__ = type(base.__name__, (base,), {"__slots__": (), "__dict__": property(_empty)})
-    return True
-
-
-def _empty(_self: object) -> dict[str, object]:
-    return {}
+__all__ = ("main",)
 
 
 class _Timeline:
@@ -121,6 +90,8 @@ def main(argv: list[str] | None = None) -> int:
     args = sys.argv[1:] if argv is None else argv
     spec = json.loads(Path(args[0]).read_text())
     out_path = Path(args[1])
+    from kvactors_lmcache.vllm_cpu import patch_llvmlite_lib
+
     patched = patch_llvmlite_lib()
 
     from vllm import LLM, SamplingParams
