@@ -145,3 +145,34 @@ def test_ipc_cross_process_example(installed: pathlib.Path, tmp_path: pathlib.Pa
 def test_the_torch_pin_is_the_main_venvs() -> None:
     setup = (ROOT / "scripts" / "setup.sh").read_text()
     assert f'TORCH_MAIN="{TORCH}"' in setup
+
+
+def test_the_wheel_ships_no_harness_and_validate_serving_says_so(
+    installed: pathlib.Path, tmp_path: pathlib.Path
+) -> None:
+    """The deployment harness (a checkout's tools/kvactors_serving) is not in the wheel, and
+    ``kvactors validate-serving`` from the install says so in one line (exit 2), no traceback."""
+    found = _run(
+        [
+            str(installed),
+            "-c",
+            "import importlib.util as u; print(u.find_spec('kvactors_serving'),"
+            " u.find_spec('kvactors_lmcache.serving'))",
+        ],
+        tmp_path,
+        120,
+    ).stdout
+    assert found.split() == ["None", "None"]
+    proc = subprocess.run(
+        [str(installed.parent / "kvactors"), "validate-serving", "--out", "report"],
+        cwd=tmp_path,
+        env=_clean_env(),
+        capture_output=True,
+        text=True,
+        timeout=120,
+        check=False,
+    )
+    assert proc.returncode == 2, proc.stderr
+    (line,) = proc.stderr.splitlines()
+    assert line.startswith("kvactors validate-serving: the serving harness"), line
+    assert not (tmp_path / "report").exists()
