@@ -58,5 +58,15 @@ if [ "$device" = cuda ]; then
 fi
 step bench 360 $PY -m kvactors.cli bench --device "$device" "${quick[@]}" --no-percall \
     --no-vendor --no-plot --out "$OUT"
+# Every case measured and bit-exact, or the run says which was not.
+$PY - "$OUT/bench.json" <<'PYEOF' || status=1
+import json, sys
+rows = json.load(open(sys.argv[1]))["transfer"]
+bad = [f"{r['layout']} {r['direction']}: {r['error'] or 'not exact'}" for r in rows
+       if r["error"] or r["exact"] is not True]
+print("bench cases:", len(rows), "measured and exact:", len(rows) - len(bad))
+print("\n".join(bad))
+sys.exit(1 if bad or not rows else 0)
+PYEOF
 echo "device-run: $([ $status = 0 ] && echo all steps passed || echo a step FAILED)"
 exit $status

@@ -85,3 +85,16 @@ def test_the_help_names_only_commands_that_exist() -> None:
     named = set(re.findall(r"``([a-z-]+)``", (kvactors.cli.__doc__ or "").split("\n\n")[0]))
     assert named - {"kvactors"} == commands  # the command table, no more, no less
     assert "hotpath" not in parser.format_help()
+
+
+def test_the_benchmarks_page_is_one_table_of_figures_with_their_commands() -> None:
+    # Issue 38 item 7: docs/benchmarks.md at most 150 lines, one table of current figures,
+    # each row with the command that measures it.
+    import pathlib
+
+    page = (pathlib.Path(__file__).resolve().parents[2] / "docs" / "benchmarks.md").read_text()
+    assert len(page.splitlines()) <= 150
+    rows = [ln for ln in page.splitlines() if ln.startswith("| ") and not ln.startswith("| #")]
+    assert len(rows) >= 10
+    assert all(ln.rstrip(" |").rsplit("|", 1)[-1].strip() for ln in rows)  # a command each
+    assert sum(ln.startswith("| # |") for ln in page.splitlines()) == 1  # one table

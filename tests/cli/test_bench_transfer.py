@@ -133,5 +133,5 @@ def test_a_failed_case_is_a_row_with_its_error(monkeypatch: pytest.MonkeyPatch) 
     assert rows[1].error == "RuntimeError: no scatter here"
     assert rows[1].timings == {}
     text = transfer.format_transfer(rows)
-    assert "mla scatter failed: RuntimeError: no scatter here" in text
+    assert "mla scatter not measured: RuntimeError: no scatter here" in text
     assert text.splitlines()[0].startswith("one-chunk calls on cpu")

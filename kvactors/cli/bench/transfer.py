@@ -398,7 +398,7 @@ def run_transfer(
                     row = msgspec.structs.replace(row, error=f"{type(exc).__name__}: {exc}")
                 rows.append(row)
                 if progress is not None:
-                    progress(f"transfer {layout} {d}{' FAILED' if row.error else ''}")
+                    progress(f"transfer {layout} {d}{' (not measured)' if row.error else ''}")
             del pool, callers
     return rows
 
@@ -441,5 +441,5 @@ def format_transfer(rows: Sequence[TransferRow]) -> str:
         head,
         (cells(r) for r in rows if not r.error),
     )
-    failed = [f"{r.layout} {r.direction} failed: {r.error}" for r in rows if r.error]
+    failed = [f"{r.layout} {r.direction} not measured: {r.error}" for r in rows if r.error]
     return "\n".join([text, *failed] if text else failed)
