@@ -135,3 +135,25 @@ def test_a_failed_case_is_a_row_with_its_error(monkeypatch: pytest.MonkeyPatch) 
     text = transfer.format_transfer(rows)
     assert "mla scatter not measured: RuntimeError: no scatter here" in text
     assert text.splitlines()[0].startswith("one-chunk calls on cpu")
+
+
+def test_with_a_spin_kernel_the_busy_time_and_its_ratio_are_filled(
+    monkeypatch: pytest.MonkeyPatch,
+) -> None:
+    # CUDA holds the stream with ``_sleep``; a fake has none, so give it a no-op one: the
+    # busy pass then runs (events around each call behind the spin) on the fake's streams.
+    spun: list[int] = []
+
+    class Spinning(transfer._Dev):
+        def __init__(self, env: Any) -> None:
+            super().__init__(env)
+            self.spin = spun.append
+
+    monkeypatch.setattr(transfer, "_Dev", Spinning)
+    rows = _rows(["nhd"], "musa")
+    assert len(spun) == 2 * 3 * 8  # two directions x (raw, bare, kvactors_async) x 8 calls
+    for r in rows:
+        busy = {k for k, t in r.timings.items() if t.busy_us is not None}
+        assert busy == {"raw@1", "bare@1", "kvactors_async@1"}
+        assert r.ratios["kvactors done/busy"] is not None
+        assert r.ratios["bare done/busy"] is not None
