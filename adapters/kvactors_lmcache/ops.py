@@ -230,7 +230,7 @@ class KvactorsDeviceOps(DeviceOps):
             return 0
         mod = getattr(torch, self.kvactors_backend, None)
         current = getattr(mod, "current_device", None)
-        if self.uses_streams and callable(current):
+        if callable(current):
             return int(current())
         return 0
 
@@ -271,11 +271,6 @@ class KvactorsDeviceOps(DeviceOps):
     def _all_runtimes(self) -> list[Runtime]:
         with self._lock:
             return list(self._runtimes.values())
-
-    def _stream_handle(self, rt: Runtime, index: int) -> int:
-        if not self.uses_streams:
-            return 0
-        return int(rt.backend.current_stream_handle(index))
 
     # -- the engine-driven hot op ---------------------------------------------------------
 
@@ -389,7 +384,7 @@ class KvactorsDeviceOps(DeviceOps):
                 request,
                 paged_buffer_ptrs_tensor,
                 objects,
-                stream_handle=self._stream_handle(rt, index) if self.uses_streams else 0,
+                stream_handle=rt.backend.current_stream_handle(index) if self.uses_streams else 0,
                 complete=self.complete_on_return,
             )
         except BaseException:
@@ -464,7 +459,7 @@ class KvactorsDeviceOps(DeviceOps):
                 request,
                 paged_buffer_ptrs_tensor,
                 objects,
-                stream_handle=self._stream_handle(rt, index) if self.uses_streams else 0,
+                stream_handle=rt.backend.current_stream_handle(index) if self.uses_streams else 0,
                 complete=self.complete_on_return,
             )
         except BaseException:

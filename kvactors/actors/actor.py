@@ -43,12 +43,13 @@ import collections
 import contextlib
 import enum
 import threading
+import time
 from typing import TYPE_CHECKING, Any, ClassVar, Generic, Literal, TypeVar
 
 import msgspec
 
 from kvactors.actors.envelope import DEFERRED, Envelope
-from kvactors.actors.reply import Reply
+from kvactors.actors.reply import Reply, running_loop
 from kvactors.errors import (
     ActorBrokenError,
     ActorClosedError,
@@ -61,10 +62,10 @@ from kvactors.errors import (
 if TYPE_CHECKING:
     from collections.abc import Callable
 
-__all__ = ("Actor", "ActorState", "ActorStatistics", "on_loop")
+__all__ = ("Actor", "ActorState", "ActorStatistics", "on_loop", "running_loop", "take_route")
 
 M = TypeVar("M")
-_running_loop = asyncio._get_running_loop
+_SLICE = 0.05  # how soon a plain call waiting for its route sees the actor stop
 
 
 class _Turns(threading.local):
@@ -77,7 +78,21 @@ _turns = _Turns()
 
 def on_loop(loop: asyncio.AbstractEventLoop | None) -> bool:
     """Whether the calling thread is running ``loop``."""
-    return loop is not None and _running_loop() is loop
+    return loop is not None and running_loop() is loop
+
+
+def take_route(route: threading.Lock, actor: Actor[Any], wait: float) -> bool:
+    """Wait for a plain call's *route* to ``actor``'s turn (a lock the plain call before holds
+    for that turn), at most ``wait`` seconds; False at once once the actor stops (the call then
+    takes the mailbox, which refuses it)."""
+    end = time.monotonic() + wait
+    while actor.state is ActorState.RUNNING:
+        left = end - time.monotonic()
+        if left <= 0:
+            return False
+        if route.acquire(timeout=min(left, _SLICE)):
+            return True
+    return False
 
 
 class ActorState(enum.Enum):
@@ -442,7 +457,7 @@ class Actor(Generic[M]):
 
     def _on_loop(self, fn: Callable[[], object]) -> None:
         # ``fn`` on the loop's thread: now if this is it, else scheduled there.
-        if (loop := self._loop) is not None and _running_loop() is loop:
+        if (loop := self._loop) is not None and running_loop() is loop:
             fn()
         elif loop is not None:
             with contextlib.suppress(RuntimeError):  # a closed loop: nobody waits any more

@@ -9,8 +9,9 @@ launched (a plain call's copy): that work is on the device stream already, behin
 new actor's work on the same handle queues. A retired actor stops only once its lane dropped
 every lease (:meth:`StreamActor.retire`), and until then :meth:`StreamDirectory.retiring`
 lists it, so that an IPC close waits for it too (rule 2). Retiring changes no order; a later
-message makes a new actor. :meth:`StreamDirectory.on_retire` listeners hear each retired
-handle.
+message makes a new actor (:meth:`StreamDirectory.send`, the one place a message an actor
+retired meanwhile refused goes on to its handle's new actor).
+:meth:`StreamDirectory.on_retire` listeners hear each retired handle.
 """
 
 from __future__ import annotations
@@ -19,7 +20,7 @@ import asyncio
 import collections
 import threading
 import weakref
-from typing import TYPE_CHECKING
+from typing import TYPE_CHECKING, Any
 
 from kvactors.actors.stream import StreamActor
 from kvactors.errors import ActorClosedError
@@ -28,7 +29,8 @@ if TYPE_CHECKING:
     from collections.abc import Callable
 
     from kvactors.actors.outbox import Outbox
-    from kvactors.core.protocols.stream import EventRecord
+    from kvactors.actors.reply import Reply
+    from kvactors.core.protocols.stream import EventRecord, StreamRequest
     from kvactors.devices.base import Backend
 
 __all__ = ("StreamDirectory",)
@@ -59,6 +61,9 @@ class StreamDirectory:
         self._capacity = capacity
         self._stop_timeout = stop_timeout
         self._actors: dict[int, StreamActor] = {}
+        #: The StreamActor of a handle if one runs, else None (any thread; never creates
+        #: one): the dict's own ``get``, so a plain call's lookup costs no Python frame.
+        self.peek: Callable[[int], StreamActor | None] = self._actors.get
         self._idle: collections.OrderedDict[int, asyncio.TimerHandle | None] = (
             collections.OrderedDict()
         )
@@ -105,15 +110,31 @@ class StreamDirectory:
             self._actors[handle] = actor
             return actor
 
-    def replaced(self, actor: object) -> bool:
-        """Whether ``actor`` is a StreamActor this directory retired: a message it refused
-        (nothing ran) goes to its handle's new actor without changing any order."""
-        with self._lock:  # retirement closes and forgets an actor under this lock
-            return actor in self._retired
-
-    def peek(self, handle: int) -> StreamActor | None:
-        """The StreamActor of ``handle`` if one runs (any thread; never creates one)."""
-        return self._actors.get(handle)
+    def send(
+        self,
+        handle: int,
+        msg: StreamRequest,
+        operands: Any = None,
+        *,
+        reply: Reply[Any] | None = None,
+        actor: StreamActor | None = None,
+    ) -> StreamActor:
+        """Send ``msg`` to ``handle``'s StreamActor (``actor`` if the caller looked it up
+        already): an ask with ``reply``, else a tell. An idle actor the directory retired
+        between the lookup and the send refused it (nothing ran, no order changed): the
+        handle's new actor takes it. Returns the actor that took it; raises what the send
+        raises (:class:`~kvactors.errors.MailboxFullError` included)."""
+        if actor is None:
+            actor = self.get(handle)
+        try:
+            _send(actor, msg, operands, reply)
+        except ActorClosedError:
+            with self._lock:  # retirement closes and forgets an actor under this lock
+                if actor not in self._retired:
+                    raise
+            actor = self.get(handle)
+            _send(actor, msg, operands, reply)
+        return actor
 
     def all(self) -> list[StreamActor]:
         """Every StreamActor running now."""
@@ -194,3 +215,10 @@ class StreamDirectory:
 
     def _name(self, handle: int) -> str:
         return f"stream:{self.backend.kind}:{self.index}:{handle:#x}"
+
+
+def _send(actor: StreamActor, msg: StreamRequest, operands: Any, reply: Reply[Any] | None) -> None:
+    if reply is None:
+        actor.tell_nowait(msg, operands)
+    else:
+        actor.ask_nowait(msg, operands, reply=reply)

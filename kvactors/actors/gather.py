@@ -42,22 +42,20 @@ with :class:`~kvactors.errors.TransferAbandonedError` (it may still land), never
 
 from __future__ import annotations
 
-import asyncio
 import functools
 import itertools
 import logging
 import threading
-import time
 from collections.abc import Sequence
-from typing import TYPE_CHECKING, Any, Literal, final
+from typing import TYPE_CHECKING, Any, final
 
 import msgspec
 import torch
 
-from kvactors.actors.actor import Actor, ActorState
+from kvactors.actors.actor import Actor, running_loop, take_route
 from kvactors.actors.envelope import DEFERRED, Envelope, unreachable
 from kvactors.actors.reply import Reply
-from kvactors.actors.stream import StreamActor, Work
+from kvactors.actors.stream import Work
 from kvactors.core.layouts import Direction
 from kvactors.core.ordering import BlockLedger
 from kvactors.core.plan_cache import PlanCache
@@ -72,7 +70,6 @@ from kvactors.core.protocols.gather import (
 )
 from kvactors.core.protocols.stream import Launch
 from kvactors.errors import (
-    ActorClosedError,
     OperandTypeError,
     TransferAbandonedError,
     TransferFailedError,
@@ -85,15 +82,14 @@ if TYPE_CHECKING:
     from collections.abc import Callable, Iterable
 
     from kvactors.actors.directory import StreamDirectory
-    from kvactors.core.plans import TransferRequest
+    from kvactors.actors.stream import StreamActor
+    from kvactors.core.plans import TransferPlan, TransferRequest
     from kvactors.devices.base import Backend
 
 __all__ = ("GatherActor", "TransferOperands")
 
 _log = logging.getLogger(__name__)
 _D2H = Direction.D2H
-_SLICE = 0.05  # how soon a plain call waiting for its route sees the actor stop
-_running_loop = asyncio._get_running_loop
 
 
 @final
@@ -199,41 +195,13 @@ class GatherActor(Actor[GatherRequest]):
                 f"Transfer needs a TransferOperands bundle, got {type(ops).__name__}",
                 field="operands",
             )
-        # Device layout rules first (MLU vLLM layouts, MUSA format set): metadata only.
-        if self._prepares:
-            request, paged, objects = self.backend.prepare_transfer(
-                msg.request, ops.paged, ops.objects
-            )
-        else:
-            request, paged, objects = msg.request, ops.paged, ops.objects
-        found = self.plans.lookup(request, paged, objects)
-        plan = found.plan
-        inference = found.inference
-        # A plan from the cache runs its specialised kernel (a plain backend's built where the
-        # launch runs, never on the loop; a device backend's staged binding in the launch).
-        memo = found.memo
-        scratch = must_block = None
-        if not self._plain:
-            scratch = self._scratch.get(msg.stream_handle)
-            if scratch is None:
-                scratch = self._scratch[msg.stream_handle] = ScratchCache()
-            must_block = self.backend.must_block
         loop = self.loop
-        torch_kernel = make_kernel(
-            plan,
-            paged,
-            objects,
-            memo=memo,
-            inference=inference,
-            must_block=must_block,
-            scratch=scratch,
-            bind_now=loop is not None and _running_loop() is not loop,
-        )
-        # The backend may put an opted-in native transfer first (it may decline).
-        kernel = (
-            self.backend.transfer_kernel(plan, paged, objects, torch_kernel)
-            if self._native or "transfer_kernel" in self._backend_attrs
-            else torch_kernel
+        plan, kernel = self._plan(
+            msg.request,
+            ops.paged,
+            ops.objects,
+            msg.stream_handle,
+            loop is not None and running_loop() is not loop,
         )
 
         tid = msg.transfer_id
@@ -247,7 +215,7 @@ class GatherActor(Actor[GatherRequest]):
             if exc is not None:
                 self._stream_failed(msg.stream_handle)
             try:
-                released = self._finish(tid, exc is None, nbytes)
+                released = self._end(tid, exc is None, nbytes)
             finally:
                 if exc is None:
                     settle(None, answer)
@@ -260,7 +228,7 @@ class GatherActor(Actor[GatherRequest]):
 
         # Every exit settles: until the stream holds the Launch, an exception or an interrupt
         # fails the transfer here (its ledger entry ends); from then on the stream answers.
-        sent = False
+        sent: StreamActor | None = None  # the actor that holds the Launch
         try:
             settle = self.defer(env)
             self._begin(tid, touched, settle)
@@ -273,9 +241,9 @@ class GatherActor(Actor[GatherRequest]):
             # ``torch_kernel``, which every backend kernel wraps, and the plan ticket's
             # tensors). No separate keepalive.
             work = Work(kernel, on_enqueued=on_enqueued)
-            sent = self._send(msg.stream_handle, Reply(on_done), launch, work)
+            sent = self._streams.send(msg.stream_handle, launch, work, reply=Reply(on_done))
         except BaseException as exc:
-            if not sent and self.holds(env):
+            if sent is None and self.holds(env):
                 on_done(exc, None)
             if not isinstance(exc, Exception):
                 raise
@@ -300,171 +268,132 @@ class GatherActor(Actor[GatherRequest]):
         copy (CPU) or with ``complete=False``; else once the stream's reaper saw the copy
         complete (the turns and routes are given back before that wait). Raises what the
         message's reply would raise."""
-        stream = self._streams.peek(handle)
+        stream = self._streams.peek(handle)  # a dict's own get: no frame
         if stream is None:
             return None
         completes = self._completes
-        done: Reply[None] | None = None  # complete=True on a stream: the reaper's answer
-        # What this call holds, each flag cleared by the call that ends it (``x = end()``):
-        # on an exit by exception the ``finally`` ends what is still held (the ledger entry
-        # failed; the reaper ends it instead once it holds the lease), then the exception
-        # propagates, as itself.
-        in_stream = in_gather = launched = entered = False
-        route = stream.route
-        # The routes: a plain call holds the gather's from before its gather turn until that
-        # turn ended, and the stream's from before its stream turn (taken while it still
-        # holds the gather's: stream order is gather order) until that turn ended. A plain
-        # call that finds a route held sleeps on it; nothing queues.
-        on_a: bool | None = False
-        on_b: bool | None = False
+        # ``given``: the stream's launch_now called ``enter`` (this call's ledger entry made,
+        # its gather turn and route given back); from then on launch_now ends the entry, and
+        # where the copy completed in it this call does. Until then this call's ``finally``
+        # gives back what it holds, then the exception propagates, as itself.
+        given: list[int] = []
+        on_route = in_gather = False
         nbytes = 0
         try:
-            on_a = self._route.acquire(False) or _enter(self._route, self, wait)
-            if not on_a:
+            on_route = self._route.acquire(False) or take_route(self._route, self, wait)
+            if not on_route:
                 return None
             in_gather = self.claim()
             if not in_gather:
                 return None
             if admit is not None:
                 admit()  # in the gather turn: admission order is the turns' order
-            # Validate and plan (metadata only), then the kernel, as the gather turn.
-            if self._prepares:
-                request, paged, objects = self.backend.prepare_transfer(request, paged, objects)
-            found = self.plans.lookup(request, paged, objects)
-            plan = found.plan
-            memo = found.memo
-            scratch = must_block = None
-            if not self._plain:
-                scratch = self._scratch.get(handle)
-                if scratch is None:
-                    scratch = self._scratch[handle] = ScratchCache()
-                must_block = self.backend.must_block
-            kernel = make_kernel(
-                plan,
-                paged,
-                objects,
-                memo=memo,
-                inference=found.inference,
-                must_block=must_block,
-                scratch=scratch,
-                bind_now=True,
-            )
-            if self._native or "transfer_kernel" in self._backend_attrs:
-                kernel = self.backend.transfer_kernel(plan, paged, objects, kernel)
+            plan, kernel = self._plan(request, paged, objects, handle, True)
             nbytes = plan.nbytes
             touched = plan.touched_blocks
-            on_b = route.acquire(False) or _enter(route, stream, wait)
-            if not on_b:
-                return None
-            # A copy that completes once launched (CPU) takes a shared stream turn: it runs
-            # beside the other plain calls' copies, after those in flight on its blocks.
-            in_stream = stream.claim(shared=completes)
-            lane = stream.lane
-            if not in_stream or lane.jobs or (completes and lane.watching):
-                return None
-            if complete and not completes:
-                done = Reply()
-            entered = True
-            after = self._begin_plain(tid, touched, done, completes, plan.direction is _D2H)
-            in_gather = self.end_turn()  # the next sender plans while this copy runs
-            on_a = self._route.release()  # type: ignore[func-returns-value]  # None: released
-            if completes:
-                on_b = route.release()  # type: ignore[func-returns-value]
-                if after is not None:
-                    after.wait(wait, "Transfer")  # the copies before it on its blocks ended
-                launched = True
-                kernel()  # the launch is the copy
-                entered = self._done_now(tid, nbytes)
-                in_stream = stream.end_turn()
-                return TransferDone(transfer_id=tid, nbytes=nbytes, blocks=len(touched))
-            launched = True
-            # The reaper keeps the lease (the kernel, which references the operands)
-            # until the work's marker completed, then ends the ledger entry and, with
-            # complete=True, answers this call (which waits below, holding nothing).
-            self.backend.launch(stream.stream, kernel)
-            entered = not lane.watch(
-                self.backend.record_marker(stream.stream),
+            done: Reply[None] | None = Reply() if complete and not completes else None
+            launched = stream.launch_now(
+                tid,
                 kernel,
-                functools.partial(self._reaped, tid, nbytes, stream, handle, done),
+                wait,
+                functools.partial(
+                    self._begin_plain, tid, touched, done, completes, plan.direction is _D2H, given
+                ),
+                functools.partial(self._reaped, tid, nbytes, handle, done),
             )
-            in_stream = stream.end_turn()
-            on_b = route.release()  # type: ignore[func-returns-value]
+            if launched is None:
+                return None
+            if completes:  # the copy ran in launch_now: its ledger exit
+                self._done_now(tid, nbytes)
             if done is None:
                 return TransferDone(transfer_id=tid, nbytes=nbytes, blocks=len(touched))
         except BaseException as exc:
-            if in_gather and not launched and isinstance(exc, Exception):
-                self.count_failure()  # refused in the gather turn
-            elif launched:
-                self._stream_failed(handle)
-                stream.count_failure()
-                if isinstance(exc, Exception):
-                    raise _failed(exc, tid, stream) from None
+            if not given:
+                if in_gather and isinstance(exc, Exception):
+                    self.count_failure()  # refused in the gather turn
+            elif completes:  # the copy ran, or failed, in launch_now: the entry ends (once)
+                self._failed_now(tid, nbytes, None)
             raise
         finally:
-            if entered:  # failed: the entry ends now, or once the stream is past the launch
-                lease = kernel if launched and not completes else None
-                self._abandon_now(tid, nbytes, stream, lease)
-            if in_gather:
-                self.end_turn()
-            if in_stream:
-                stream.end_turn(ran=launched)
-            if on_a:
-                self._route.release()
-            if on_b:
-                route.release()
+            if not given:  # else _begin_plain gave them back
+                if in_gather:
+                    self.end_turn()
+                if on_route:
+                    self._route.release()
         done.wait(wait, "Transfer")  # the reaper's answer (it owns the ledger entry now)
         return TransferDone(transfer_id=tid, nbytes=nbytes, blocks=len(touched))
 
-    def _done_now(self, tid: int, nbytes: int) -> Literal[False]:
-        # The ledger exit of a plain-call copy that completed; False (``entered = ...``).
-        with self._ledger_lock:
-            released = self._ledger.finish(tid)
-            self.transfers_ok += 1
-            self.bytes_moved += nbytes
-        if released:
-            self._release(released)
-        return False
+    def _plan(
+        self,
+        request: TransferRequest,
+        paged: Any,
+        objects: Sequence[torch.Tensor],
+        handle: int,
+        bind_now: bool,
+    ) -> tuple[TransferPlan, Callable[[], None]]:
+        # A Transfer's gather turn, both drivers (the mailbox turn, the plain call): the
+        # device layout rules (MLU vLLM layouts, MUSA format set), validation and the plan
+        # (metadata only), then its kernel: a plan from the cache runs its specialised
+        # kernel (a plain backend's bound here off the loop, else where the launch runs; a
+        # device backend's staged binding in the launch). The backend may put an opted-in
+        # native transfer first (it may decline).
+        if self._prepares:
+            request, paged, objects = self.backend.prepare_transfer(request, paged, objects)
+        found = self.plans.lookup(request, paged, objects)
+        plan = found.plan
+        scratch = must_block = None
+        if not self._plain:
+            scratch = self._scratch.get(handle)
+            if scratch is None:
+                scratch = self._scratch[handle] = ScratchCache()
+            must_block = self.backend.must_block
+        kernel = make_kernel(
+            plan,
+            paged,
+            objects,
+            memo=found.memo,
+            inference=found.inference,
+            must_block=must_block,
+            scratch=scratch,
+            bind_now=bind_now,
+        )
+        if self._native or "transfer_kernel" in self._backend_attrs:
+            kernel = self.backend.transfer_kernel(plan, paged, objects, kernel)
+        return plan, kernel
 
     def _reaped(
         self,
         tid: int,
         nbytes: int,
-        stream: StreamActor,
         handle: int,
         done: Reply[None] | None,
         err: BaseException | None,
     ) -> None:
-        # The reaper: a plain-call copy completed (or failed); ``done``: its waiting caller.
-        released = self._end_plain(tid, err is None, nbytes)
+        # A plain call's copy completed (or failed: the stream is past it); ``done``: its
+        # waiting caller.
+        released = self._end(tid, err is None, nbytes)
         if err is not None:
             self._stream_failed(handle)
-            stream.count_failure()
             if done is None and isinstance(err, Exception):
                 _log.error("transfer %d failed after it was enqueued: %s", tid, err)
         try:
             self._release(released)
         finally:
             if done is not None:
-                done.settle(None if err is None else _failed(err, tid, stream))
+                done.settle(None if err is None else self._failure(err, tid))
 
-    def _abandon_now(
-        self, tid: int, nbytes: int, stream: StreamActor, lease: Callable[[], None] | None
-    ) -> None:
-        # A plain call that failed after it entered the ledger. ``lease``: the kernel of a
-        # launch that may have enqueued work, which the lane's reaper keeps until the stream
-        # is past it; the entry ends (failed) then. Else it ends now.
-        if lease is not None:
-            try:
-                marker = self.backend.record_marker(stream.stream)
-            except Exception:
-                pass  # no marker to wait on
-            else:
-                stream.lane.watch(marker, lease, functools.partial(self._failed_now, tid, nbytes))
-                return
-        self._failed_now(tid, nbytes, None)
+    def _done_now(self, tid: int, nbytes: int) -> None:
+        # The ledger exit of a plain-call copy that completed in its launch (a call of its
+        # own: an interrupt lands on no line between the lock's enter and exit).
+        with self._ledger_lock:
+            released = self._ledger.finish(tid)
+            self.transfers_ok += 1
+            self.bytes_moved += nbytes
+        if released:
+            self._release(released)
 
     def _failed_now(self, tid: int, nbytes: int, _err: BaseException | None) -> None:
-        self._release(self._end_plain(tid, False, nbytes))
+        self._release(self._end(tid, False, nbytes))
 
     def _begin_plain(
         self,
@@ -473,28 +402,43 @@ class GatherActor(Actor[GatherRequest]):
         done: Reply[None] | None,
         shared: bool,
         reads: bool,
+        given: list[int],
     ) -> Reply[Any] | None:
-        # A plain call's ledger entry (a call of its own: no line between the lock's enter
-        # and its ``with`` for an interrupt to land on). A waiting caller's reply is failed
-        # by a stop, as a running transfer's. ``shared`` (a copy beside others; ``reads``:
-        # it only reads its blocks): if it may not run beside a transfer in flight on its
-        # blocks, a fence on them, which the copy waits for.
-        with self._ledger_lock:
-            ledger = self._ledger
-            if shared and not ledger.begin_apart(tid, touched, reads=reads):
-                fid = next(self._fence_ids)
-                after: Reply[Any] = Reply()
-                self._fences[fid] = (after.settle, (), ledger.fence(fid, touched))
-                ledger.begin(tid, touched)
-                return after
-            if not shared:
-                ledger.begin(tid, touched)
-            if done is not None:
-                self._running[tid] = done.settle
-            return None
+        # A plain call's ledger entry, made in its stream turn (``enter`` of
+        # StreamActor.launch_now), then its gather turn and route given back (``given``
+        # says so): the next sender plans while this copy runs. A waiting caller's reply is
+        # failed by a stop, as a running transfer's. ``shared`` (a copy beside others;
+        # ``reads``: it only reads its blocks): if it may not run beside a transfer in flight
+        # on its blocks, a fence on them, which the copy waits for.
+        try:
+            with self._ledger_lock:
+                ledger = self._ledger
+                if done is not None:
+                    self._running[tid] = done.settle
+                if shared and not ledger.begin_apart(tid, touched, reads=reads):
+                    fid = next(self._fence_ids)
+                    after: Reply[Any] = Reply()
+                    self._fences[fid] = (after.settle, (), ledger.fence(fid, touched))
+                    ledger.begin(tid, touched)
+                    return after
+                if not shared:
+                    ledger.begin(tid, touched)
+                return None
+        finally:
+            given.append(tid)
+            self.end_turn()
+            self._route.release()
 
-    def _end_plain(self, tid: int, ok: bool, nbytes: int) -> list[int]:
-        # A plain call's ledger exit, once (in ``_running`` only while its caller waits).
+    def _begin(
+        self, tid: int, touched: Iterable[int], settle: Callable[[BaseException | None, Any], None]
+    ) -> None:
+        with self._ledger_lock:
+            self._ledger.begin(tid, touched)
+            self._running[tid] = settle
+
+    def _end(self, tid: int, ok: bool, nbytes: int) -> list[int]:
+        # A transfer's ledger exit, once (the mailbox's and the plain call's; ``_running``
+        # holds it while a caller waits): the fences it releases.
         with self._ledger_lock:
             if tid not in self._ledger:
                 return []  # never begun, or ended already
@@ -507,43 +451,13 @@ class GatherActor(Actor[GatherRequest]):
                 self.transfers_failed += 1
         return released
 
-    def _send(
-        self,
-        handle: int,
-        reply: Reply[Any],
-        launch: Launch,
-        work: Work,
-    ) -> bool:
-        # True once the stream holds the Launch.
-        stream = self._streams.get(handle)
-        try:
-            stream.ask_nowait(launch, work, reply=reply)
-        except ActorClosedError:
-            if not self._streams.replaced(stream):
-                raise
-            # The directory retired that idle actor between the lookup and the send (it
-            # refused the message, nothing ran): the handle's new actor takes it.
-            self._streams.get(handle).ask_nowait(launch, work, reply=reply)
-        return True
-
-    def _begin(
-        self, tid: int, touched: Iterable[int], settle: Callable[[BaseException | None, Any], None]
-    ) -> None:
-        with self._ledger_lock:
-            self._ledger.begin(tid, touched)
-            self._running[tid] = settle
-
-    def _finish(self, tid: int, ok: bool, nbytes: int) -> list[int]:
-        with self._ledger_lock:
-            if self._running.pop(tid, None) is None:
-                return []  # never begun, or finished already
-            released = self._ledger.finish(tid)
-            if ok:
-                self.transfers_ok += 1
-                self.bytes_moved += nbytes
-            else:
-                self.transfers_failed += 1
-        return released
+    def _failure(self, err: BaseException, tid: int) -> BaseException:
+        return translate(
+            err,
+            lambda m: TransferFailedError(
+                m, transfer_id=tid, device=f"{self.backend.kind}:{self.index}"
+            ),
+        )
 
     def _stream_failed(self, handle: int) -> None:
         # Work on the stream failed (any thread): block ids its kernels uploaded without
@@ -572,26 +486,3 @@ class GatherActor(Actor[GatherRequest]):
             released = [self._fences.pop(fid) for fid in fence_ids]
         for settle, block_ids, waits in released:
             settle(None, Fenced(block_ids=block_ids, waited_for=waits))
-
-
-def _enter(route: threading.Lock, actor: Actor[Any], wait: float) -> bool:
-    # Wait for a plain call's route (held by the plain call before, for a turn), at most
-    # ``wait`` seconds; False at once once the actor stops (the call then takes the mailbox,
-    # which refuses it).
-    end = time.monotonic() + wait
-    while actor.state is ActorState.RUNNING:
-        left = end - time.monotonic()
-        if left <= 0:
-            return False
-        if route.acquire(timeout=min(left, _SLICE)):
-            return True
-    return False
-
-
-def _failed(err: BaseException, tid: int, stream: StreamActor) -> BaseException:
-    return translate(
-        err,
-        lambda m: TransferFailedError(
-            m, transfer_id=tid, device=f"{stream.backend.kind}:{stream.index}"
-        ),
-    )

@@ -24,7 +24,12 @@ if TYPE_CHECKING:
 __all__ = ("Reply",)
 
 T = TypeVar("T")
-_running_loop = asyncio._get_running_loop
+# The loop running on the calling thread, or None. asyncio's public ``get_running_loop``
+# raises where none runs, and these checks run on every thread, on the call's path, where a
+# raised and caught exception costs more than the check: the private function (the C one
+# ``get_running_loop`` calls) answers None instead. Kept here, the module every actor module
+# imports (the actor shell re-exports it), so it is named once.
+running_loop = asyncio._get_running_loop
 
 
 @final
@@ -100,12 +105,12 @@ class Reply(Generic[T]):
     # ---- the awaitable face ----------------------------------------------------------
 
     def __await__(self) -> Generator[Any, None, T]:
-        if not self._done or _running_loop() is None:  # under trio every await checkpoints
+        if not self._done or running_loop() is None:  # under trio every await checkpoints
             yield from self._park().__await__()
         return self.result()
 
     async def _park(self) -> None:
-        loop, before = _running_loop(), self._wake  # an earlier await is woken too
+        loop, before = running_loop(), self._wake  # an earlier await is woken too
         if loop is not None:
             fut: asyncio.Future[None] = loop.create_future()
             self._wake = lambda: _wake_asyncio(loop, fut, before)
@@ -128,7 +133,7 @@ class Reply(Generic[T]):
 def _wake_asyncio(
     loop: asyncio.AbstractEventLoop, fut: asyncio.Future[None], before: Callable[[], None] | None
 ) -> None:
-    if _running_loop() is loop:
+    if running_loop() is loop:
         if not fut.done():
             fut.set_result(None)
     else:

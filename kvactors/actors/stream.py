@@ -29,6 +29,7 @@ from __future__ import annotations
 
 import asyncio
 import contextlib
+import functools
 import logging
 import threading
 import time
@@ -37,7 +38,7 @@ from typing import TYPE_CHECKING, Any, final
 
 import msgspec
 
-from kvactors.actors.actor import Actor
+from kvactors.actors.actor import Actor, running_loop, take_route
 from kvactors.actors.envelope import DEFERRED, Envelope, unreachable
 from kvactors.actors.lane import Lane
 from kvactors.core.protocols.stream import (
@@ -59,12 +60,12 @@ from kvactors.errors import (
 
 if TYPE_CHECKING:
     from kvactors.actors.outbox import Outbox
+    from kvactors.actors.reply import Reply
     from kvactors.devices.base import Backend, StreamLike
 
 __all__ = ("StreamActor", "Work")
 
 _log = logging.getLogger("kvactors.actors.stream")
-_running_loop = asyncio._get_running_loop
 
 
 @final
@@ -104,8 +105,8 @@ class StreamActor(Actor[StreamRequest]):
         self.index = index
         self.stream = stream
         self.lane = Lane(name, backend, index, stream)
-        #: Plain calls' route to this stream's turn (see ``GatherActor.transfer_now``).
-        self.route = threading.Lock()
+        # Plain calls' route to this stream's turn (see launch_now).
+        self._route = threading.Lock()
         self._completes = backend.completes_on_launch
         self._completions = completions
         self._events = events
@@ -117,8 +118,7 @@ class StreamActor(Actor[StreamRequest]):
         self._records: set[tuple[Outbox[Any], int]] = set()
         #: Called on the loop when the actor holds nothing (see the module docstring).
         self._on_idle: Callable[[], None] | None = None
-        #: Set by the directory while it lists this actor as idle (no need to tell it again).
-        self.idle_noted = False
+        self._noted = False
 
     def _synchronize(self) -> None:
         # Runs on the lane thread (the only writer of these counters).
@@ -172,6 +172,17 @@ class StreamActor(Actor[StreamRequest]):
         await self.stop(graceful=True, timeout=timeout)
 
     @property
+    def idle_noted(self) -> bool:
+        """Set by the directory while it lists this actor as idle: it need not be told again,
+        so :meth:`went_idle` is not called meanwhile (a turn's end costs no call)."""
+        return self._noted
+
+    @idle_noted.setter
+    def idle_noted(self, noted: bool) -> None:
+        self._noted = noted
+        self.hear_idle(self._on_idle is not None and not noted)
+
+    @property
     def on_idle(self) -> Callable[[], None] | None:
         """Called on the loop when the actor holds nothing (see the module docstring)."""
         return self._on_idle
@@ -179,7 +190,7 @@ class StreamActor(Actor[StreamRequest]):
     @on_idle.setter
     def on_idle(self, hook: Callable[[], None] | None) -> None:
         self._on_idle = hook
-        self.hear_idle(hook is not None)
+        self.hear_idle(hook is not None and not self._noted)
 
     def went_idle(self) -> None:
         """Tell ``on_idle``, on the loop (scheduled there from another thread, unless the
@@ -188,10 +199,10 @@ class StreamActor(Actor[StreamRequest]):
         if hook is None:
             return
         loop = self._loop
-        if loop is not None and _running_loop() is loop:  # on the loop (``on_loop``)
+        if loop is not None and running_loop() is loop:  # on the loop (``on_loop``)
             if self.idle():
                 hook()
-        elif loop is not None and not self.idle_noted:
+        elif loop is not None and not self._noted:
             with contextlib.suppress(RuntimeError):  # a closed loop: nothing to retire
                 loop.call_soon_threadsafe(self.went_idle)
 
@@ -226,7 +237,7 @@ class StreamActor(Actor[StreamRequest]):
         enqueued = work.on_enqueued
         work.on_enqueued = None
         loop = self.loop
-        here = (loop is None or _running_loop() is not loop) and lane.jobs_idle()
+        here = (loop is None or running_loop() is not loop) and lane.jobs_idle()
         if here and enqueued is None and self._completes and lane.reaper_idle():
             # The sender's thread, nothing ahead of it on the lane or the reaper, and work
             # that is complete once launched (CPU: its launch is the call itself): answered
@@ -307,9 +318,86 @@ class StreamActor(Actor[StreamRequest]):
             raise
         return DEFERRED
 
+    def launch_now(
+        self,
+        tid: int,
+        kernel: Callable[[], None],
+        wait: float,
+        enter: Callable[[], Reply[Any] | None],
+        reaped: Callable[[BaseException | None], None],
+    ) -> bool | None:
+        """A plain call's stream turn (see :meth:`GatherActor.transfer_now
+        <kvactors.actors.gather.GatherActor.transfer_now>`), run by the caller without a
+        message: take this actor's route (waiting at most ``wait`` seconds: plain calls take
+        it in their gather turn, so stream order is gather order), then its turn (shared where
+        the launch is the copy: such copies run side by side), unless it is busy, anything is
+        queued or its lane holds work to run (or, for a shared turn, to reap): then ``None``,
+        nothing ran and nothing changed (the caller takes the mailbox). Then ``enter()`` (the
+        caller's ledger entry; it returns what the copy waits for first, or None) and the
+        launch of ``kernel``. True once launched: where the launch is the copy it ran (the
+        caller ends the entry); else the reaper holds the lease (``kernel``) and calls
+        ``reaped(err)`` once the stream is past it. From ``enter`` on, an exit by exception
+        hands ``reaped(exc)`` the end of the entry, once the stream is past what the launch
+        may have enqueued; a failed launch raises
+        :class:`~kvactors.errors.TransferFailedError`, an interrupt itself."""
+        route, completes = self._route, self._completes
+        # What this call holds, each flag cleared on the line that ends it: on an exit by
+        # exception the ``finally`` ends what is still held.
+        on_route: bool | None = False
+        claimed = launched = owns = False
+        try:
+            on_route = route.acquire(False) or take_route(route, self, wait)
+            if not on_route:
+                return None
+            claimed = self.claim(shared=completes)
+            lane = self.lane
+            if not claimed or lane.jobs or (completes and lane.watching):
+                return None
+            owns = True
+            after = enter()
+            if completes:
+                on_route = route.release()  # type: ignore[func-returns-value]  # None
+                if after is not None:
+                    after.wait(wait, "Transfer")  # the copies before it on its blocks ended
+                launched = True
+                kernel()  # the launch is the copy
+                owns = claimed = self.end_turn()
+                return True
+            launched = True
+            self.backend.launch(self.stream, kernel)
+            owns = not lane.watch(
+                self.backend.record_marker(self.stream),
+                kernel,
+                functools.partial(self._reaped, reaped),
+            )
+            claimed = self.end_turn()
+            on_route = route.release()  # type: ignore[func-returns-value]
+            return True
+        except BaseException as exc:
+            if launched:
+                self.count_failure()
+            if owns:
+                self._salvage(kernel, reaped, exc, launched and not completes)
+            if launched and isinstance(exc, Exception):
+                raise _failed(exc, tid, self._device) from None
+            raise
+        finally:
+            if claimed:
+                self.end_turn(ran=launched)
+            if on_route:
+                route.release()
+
+    def _reaped(
+        self, then: Callable[[BaseException | None], None], err: BaseException | None
+    ) -> None:
+        # The reaper: a plain call's launch completed or failed (counted as this actor's).
+        if err is not None:
+            self.count_failure()
+        then(err)
+
     def _salvage(
         self,
-        work: Work,
+        work: object,
         done: Callable[[BaseException | None], None],
         exc: BaseException,
         maybe: bool,
@@ -370,7 +458,7 @@ class StreamActor(Actor[StreamRequest]):
                 return True
 
             loop = self.loop
-            if lane.jobs_idle() and (loop is None or _running_loop() is not loop):
+            if lane.jobs_idle() and (loop is None or running_loop() is not loop):
                 queued = mark()
             else:
                 lane.submit(mark)

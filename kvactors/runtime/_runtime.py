@@ -1,18 +1,19 @@
 """The runtime: one event-loop thread per process and a thread-safe facade onto the actors.
 
 A :class:`Runtime` owns a private asyncio loop running in its own daemon thread, and on it the
-:class:`~kvactors.actors.group.DeviceActors` of one device. Every call is a message to an actor
-(``Transfer``, ``Fence`` and ``Ping`` to the GatherActor, ``Sync`` and the records to a
-StreamActor, the IPC messages to the IPCOwnerActor), whoever calls and on every device: there
-is one route. A blocking transfer whose actors are idle takes their turns on the calling
-thread without a message (the plain call, :meth:`GatherActor.transfer_now
-<kvactors.actors.gather.GatherActor.transfer_now>`); any other blocking call sends from the
-calling thread, which runs the turn itself when the actor is idle (else the loop runs it, in
-mailbox order), and sleeps on its :class:`~kvactors.actors.reply.Reply` until the reply is
-settled. Asyncio callers use the
-``a*`` twins: they queue the message from their own thread (never running a turn, so their
-loop never waits for device work) and await the same kind of reply, under asyncio or trio
-(see :mod:`kvactors.actors.reply`).
+:class:`~kvactors.actors.group.DeviceActors` of one device: one set of actors and counters,
+with two drivers. The mailbox: a call is a message to an actor (``Transfer``, ``Fence`` and
+``Ping`` to the GatherActor, ``Sync`` and the records to a StreamActor, the IPC messages to
+the IPCOwnerActor), sent from the calling thread, which runs the turn itself when the actor is
+idle (else the loop runs it, in mailbox order), and the caller sleeps on its
+:class:`~kvactors.actors.reply.Reply` until the reply is settled. The plain call: a blocking
+transfer whose actors are idle takes their turns on the calling thread without a message
+(:meth:`GatherActor.transfer_now <kvactors.actors.gather.GatherActor.transfer_now>`, the same
+planning and launch as the turns'), and its return value is the reply. Both drivers keep the
+same counters, on every device. Asyncio callers use the ``a*`` twins: they queue the
+message from their own thread (never running a turn, so their loop never waits for device
+work) and await the same kind of reply, under asyncio or trio (see
+:mod:`kvactors.actors.reply`).
 
 Every blocking call has a deadline (``default_timeout`` unless given). ``close`` stops the
 actors down their graph with a bounded grace period: a call that was never enqueued fails with
@@ -54,7 +55,6 @@ if TYPE_CHECKING:
 
     import torch
 
-    from kvactors.actors.actor import Actor
     from kvactors.core.plans import TransferRequest
     from kvactors.devices.base import IPCHandle
     from kvactors.runtime.observer import RuntimeObserver
@@ -247,7 +247,7 @@ class Runtime:
 
     def _ask(
         self,
-        pick: Callable[[DeviceActors], Actor[Any]],
+        pick: Callable[[DeviceActors], Callable[..., object]],
         msg: Any,
         operands: Any = None,
         timeout: float | None = None,
@@ -269,15 +269,7 @@ class Runtime:
         try:
             if call is not None and admitted is None:
                 observers.started(call)  # admission: in mailbox order
-            actor = pick(actors)
-            try:
-                actor.ask_nowait(msg, operands, reply=reply)
-            except ActorClosedError:
-                if not actors.streams.replaced(actor):
-                    raise
-                # A stream's idle actor retired between the lookup and the send (it refused
-                # the message, nothing ran): the handle's new actor takes it.
-                pick(actors).ask_nowait(msg, operands, reply=reply)
+            pick(actors)(msg, operands, reply=reply)
         except Exception as exc:
             reply.settle(exc)
         except BaseException as exc:
@@ -306,19 +298,14 @@ class Runtime:
         # recorded on it now stands for the caller's work, and the record is published once
         # that marker and kvactors' earlier work on the stream completed.
         loop, actors = self._running()
-        actor = actors.streams.get(handle)
+        streams = actors.streams
+        actor = streams.get(handle)
         marker = self.backend.record_marker(actor.stream) if handle else None
         try:
-            try:
-                actor.tell_nowait(msg, marker)
-            except ActorClosedError:
-                if not actors.streams.replaced(actor):
-                    raise
-                actor = actors.streams.get(handle)  # retired between lookup and send
-                actor.tell_nowait(msg, marker)
+            streams.send(handle, msg, marker, actor=actor)
             return
         except MailboxFullError:
-            pass
+            actor = streams.get(handle)
         cf = asyncio.run_coroutine_threadsafe(actor.tell(msg, marker), loop)
         reply: Reply[None] = Reply()
         with self._lock:
@@ -332,7 +319,7 @@ class Runtime:
 
     def _aask(
         self,
-        pick: Callable[[DeviceActors], Actor[Any]],
+        pick: Callable[[DeviceActors], Callable[..., object]],
         msg: Any,
         operands: Any = None,
         timeout: float | None = None,
@@ -348,7 +335,7 @@ class Runtime:
         try:
             if call is not None:
                 observers.started(call)  # admission: in mailbox order
-            pick(actors).ask_nowait(msg, operands, reply=reply, timeout=t, here=False)
+            pick(actors)(msg, operands, reply=reply, timeout=t, here=False)
         except BaseException as exc:
             reply.settle(exc)
         return reply
@@ -637,17 +624,22 @@ def _settle_from(fut: concurrent.futures.Future[None], reply: Reply[None]) -> No
         reply.settle(None)
 
 
-def _gather(actors: DeviceActors) -> Actor[Any]:
-    return actors.gather
+# A pick: how a call reaches its actor, ``send(msg, operands, *, reply)`` (a stream's through
+# its directory, which hands a message an idle actor retired meanwhile refused to its handle's
+# new actor).
 
 
-def _ipc(actors: DeviceActors) -> Actor[Any]:
-    return actors.ipc
+def _gather(actors: DeviceActors) -> Callable[..., object]:
+    return actors.gather.ask_nowait
 
 
-def _stream(handle: int) -> Callable[[DeviceActors], Actor[Any]]:
-    def pick(actors: DeviceActors) -> Actor[Any]:
-        return actors.streams.get(handle)
+def _ipc(actors: DeviceActors) -> Callable[..., object]:
+    return actors.ipc.ask_nowait
+
+
+def _stream(handle: int) -> Callable[[DeviceActors], Callable[..., object]]:
+    def pick(actors: DeviceActors) -> Callable[..., object]:
+        return functools.partial(actors.streams.send, handle)
 
     return pick
 

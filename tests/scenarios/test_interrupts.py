@@ -61,7 +61,9 @@ def _codes(*, kernel: bool) -> frozenset[types.CodeType]:
         GatherActor.receive,
         GatherActor._transfer,
         GatherActor.transfer_now,  # the plain-call turn of idle actors
+        GatherActor._plan,  # both drivers' gather turn
         StreamActor.receive,
+        StreamActor.launch_now,  # the plain call's stream turn
     ):
         walk(fn.__code__)
     walk(StreamActor._launch.__code__)

@@ -26,7 +26,7 @@ from typing import TYPE_CHECKING, Any
 
 import pytest
 
-from kvactors.actors import gather as gather_module
+from kvactors.actors import actor as actor_module
 from kvactors.actors.reply import Reply
 from kvactors.core.layouts import Direction
 from kvactors.devices.cpu import CpuBackend
@@ -284,7 +284,7 @@ class _HeldCpu(CpuBackend):
 def _waiting_for_a_route(thread: threading.Thread) -> bool:
     frame = sys._current_frames().get(thread.ident or -1)
     while frame is not None:
-        if frame.f_code is gather_module._enter.__code__:
+        if frame.f_code is actor_module.take_route.__code__:
             return True
         frame = frame.f_back
     return False
