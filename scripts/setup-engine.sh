@@ -12,9 +12,10 @@
 # them, so they are uninstalled. LMCache is installed --no-deps with the modules it imports
 # (scripts/install-lmcache.sh). A stamp file records the inputs of a finished build; when it
 # matches and the imports work, the script only re-links the editable kvactors and returns.
-# The deployment tests (tests/engine/test_shared_cache.py) need Debian's redis-server as LMCache's
-# L2: it is installed with apt-get when it is missing (skipped when redis-server exists;
-# KVACTORS_NO_APT=1 skips it too, and those tests then fail saying what is missing).
+# The deployment tests (tests/engine/test_shared_cache.py, test_cluster_l2.py) need Debian's
+# redis-server (with its redis-cli, which builds a Redis Cluster) as LMCache's L2: it is
+# installed with apt-get when it is missing (skipped when redis-server exists; KVACTORS_NO_APT=1
+# skips it too, and those tests then fail saying what is missing).
 set -euo pipefail
 cd "$(dirname "${BASH_SOURCE[0]}")/.."
 PY_BOOT="${PYTHON_BOOT:-python3}"
@@ -35,6 +36,7 @@ import importlib.metadata as md
 
 import kvactors  # noqa: F401
 import kvactors_lmcache  # noqa: F401
+import lmcache.v1.distributed.l2_adapters.valkey_l2_adapter  # noqa: F401  (cluster L2)
 import lmcache.v1.multiprocess.server  # noqa: F401
 import safetensors  # noqa: F401
 import torch
