@@ -303,7 +303,8 @@ def install(*, corrupt_restore: bool = False) -> KVTap:
     """Tap the CPU ops LMCache resolved in this process; returns the tap.
 
     ``reference_op`` is LMCache's own CPU op (``CpuDeviceOps``, what LMCache resolves on CPU
-    without a plugin). When ``KVACTORS_SERVING_TAP`` already tapped them, that tap is returned.
+    without a plugin). When ``KVACTORS_SERVING_TAP`` already tapped them, that tap is returned;
+    else the new tap shares its blocks through that directory when the variable names one.
     """
     from lmcache.v1.platform import resolve_device_ops
 
@@ -312,7 +313,13 @@ def install(*, corrupt_restore: bool = False) -> KVTap:
     if isinstance(existing, KVTap):
         existing.corrupt_restore = corrupt_restore
         return existing
-    return _install_on(ops, corrupt_restore=corrupt_restore, directory=None)
+    # Not tapped by the plugin (:func:`hook`; in the offline engine the ops LMCache resolves
+    # can predate it): the tap keeps its blocks where KVACTORS_SERVING_TAP says, as there.
+    where = os.environ.get(TAP_ENV, "").strip()
+    directory = Path(where) if where else None
+    if directory is not None:
+        directory.mkdir(parents=True, exist_ok=True)
+    return _install_on(ops, corrupt_restore=corrupt_restore, directory=directory)
 
 
 def hook() -> None:
