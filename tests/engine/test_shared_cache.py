@@ -21,16 +21,17 @@ from __future__ import annotations
 
 import contextlib
 import importlib.util
-import json
 import os
-import subprocess
-import sys
 import time
 from pathlib import Path
 from typing import Any
 
 import pytest
 
+from .engine_runs import bits as _bits
+from .engine_runs import kv_checks as _kv_checks
+from .engine_runs import run_engine as _engine
+from .engine_runs import warm as _warm
 from .scenario_record import record
 
 pytestmark = pytest.mark.skipif(
@@ -40,22 +41,6 @@ pytestmark = pytest.mark.skipif(
 )
 
 FAULT_RATE = 0.5
-
-
-def _engine(work: Path, spec: dict[str, Any], env: dict[str, str]) -> dict[str, Any]:
-    """One engine process (:mod:`kvactors_serving.engine`); its results."""
-    spec_path, out_path = work / f"{spec['name']}.spec.json", work / f"{spec['name']}.json"
-    spec_path.write_text(json.dumps(spec))
-    with (work / f"{spec['name']}.log").open("wb") as log:
-        proc = subprocess.run(
-            [sys.executable, "-m", "kvactors_serving.engine", str(spec_path),
-             str(out_path)],
-            env=env, stdout=log, stderr=subprocess.STDOUT, timeout=600, check=False,
-        )  # fmt: skip
-    tail = (work / f"{spec['name']}.log").read_text(errors="replace")[-3000:]
-    assert proc.returncode == 0, tail
-    result: dict[str, Any] = json.loads(out_path.read_text())
-    return result
 
 
 def _wait_for_keys(redis: Any, n: int, timeout: float = 60.0) -> int:
@@ -124,28 +109,6 @@ def shared(tmp_path_factory: pytest.TempPathFactory) -> Any:
             for name, r in res.items() if name in ("A", "B", "C", "D")
         } | {"redis_keys": res["redis_keys"]})  # fmt: skip
         yield res
-
-
-def _warm(result: dict[str, Any]) -> list[dict[str, Any]]:
-    runs: list[list[dict[str, Any]]] = result["phases"]["warm_single"]
-    return runs[0]
-
-
-def _bits(o: dict[str, Any]) -> list[Any]:
-    return [o["tokens"], [(s["logprob"], s["top2"]) for s in o["steps"]]]
-
-
-def _kv_checks(result: dict[str, Any]) -> None:
-    from kvactors_serving.workload import CHUNK
-
-    tap, rt = result["tap"], result["runtime"]
-    hits = sum(o["hit"] for o in _warm(result))
-    assert tap["chunks_restored"] * CHUNK == hits > 0  # kvactors restored what LMCache served
-    assert tap["chunks_compared"] == tap["chunks_restored"]  # every one stored by engine A
-    assert tap["chunks_unknown"] == 0
-    assert tap["mismatches"] == []
-    assert rt["transfers_failed"] == 0
-    assert rt["transfers_ok"] == tap["op_calls"]["store"] + tap["op_calls"]["retrieve"]
 
 
 @pytest.mark.timeout(900)
