@@ -24,7 +24,9 @@
 #                                                   selftests and the demo
 #   .venv-vllm                                      tests/engine: vllm serve against native
 #                                                   prefix caching, TP=2, a shared server, Redis
-#                                                   L2 (servers on loopback, started by the tests)
+#                                                   L2, a 3-master Redis Cluster L2 with a master
+#                                                   lost and back (servers on loopback, started
+#                                                   by the tests)
 # The venvs other than .venv are built (or reused from the store of scripts/setup.sh) in the
 # background while the static checks and the first suite run.
 #
@@ -179,7 +181,7 @@ if [ "${KVACTORS_MATRIX:-1}" != "0" ]; then
 fi
 
 if [ "${KVACTORS_ENGINE:-1}" != "0" ] && [ -d tests/engine ]; then
-    step 540 "pytest: vLLM engine and deployment tests (.venv-vllm)" \
+    step 600 "pytest: vLLM engine and deployment tests (.venv-vllm)" \
         run_pytest .venv-vllm/bin/python tests/engine || rc=$?
 fi
 
