@@ -6,27 +6,31 @@ ordering an actor promises, and the actors built on it derive their safety rules
 (:meth:`Actor.defer`, returns :data:`DEFERRED`) and settles it later from any thread. Every
 reply is a :class:`~kvactors.actors.reply.Reply`: the first settle wins.
 
-Who runs a turn (every transition under the actor's lock; ``_busy`` (0 idle, -1 a turn,
-n > 0 shared holds), the FIFO and the lifecycle state are all there is):
+Who runs a turn: every transition under the actor's lock, and the turn's transitions are the
+table :data:`TURNS` that the code reads (a transition it does not list does not happen: a
+claim is refused, a send queues). The turn (:class:`Turn`, with the count of shared holds),
+the FIFO and the lifecycle state are all there is:
 
 =======  ==========================================================  ========================
-state    event                                                       next
+turn     event (:class:`TurnEvent`)                                  next
 =======  ==========================================================  ========================
-IDLE     :meth:`Actor.claim`: a plain call (no envelope)             CLAIMED until end_turn
-IDLE     a send, not from inside a turn, from a thread that may run  CLAIMED: the sender runs
-         turns (the loop's, or any when ``turns_anywhere``)          it now
-IDLE     any other send (``here=False``: an ``a*`` call; a send      QUEUED; the task is woken
-         from inside a turn; a foreign thread of a loop-only actor)
-IDLE,    ``claim(shared=True)``: a plain call whose work may run     SHARED n+1 until its
-SHARED   beside others' (CPU copies)                                 end_turn; the last: IDLE
-CLAIMED  a send; a claim                                             QUEUED behind; refused
-SHARED   a send; an exclusive claim                                  QUEUED behind; refused
-CLAIMED  the turn ends (an interrupt ends it too)                    IDLE; the task is woken
-                                                                     if anything QUEUED
-QUEUED   the task's loop runs the FIFO head (a claim is refused)     CLAIMED (on the loop)
-any      stop / break_with                                           queued asks fail; sends
-                                                                     are refused
+IDLE     CLAIM: :meth:`Actor.claim`, a plain call (no envelope)      TURN until end_turn
+IDLE     SEND: a send, not from inside a turn, from a thread that    TURN: the sender runs it
+         may run turns (the loop's, or any when ``turns_anywhere``)  now
+IDLE,    CLAIM_SHARED: ``claim(shared=True)``, a plain call whose    SHARED n+1 until its
+SHARED   work may run beside others' (CPU copies)                    end_turn
+IDLE     RUN: the task's loop runs the FIFO head                     TURN (on the loop)
+TURN     END: the turn ends (an interrupt ends it too)               IDLE; the task is woken
+                                                                     if anything is queued
+SHARED   END: a shared hold ends                                     SHARED n-1; the last:
+                                                                     IDLE
 =======  ==========================================================  ========================
+
+Besides the table: a claim and a running send also need an empty FIFO (a plain call never
+overtakes a queued message), a running actor and room; any other send (``here=False``: an
+``a*`` call; a send from inside a turn; a foreign thread of a loop-only actor) queues, and
+the task is woken if the turn is IDLE. A stop or ``break_with`` fails the queued asks and
+refuses later sends, whatever the turn.
 
 An exception from ``receive`` fails its ask (a tell's breaks the actor); an interrupt
 (``KeyboardInterrupt``, ``SystemExit``) fails the reply unless the subclass took it over
@@ -44,7 +48,7 @@ import contextlib
 import enum
 import threading
 import time
-from typing import TYPE_CHECKING, Any, ClassVar, Generic, Literal, TypeVar
+from typing import TYPE_CHECKING, Any, ClassVar, Final, Generic, Literal, TypeVar
 
 import msgspec
 
@@ -62,7 +66,17 @@ from kvactors.errors import (
 if TYPE_CHECKING:
     from collections.abc import Callable
 
-__all__ = ("Actor", "ActorState", "ActorStatistics", "on_loop", "running_loop", "take_route")
+__all__ = (
+    "TURNS",
+    "Actor",
+    "ActorState",
+    "ActorStatistics",
+    "Turn",
+    "TurnEvent",
+    "on_loop",
+    "running_loop",
+    "take_route",
+)
 
 M = TypeVar("M")
 _SLICE = 0.05  # how soon a plain call waiting for its route sees the actor stop
@@ -93,6 +107,48 @@ def take_route(route: threading.Lock, actor: Actor[Any], wait: float) -> bool:
         if route.acquire(timeout=min(left, _SLICE)):
             return True
     return False
+
+
+class Turn(str, enum.Enum):
+    """Who holds an actor's turn (the FIFO and the lifecycle state are kept beside it)."""
+
+    IDLE = "idle"
+    TURN = "turn"
+    """One turn: a claim, or a send's turn on the sender's thread or the loop's."""
+    SHARED = "shared"
+    """Shared holds (``claim(shared=True)``), counted beside the turn."""
+
+
+class TurnEvent(str, enum.Enum):
+    """What may change an actor's :class:`Turn` (see :data:`TURNS`)."""
+
+    CLAIM = "claim"
+    CLAIM_SHARED = "claim_shared"
+    SEND = "send"
+    RUN = "run"
+    END = "end"
+
+
+TURNS: Final[dict[tuple[Turn, TurnEvent], Turn]] = {
+    (Turn.IDLE, TurnEvent.CLAIM): Turn.TURN,
+    (Turn.IDLE, TurnEvent.SEND): Turn.TURN,
+    (Turn.IDLE, TurnEvent.CLAIM_SHARED): Turn.SHARED,
+    (Turn.SHARED, TurnEvent.CLAIM_SHARED): Turn.SHARED,
+    (Turn.IDLE, TurnEvent.RUN): Turn.TURN,
+    (Turn.TURN, TurnEvent.END): Turn.IDLE,
+    (Turn.SHARED, TurnEvent.END): Turn.SHARED,  # IDLE once the last shared hold ended
+}
+"""The turn table (see the module docstring), read by every transition: ``(turn, event) ->
+next``. An event a turn does not list changes nothing (a claim is refused, a send queues)."""
+
+_IDLE, _TURN, _SHARED = Turn.IDLE, Turn.TURN, Turn.SHARED
+_CLAIM, _CLAIM_SHARED, _SEND, _RUN, _END = (
+    TurnEvent.CLAIM,
+    TurnEvent.CLAIM_SHARED,
+    TurnEvent.SEND,
+    TurnEvent.RUN,
+    TurnEvent.END,
+)
 
 
 class ActorState(enum.Enum):
@@ -145,7 +201,8 @@ class Actor(Generic[M]):
         self._cause: BaseException | None = None
         self._task: asyncio.Task[None] | None = None
         self._loop: asyncio.AbstractEventLoop | None = None
-        self._busy = 0  # 0: idle; -1: a turn; n > 0: n shared holds
+        self._turn = _IDLE  # see TURNS
+        self._holds = 0  # shared holds (while the turn is SHARED)
         self._tells_idle = False  # whether went_idle is called (hear_idle)
         self._peak = self._processed = self._failed = 0
         self._deferred: set[Envelope[M]] = set()
@@ -162,10 +219,17 @@ class Actor(Generic[M]):
         """The loop the actor was started on (None before :meth:`start`)."""
         return self._loop
 
+    @property
+    def turn(self) -> Turn:
+        """Who holds the turn now (see :data:`TURNS`)."""
+        return self._turn
+
     def idle(self) -> bool:
         """Whether the actor runs and holds nothing: no turn, no envelope, no reply."""
-        return self._state is ActorState.RUNNING and not (
-            self._busy or self._fifo or self._deferred
+        return (
+            self._state is ActorState.RUNNING
+            and self._turn is _IDLE
+            and not (self._fifo or self._deferred)
         )
 
     def count_failure(self) -> None:
@@ -229,7 +293,7 @@ class Actor(Generic[M]):
         """Refuse every later send if the actor holds nothing now (atomic with sends); the
         caller then stops it. ``False`` (nothing changed) if it holds anything."""
         with self._mutex:
-            if self._state is not ActorState.RUNNING or self._busy or self.pending:
+            if self._state is not ActorState.RUNNING or self._turn is not _IDLE or self.pending:
                 return False
             self._state = ActorState.STOPPING
             return True
@@ -301,21 +365,22 @@ class Actor(Generic[M]):
             if depth > self._capacity:
                 raise MailboxFullError(actor=self.name, capacity=self._capacity)
             self._peak = max(self._peak, depth)
-            busy = self._busy
+            turn = self._turn
+            nxt = TURNS.get((turn, _SEND))
             if (
                 here
-                and not busy
+                and nxt is not None
                 and not self._fifo
                 and not _turns.inside
                 and (self.turns_anywhere or on_loop(self._loop))
             ):
-                self._busy = -1
+                self._turn = nxt
             else:
                 self._fifo.append(env)
                 here = False
         if here:
-            self._turn(env)
-        elif not busy:
+            self._run_turn(env)
+        elif turn is _IDLE:
             self._on_loop(self._wake.set)
 
     def claim(self, *, shared: bool = False) -> bool:
@@ -324,24 +389,31 @@ class Actor(Generic[M]):
         anything queued, does not run or has no room). A ``shared`` claim is also taken beside
         other shared ones (work that may overlap), never beside a turn or a queued send."""
         with self._mutex:
-            busy = self._busy
+            nxt = TURNS.get((self._turn, _CLAIM_SHARED if shared else _CLAIM))
             if (
-                (busy < 0 if shared else busy)
+                nxt is None
                 or self._fifo
                 or self._state is not ActorState.RUNNING
                 or len(self._deferred) >= self._capacity
             ):
                 return False
-            self._busy = busy + 1 if shared else -1
+            self._turn = nxt
+            self._holds += shared
             return True
 
     def end_turn(self, *, ran: bool = True) -> Literal[False]:
         """End a :meth:`claim` (processed unless ``ran`` is false); once none is held, the
         task runs what queued meanwhile. Returns False: ``claimed = actor.end_turn()``."""
         with self._mutex:
-            self._busy = 0 if self._busy < 0 else self._busy - 1
+            turn = self._turn
+            nxt = TURNS.get((turn, _END), turn)
+            if turn is _SHARED:
+                self._holds -= 1
+                if not self._holds:
+                    nxt = _IDLE
+            self._turn = nxt
             self._processed += ran
-            more = not self._busy and bool(self._fifo)
+            more = nxt is _IDLE and bool(self._fifo)
         if more:
             self._on_loop(self._wake.set)
         if self._watched or self._tells_idle:  # else _signal has nobody to tell
@@ -440,7 +512,7 @@ class Actor(Generic[M]):
     def _signal(self) -> None:
         # What the actor holds changed: tell the hook if it holds nothing, and the loop if
         # it waits for a change.
-        if self._tells_idle and not (self._busy or self._fifo or self._deferred):
+        if self._tells_idle and self._turn is _IDLE and not (self._fifo or self._deferred):
             self.went_idle()
         if self._watched:
             self._on_loop(self._changed_now)
@@ -463,8 +535,8 @@ class Actor(Generic[M]):
             with contextlib.suppress(RuntimeError):  # a closed loop: nobody waits any more
                 loop.call_soon_threadsafe(fn)
 
-    def _turn(self, env: Envelope[M]) -> None:
-        # The claimed turn (``_busy`` set by the claimer): handle ``env``, end the turn.
+    def _run_turn(self, env: Envelope[M]) -> None:
+        # The claimed turn (TURN, set by the claimer): handle ``env``, end the turn.
         try:
             _turns.inside = True
             result = self.receive(env)
@@ -495,13 +567,15 @@ class Actor(Generic[M]):
             wake.clear()
             while True:
                 with self._mutex:
-                    if self._busy or not self._fifo:
+                    nxt = TURNS.get((self._turn, _RUN))
+                    if nxt is None or not self._fifo:
                         break
                     env = self._fifo.popleft()
                     running = self._state is ActorState.RUNNING
-                    self._busy = -1 if running else 0
+                    if running:
+                        self._turn = nxt
                 if running:
-                    self._turn(env)
+                    self._run_turn(env)
                 else:
                     env.settle(self._refusal())
                 # Drop the envelope now: an idle actor must not keep the last reply (and

@@ -29,6 +29,7 @@ from __future__ import annotations
 
 import asyncio
 import contextlib
+import enum
 import functools
 import logging
 import threading
@@ -232,8 +233,7 @@ class StreamActor(Actor[StreamRequest]):
                 f"Launch needs a Work operand bundle, got {type(work).__name__}", field="operands"
             )
         env.operands = None
-        backend, stream, lane = self.backend, self.stream, self.lane
-        tid, nbytes, device = msg.transfer_id, msg.nbytes, self._device
+        tid, nbytes, lane = msg.transfer_id, msg.nbytes, self.lane
         enqueued = work.on_enqueued
         work.on_enqueued = None
         loop = self.loop
@@ -246,77 +246,65 @@ class StreamActor(Actor[StreamRequest]):
                 work.fn()
             except BaseException as exc:
                 self.count_failure()
-                env.settle(_failed(exc, tid, device))
+                env.settle(_failed(exc, tid, self._device))
                 if isinstance(exc, Exception):
                     return DEFERRED
                 raise
             return Launched(transfer_id=tid, nbytes=nbytes)
-        entered = False  # the launch job ran (it settles the reply on every exit)
-        settle: Callable[[BaseException | None, Any], None]
-
-        def done(err: BaseException | None) -> None:
-            if err is None:
-                settle(None, Launched(transfer_id=tid, nbytes=nbytes))
-            else:
-                settle(_failed(err, tid, device), None)
-
-        def launch() -> None:
-            nonlocal entered
-            owned = False  # the reply was settled, or the reaper holds the lease
-            maybe = False  # the launch may have enqueued device work
-            try:
-                entered = True
-                if not self.holds(env):
-                    return  # failed before it ran (an interrupted turn): never launched
-                if not here and lane.bind_error is not None:
-                    raise lane.bind_error
-                maybe = True
-                failure: Exception | None = None
-                try:
-                    backend.launch(stream, work.fn)
-                except Exception as exc:
-                    # What the launch enqueued before it failed (a kernel failing between
-                    # two copies) still runs: keep the lease and report once the stream is
-                    # past it.
-                    failure = exc
-                marker = backend.record_marker(stream)
-                if failure is not None:
-                    lane.watch(marker, work, lambda _err: done(failure))
-                    owned = True
-                    return
-                if enqueued is not None:
-                    enqueued()
-                if marker.query() and lane.reaper_idle():
-                    # Already complete (CPU work is, when launched) and nothing earlier is
-                    # still watched: answer from here. The synchronize returns at once, and
-                    # it is where a stream error surfaces.
-                    err: BaseException | None = None
-                    try:
-                        marker.synchronize()
-                    except Exception as exc:
-                        err = exc
-                    done(err)
-                    owned = True
-                    return
-                lane.watch(marker, work, done)
-                owned = True
-            except BaseException as exc:
-                if not owned:
-                    self._salvage(work, done, exc, maybe)
-                if not isinstance(exc, Exception):
-                    raise
-
+        job: _LaunchJob | None = None
         try:
-            settle = self.defer(env)
+            job = _LaunchJob(self, env, work, tid, nbytes, enqueued, here, self.defer(env))
             if here:
-                launch()  # the sender's thread: nothing queued on the lane is ahead of it
+                job.run()  # the sender's thread: nothing queued on the lane is ahead of it
             else:
-                lane.submit(launch)
+                lane.submit(job.run)
         except BaseException as exc:
-            if not entered and self.holds(env):
-                done(exc)  # a job never submitted, or one that will find its reply failed
+            # A job never submitted, or one that will find its reply failed.
+            if job is None:
+                self.forget(env, _failed(exc, tid, self._device))
+            elif job.state is _Job.NEW and self.holds(env):
+                job.done(exc)
             raise
         return DEFERRED
+
+    def _put(
+        self,
+        fn: Callable[[], None],
+        done: Callable[[BaseException | None], None],
+        enqueued: Callable[[], None] | None = None,
+        *,
+        now: bool = False,
+    ) -> Exception | None:
+        # The one launch body, run by whoever holds this actor's turn with nothing on the
+        # lane ahead of it (a plain call, a sender's thread, the lane): ``fn`` on the stream
+        # and its lease (``fn``) to the reaper, which calls ``done(err)`` once the stream is
+        # past it; ``enqueued()`` once it is on the stream. A launch that raised is returned:
+        # what it enqueued before it failed (a kernel failing between two copies) still runs,
+        # so the lease is kept and ``done(failure)`` called once the stream is past it. With
+        # ``now``, a marker complete already while the reaper holds nothing earlier answers
+        # here (its synchronize returns at once, and is where a stream error surfaces).
+        backend, stream, lane = self.backend, self.stream, self.lane
+        failure: Exception | None = None
+        try:
+            backend.launch(stream, fn)
+        except Exception as exc:
+            failure = exc
+        marker = backend.record_marker(stream)
+        if failure is not None:
+            lane.watch(marker, fn, functools.partial(_reported, done, failure))
+            return failure
+        if enqueued is not None:
+            enqueued()
+        if now and marker.query() and lane.reaper_idle():
+            err: BaseException | None = None
+            try:
+                marker.synchronize()
+            except Exception as exc:
+                err = exc
+            done(err)
+            return None
+        lane.watch(marker, fn, done)
+        return None
 
     def launch_now(
         self,
@@ -364,19 +352,16 @@ class StreamActor(Actor[StreamRequest]):
                 owns = claimed = self.end_turn()
                 return True
             launched = True
-            self.backend.launch(self.stream, kernel)
-            owns = not lane.watch(
-                self.backend.record_marker(self.stream),
-                kernel,
-                functools.partial(self._reaped, reaped),
-            )
+            owns, failure = False, self._put(kernel, functools.partial(self._reaped, reaped))
             claimed = self.end_turn()
             on_route = route.release()  # type: ignore[func-returns-value]
+            if failure is not None:
+                raise failure  # the reaper ends the entry once the stream is past it
             return True
         except BaseException as exc:
-            if launched:
-                self.count_failure()
             if owns:
+                if launched:
+                    self.count_failure()
                 self._salvage(kernel, reaped, exc, launched and not completes)
             if launched and isinstance(exc, Exception):
                 raise _failed(exc, tid, self._device) from None
@@ -492,6 +477,63 @@ class StreamActor(Actor[StreamRequest]):
             if not queued:
                 self.forget(env, exc)
             raise
+
+
+class _Job(enum.Enum):
+    NEW = "new"  # not run: whoever gave up on it fails the reply
+    RAN = "ran"  # run: it settles the reply on every exit
+    LAUNCHING = "launching"  # the launch may have enqueued device work
+    HANDED = "handed"  # the reply was settled, or the reaper holds the lease
+
+
+class _LaunchJob:
+    """The launch of one mailbox ``Launch``, on the sender's thread or the lane's."""
+
+    __slots__ = ("actor", "enqueued", "env", "here", "nbytes", "settle", "state", "tid", "work")
+
+    def __init__(
+        self,
+        actor: StreamActor,
+        env: Envelope[StreamRequest],
+        work: Work,
+        tid: int,
+        nbytes: int,
+        enqueued: Callable[[], None] | None,
+        here: bool,
+        settle: Callable[[BaseException | None, Any], None],
+    ) -> None:
+        self.actor, self.env, self.work, self.tid, self.nbytes = actor, env, work, tid, nbytes
+        self.enqueued, self.here, self.settle = enqueued, here, settle
+        self.state = _Job.NEW
+
+    def done(self, err: BaseException | None) -> None:
+        if err is None:
+            self.settle(None, Launched(transfer_id=self.tid, nbytes=self.nbytes))
+        else:
+            self.settle(_failed(err, self.tid, self.actor._device), None)
+
+    def run(self) -> None:
+        actor, work = self.actor, self.work
+        try:
+            self.state = _Job.RAN
+            if not actor.holds(self.env):
+                return  # failed before it ran (an interrupted turn): never launched
+            if not self.here and actor.lane.bind_error is not None:
+                raise actor.lane.bind_error
+            self.state = _Job.LAUNCHING
+            actor._put(work.fn, self.done, self.enqueued, now=True)
+            self.state = _Job.HANDED
+        except BaseException as exc:
+            if self.state is not _Job.HANDED:
+                actor._salvage(work, self.done, exc, self.state is _Job.LAUNCHING)
+            if not isinstance(exc, Exception):
+                raise
+
+
+def _reported(
+    done: Callable[[BaseException | None], None], failure: BaseException, _err: object
+) -> None:
+    done(failure)  # a failed launch, reported once the stream is past what it enqueued
 
 
 async def _off_loop(fn: Callable[[float], bool], arg: float, name: str) -> bool:

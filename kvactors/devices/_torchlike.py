@@ -13,7 +13,9 @@ from __future__ import annotations
 import threading
 from typing import TYPE_CHECKING, Literal, cast, final
 
-from kvactors.devices._vendor import as_vendor_module, device_errors, int_attr
+import msgspec
+
+from kvactors.devices._vendor import VendorEvent, as_vendor_module, device_errors, int_attr
 from kvactors.devices.base import Backend
 from kvactors.errors import (
     DeviceOpError,
@@ -29,7 +31,7 @@ if TYPE_CHECKING:
 
     import torch
 
-    from kvactors.devices._vendor import VendorEvent, VendorModule, VendorStream
+    from kvactors.devices._vendor import VendorModule, VendorStream
     from kvactors.devices.base import Marker, StreamLike
 
 __all__ = ("EventMarker", "TorchLikeBackend", "TransferMode")
@@ -39,24 +41,22 @@ TransferMode = Literal["engine_driven", "lmcache_driven"]
 
 
 @final
-class EventMarker:
-    """A completion marker backed by a vendor event; vendor errors become DeviceOpError."""
+class EventMarker(msgspec.Struct, frozen=True):
+    """A completion marker backed by a vendor event; vendor errors become DeviceOpError.
+    (A Struct: made on every launch's path, its constructor is C.)"""
 
-    __slots__ = ("_device", "_event")
-
-    def __init__(self, event: VendorEvent, device: str) -> None:
-        self._event = event
-        self._device = device
+    event: VendorEvent
+    device: str
 
     def query(self) -> bool:
         """Whether the marked work completed (never blocks)."""
-        with device_errors(self._device, "event query"):
-            return bool(self._event.query())
+        with device_errors(self.device, "event query"):
+            return bool(self.event.query())
 
     def synchronize(self) -> None:
         """Block until the marked work completed."""
-        with device_errors(self._device, "event synchronize"):
-            self._event.synchronize()
+        with device_errors(self.device, "event synchronize"):
+            self.event.synchronize()
 
 
 class TorchLikeBackend(Backend):

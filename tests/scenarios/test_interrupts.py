@@ -26,6 +26,7 @@ from typing import TYPE_CHECKING, Any
 
 import pytest
 
+from kvactors.actors import stream as stream_module
 from kvactors.actors.gather import GatherActor
 from kvactors.actors.stream import StreamActor
 from kvactors.core.layouts import Direction
@@ -67,6 +68,8 @@ def _codes(*, kernel: bool) -> frozenset[types.CodeType]:
     ):
         walk(fn.__code__)
     walk(StreamActor._launch.__code__)
+    walk(stream_module._LaunchJob.run.__code__)  # the mailbox launch, on a sender's thread
+    walk(StreamActor._put.__code__)  # the one launch body
     if kernel:  # the torch kernel the transfer's launch runs
         walk(transfer_kernels.torch_kernel.__code__)
     return frozenset(found)
