@@ -52,9 +52,13 @@ class RedisCluster:
         self.ports, self._bus = sorted(ports)[:masters], sorted(ports)[masters:]
         self._dirs = [root / f"master-{i}" for i in range(masters)]
         self._procs: list[subprocess.Popen[bytes] | None] = [None] * masters
-        for i, d in enumerate(self._dirs):
-            d.mkdir(parents=True)
-            self.start(i)
+        try:
+            for i, d in enumerate(self._dirs):
+                d.mkdir(parents=True)
+                self.start(i)
+        except BaseException:
+            self.stop()  # the masters already started
+            raise
 
     @property
     def startup_nodes(self) -> str:
