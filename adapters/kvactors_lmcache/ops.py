@@ -208,11 +208,6 @@ class KvactorsDeviceOps(DeviceOps):
 
     # -- runtime plumbing ---------------------------------------------------------------
 
-    @staticmethod
-    def served_transfers() -> dict[str, int]:
-        """Transfers the kvactors ops of this process served (:func:`transfer_counts`)."""
-        return transfer_counts()
-
     def _runtime(self, index: int) -> Runtime:
         with self._lock:
             rt = self._runtimes.get(index)

@@ -131,7 +131,6 @@ def main(argv: list[str] | None = None) -> int:
         "phases": {},
     }
     tap = None
-    ops: Any = None
     if spec.get("port"):
         from lmcache.v1.platform import resolve_device_ops
 
@@ -194,23 +193,24 @@ def main(argv: list[str] | None = None) -> int:
         elif phase == "preempt_batched":
             phases["preempt_batched"] = generate(short)
         elif phase == "bench":
-            _counters(result, tap, ops)  # the checks' counters exclude the A/B pairs
+            _counters(result, tap)  # the checks' counters exclude the A/B pairs
             phases["bench"] = _bench(spec, tap, generate, SamplingParams)
     if "tap" not in result:
-        _counters(result, tap, ops)
+        _counters(result, tap)
     out_path.write_text(json.dumps(result))
     return 0
 
 
-def _counters(result: dict[str, Any], tap: Any, ops: Any) -> None:
+def _counters(result: dict[str, Any], tap: Any) -> None:
     """The tap's report, kvactors' per-process call counts and its runtime's statistics."""
     if tap is not None:
         result["tap"] = tap.report()
-        served = getattr(ops, "served_transfers", None)  # kvactors' ops only
-        result["plugin_calls"] = served() if served is not None else {}
+        result["plugin_calls"] = {}
         if result["ops"].startswith("kvactors_lmcache."):
             from kvactors.runtime import get_runtime
+            from kvactors_lmcache.ops import transfer_counts
 
+            result["plugin_calls"] = transfer_counts()
             st = get_runtime(backend="cpu", device_index=0).statistics()
             result["runtime"] = {
                 "transfers_ok": st.transfers_ok,
