@@ -28,7 +28,7 @@ from typing import TYPE_CHECKING, Any
 import torch
 
 from kvactors.core.plans import paged_units
-from kvactors.kernels._views import canonical_unit, raw, stacked_view, unit_planes
+from kvactors.kernels._views import canonical_unit, first_paged, raw, stacked_view, unit_planes
 
 if TYPE_CHECKING:
     from collections.abc import Sequence
@@ -111,11 +111,11 @@ def planes_scatter_binder(
                 return _whole_kernel(geo, item, obj_shape, True, steps)
 
             def scatter(paged: Any, objs: Sequence[torch.Tensor]) -> None:
-                # _whole_kernel's plain scatter with _first and _void_rows in line (no Python
+                # _whole_kernel's plain scatter with first_paged and _void_rows in line (no Python
                 # frame but this one): the first paged tensor of one or a list of them.
                 u0 = paged if type(paged) is _Tensor else paged[0]
                 if type(u0) is not _Tensor:
-                    u0 = _first(paged)
+                    u0 = first_paged(paged)
                 rows = u0.as_strided(*whole).numpy().view(item)[..., 0]
                 for obj, idx in steps:
                     rows[idx] = objs[obj].numpy().view(item).reshape(obj_shape)
@@ -152,7 +152,7 @@ def _whole_kernel(
     if as_raw:
 
         def scatter_raw(paged: Any, objs: Sequence[torch.Tensor]) -> None:
-            rows = _void_rows(_first(paged), geo, item, True)
+            rows = _void_rows(first_paged(paged), geo, item, True)
             for obj, index in steps:
                 rows[index] = raw(objs[obj]).numpy().view(item).reshape(obj_shape)
 
@@ -160,7 +160,7 @@ def _whole_kernel(
 
     def scatter(paged: Any, objs: Sequence[torch.Tensor]) -> None:
         # A chunk's last axis is contiguous and holds whole HS runs: viewed as items in place.
-        rows = _void_rows(_first(paged), geo, item, False)
+        rows = _void_rows(first_paged(paged), geo, item, False)
         for obj, index in steps:
             rows[index] = objs[obj].numpy().view(item).reshape(obj_shape)
 
@@ -180,7 +180,7 @@ def _kernel(
 
     def scatter(paged: Any, objs: Sequence[torch.Tensor]) -> None:
         if -1 in geos:
-            rows = {-1: _void_rows(_first(paged), geos[-1], item, as_raw)}
+            rows = {-1: _void_rows(first_paged(paged), geos[-1], item, as_raw)}
         else:
             units = paged_units(spec, paged)
             rows = {u: _void_rows(units[u], geo, item, as_raw) for u, geo in geos.items()}
@@ -201,14 +201,6 @@ def _void_rows(
     """The ``[R, S, H]`` rows of ``HS`` runs (geometry checked when bound: ``D`` is the
     contiguous last axis)."""
     return _host_array(t.as_strided(*geo), as_raw).view(item)[..., 0]
-
-
-def _first(paged: Any) -> torch.Tensor:
-    """The first paged tensor: one tensor, a list of layers, or K/V lists."""
-    if isinstance(paged, torch.Tensor):
-        return paged
-    first = paged[0]
-    return first if isinstance(first, torch.Tensor) else first[0]  # type: ignore[no-any-return]
 
 
 def _rows_geometry(
