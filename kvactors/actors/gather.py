@@ -312,7 +312,7 @@ class GatherActor(Actor[GatherRequest]):
                 if in_gather and isinstance(exc, Exception):
                     self.count_failure()  # refused in the gather turn
             elif completes:  # the copy ran, or failed, in launch_now: the entry ends (once)
-                self._failed_now(tid, nbytes, None)
+                self._release(self._end(tid, False, nbytes))
             raise
         finally:
             if not given:  # else _begin_plain gave them back
@@ -391,9 +391,6 @@ class GatherActor(Actor[GatherRequest]):
             self.bytes_moved += nbytes
         if released:
             self._release(released)
-
-    def _failed_now(self, tid: int, nbytes: int, _err: BaseException | None) -> None:
-        self._release(self._end(tid, False, nbytes))
 
     def _begin_plain(
         self,
