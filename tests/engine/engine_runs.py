@@ -11,12 +11,29 @@ from __future__ import annotations
 import json
 import subprocess
 import sys
-from typing import TYPE_CHECKING, Any
+import time
+from typing import TYPE_CHECKING, Any, TypeVar
 
 if TYPE_CHECKING:
+    from collections.abc import Callable
     from pathlib import Path
 
-__all__ = ("bits", "kv_checks", "run_engine", "warm")
+__all__ = ("bits", "kv_checks", "poll_until", "run_engine", "warm")
+
+T = TypeVar("T")
+
+
+def poll_until(
+    what: str, probe: Callable[[], T], done: Callable[[T], bool], *, timeout: float = 60.0
+) -> T:
+    """``probe()`` until ``done`` holds for its value; that value. A bounded poll of another
+    process's state (an L2 that LMCache's servers write asynchronously), not a race cover:
+    fails with ``what`` and the last value past ``timeout`` seconds."""
+    deadline = time.monotonic() + timeout
+    while not done(value := probe()):
+        assert time.monotonic() < deadline, f"{what}: {value!r} after {timeout:.0f} s"
+        time.sleep(0.2)
+    return value
 
 
 def run_engine(

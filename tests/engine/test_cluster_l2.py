@@ -28,7 +28,7 @@ from typing import Any
 
 import pytest
 
-from .engine_runs import bits, kv_checks, run_engine, warm
+from .engine_runs import bits, kv_checks, poll_until, run_engine, warm
 from .redis_cluster import RedisCluster
 from .scenario_record import record
 
@@ -41,16 +41,6 @@ pytestmark = pytest.mark.skipif(
 FAULT_BOUND_S = 120.0
 """The most an engine process may take (its start included) while a master is down: it is
 killed past this, and the test fails."""
-
-
-def _wait_for_keys(cluster: RedisCluster, n: int, timeout: float = 60.0) -> list[int]:
-    """Keys per master once the cluster holds at least ``n`` (LMCache writes L2
-    asynchronously)."""
-    deadline = time.monotonic() + timeout
-    while sum(keys := cluster.keys_per_master()) < n:
-        assert time.monotonic() < deadline, f"the cluster holds {keys} keys, expected {n}"
-        time.sleep(0.2)  # bounded poll of other processes
-    return keys
 
 
 @pytest.fixture(scope="module")
@@ -95,7 +85,10 @@ def cluster_run(tmp_path_factory: pytest.TempPathFactory) -> Any:
         for srv in (srv_a, srv_b, srv_c, srv_d):
             srv.wait_ready()
         res["A"] = run_engine(work, spec("A", srv_a.port, "store"), env)
-        res["keys"] = _wait_for_keys(cluster, res["A"]["tap"]["chunks_stored"])
+        n = res["A"]["tap"]["chunks_stored"]
+        res["keys"] = poll_until(
+            f"keys per master (>= {n} in all)", cluster.keys_per_master, lambda k: sum(k) >= n
+        )
         res["B"] = run_engine(work, spec("B", srv_b.port, "warm_single"), env)
         srv_a.stop()
         srv_b.stop()

@@ -22,7 +22,6 @@ from __future__ import annotations
 import contextlib
 import importlib.util
 import os
-import time
 from pathlib import Path
 from typing import Any
 
@@ -30,6 +29,7 @@ import pytest
 
 from .engine_runs import bits as _bits
 from .engine_runs import kv_checks as _kv_checks
+from .engine_runs import poll_until
 from .engine_runs import run_engine as _engine
 from .engine_runs import warm as _warm
 from .scenario_record import record
@@ -41,15 +41,6 @@ pytestmark = pytest.mark.skipif(
 )
 
 FAULT_RATE = 0.5
-
-
-def _wait_for_keys(redis: Any, n: int, timeout: float = 60.0) -> int:
-    """Redis's key count once it holds at least ``n`` (LMCache writes L2 asynchronously)."""
-    deadline = time.monotonic() + timeout
-    while (keys := redis.keys()) < n:
-        assert time.monotonic() < deadline, f"Redis holds {keys} keys, expected {n}"
-        time.sleep(0.2)  # bounded poll of another process
-    return keys
 
 
 @pytest.fixture(scope="module")
@@ -84,7 +75,8 @@ def shared(tmp_path_factory: pytest.TempPathFactory) -> Any:
         res["B"] = _engine(
             work, _spec(opts, "B", model, wl, port=srv1.port, phases=["warm_single"]), env
         )
-        res["redis_keys"] = _wait_for_keys(redis, res["A"]["tap"]["chunks_stored"])
+        n = res["A"]["tap"]["chunks_stored"]
+        res["redis_keys"] = poll_until(f"Redis's keys (>= {n})", redis.keys, lambda k: k >= n)
         srv1.stop()
         srv2 = LMCacheServer(chunk_size=CHUNK, env=server_env, l2_adapters=(resp,))
         stack.callback(srv2.stop)
