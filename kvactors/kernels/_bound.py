@@ -17,7 +17,7 @@ import torch
 
 from kvactors.core.layouts import Direction
 from kvactors.core.plans import paged_units
-from kvactors.kernels._context import KernelContext
+from kvactors.kernels._context import KernelContext, index_values
 from kvactors.kernels._staged import single_kernel
 from kvactors.kernels._views import first_paged, physical_order, raw
 
@@ -144,7 +144,7 @@ class StagedBinding:
                 keys.append(("ids", block_ids[s.start : s.stop]))
             else:
                 keys.append(("rows", block_ids[s.start : s.stop], *rows))
-        indices = scratch.fetch(dev, keys, _values, keep)
+        indices = scratch.fetch(dev, keys, index_values, keep)
         buffers = scratch.buffers(dev, self.staging, dtype)
         flags = self.non_blocking
         decided: list[bool] = []
@@ -167,18 +167,6 @@ class StagedBinding:
                 source.index_copy_(dim, idx, view)
         if flags is None:
             self.non_blocking = tuple(decided)
-
-
-def _values(key: Hashable) -> list[int]:
-    # An index's integers from its key: ("ids", ids) or ("rows", ids, planes, block_rows),
-    # the row numbers plane-major (ScratchCache's keys, shared with the unbound path).
-    parts: tuple[Any, ...] = key  # type: ignore[assignment]
-    if parts[0] == "ids":
-        return list(parts[1])
-    ids: tuple[int, ...] = parts[1]
-    planes: tuple[int, ...] = parts[2]
-    block_rows: int = parts[3]
-    return [r + b * block_rows for r in planes for b in ids]
 
 
 def staged_binding(

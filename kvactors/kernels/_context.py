@@ -12,7 +12,7 @@ from __future__ import annotations
 import array
 import collections
 import functools
-from typing import TYPE_CHECKING
+from typing import TYPE_CHECKING, Any
 
 import torch
 
@@ -29,7 +29,7 @@ if TYPE_CHECKING:
 
     from kvactors.core.plans import Segment, TransferPlan
 
-__all__ = ("KernelContext", "ScratchCache")
+__all__ = ("KernelContext", "ScratchCache", "index_values")
 
 
 class ScratchCache:
@@ -281,13 +281,14 @@ class KernelContext:
         """Key and values of the segment's ``"ids"`` (block ids) or ``"rows"`` (row numbers
         ``[P*NL, n]`` of :attr:`rows`, plane-major, flattened) index, for :attr:`indices`."""
         block_ids = self.plan.request.block_ids[seg.start : seg.stop]
+        key: Hashable
         if kind == "ids":
-            return ("ids", block_ids), lambda: list(block_ids)
-        g = self.plan.rows
-        assert g is not None
-        return ("rows", block_ids, g.plane_layer_rows, g.block_rows), lambda: [
-            r + b * g.block_rows for r in g.plane_layer_rows for b in block_ids
-        ]
+            key = ("ids", block_ids)
+        else:
+            g = self.plan.rows
+            assert g is not None
+            key = ("rows", block_ids, g.plane_layer_rows, g.block_rows)
+        return key, functools.partial(index_values, key)
 
     def ids(self, seg: Segment, device: torch.device | None = None) -> torch.Tensor:
         """The segment's block ids as an int64 tensor on ``device`` (default: the paged
@@ -333,3 +334,16 @@ class KernelContext:
     def unit_planes(self, u: int) -> tuple[int, range]:
         """Layer and planes (as indices into ``P``) held by paged tensor ``u``."""
         return unit_planes(self.plan.spec, self.nl, u)
+
+
+def index_values(key: Hashable) -> list[int]:
+    """An index's integers from its :class:`ScratchCache` key (the one mapping the bound and
+    unbound paths share): ``("ids", ids)``, or ``("rows", ids, planes, block_rows)``, the row
+    numbers plane-major."""
+    parts: tuple[Any, ...] = key  # type: ignore[assignment]
+    if parts[0] == "ids":
+        return list(parts[1])
+    ids: tuple[int, ...] = parts[1]
+    planes: tuple[int, ...] = parts[2]
+    block_rows: int = parts[3]
+    return [r + b * block_rows for r in planes for b in ids]
