@@ -141,7 +141,7 @@ TURNS: Final[dict[tuple[Turn, TurnEvent], Turn]] = {
 """The turn table (see the module docstring), read by every transition: ``(turn, event) ->
 next``. An event a turn does not list changes nothing (a claim is refused, a send queues)."""
 
-_IDLE, _TURN, _SHARED = Turn.IDLE, Turn.TURN, Turn.SHARED
+_IDLE, _SHARED = Turn.IDLE, Turn.SHARED
 _CLAIM, _CLAIM_SHARED, _SEND, _RUN, _END = (
     TurnEvent.CLAIM,
     TurnEvent.CLAIM_SHARED,
