@@ -249,11 +249,6 @@ class KvactorsDeviceOps(DeviceOps):
             )
         return self._current_index() if index is None else index
 
-    def _route(self, device: object) -> tuple[Runtime, int]:
-        """The runtime and device index of a call's device."""
-        index = self._device_index(device)
-        return self._runtimes.get(index) or self._runtime(index), index
-
     def _current_runtime(self) -> Runtime:
         """The runtime of the calling thread's current device, resolved per call.
 
@@ -339,8 +334,11 @@ class KvactorsDeviceOps(DeviceOps):
                     ]
                 except (KeyError, AttributeError, TypeError):  # not converted yet, or in full
                     template = None
-        if template is None:
-            self._transfer_in_full(
+        learned: list[Any] | None = None
+        if template is None:  # converted and checked in full (raises before any copy)
+            if type(paged_buffer_ptrs_tensor) is list:  # once accepted: learn its tensor types
+                learned = paged_buffer_ptrs_tensor
+            request, paged_buffer_ptrs_tensor, index = self._convert_in_full(
                 paged_buffer_ptrs_tensor,
                 lmcache_objects_ptrs,
                 block_ids,
@@ -352,19 +350,17 @@ class KvactorsDeviceOps(DeviceOps):
                 skip_prefix_n_blocks,
                 layerwise,
             )
-            if type(paged_buffer_ptrs_tensor) is list:  # accepted: learn its tensor types
-                kinds = set(map(type, paged_buffer_ptrs_tensor))
-                if kinds and all(issubclass(k, torch.Tensor) for k in kinds):
-                    _LAYER_TENSORS.update(kinds)
-            return
-        if index is None:  # the calling thread's current device, per call
-            index = self._current_index() if self.uses_streams else 0
+        else:
+            request = msgspec.structs.replace(template, block_ids=ids)
+            if index is None:  # the calling thread's current device, per call
+                index = self._current_index() if self.uses_streams else 0
         try:
             rt = self._runtimes[index]
         except KeyError:  # the device's first transfer: its runtime starts there
             rt = self._runtime(index)
-        request = msgspec.structs.replace(template, block_ids=ids)
-        objects: Any = lmcache_objects_ptrs  # checked above: a list of tensors
+        objects: Any = lmcache_objects_ptrs  # checked: a list of tensors
+        # Counted before the call (while this thread's counts are in cache; after the copy
+        # they would not be), taken back if it raises.
         try:
             counts: dict[str, int] = _tls.counts
         except AttributeError:
@@ -385,8 +381,12 @@ class KvactorsDeviceOps(DeviceOps):
         except BaseException:
             counts[key] -= 1
             raise
+        if learned is not None:
+            kinds = set(map(type, learned))
+            if kinds and all(issubclass(k, torch.Tensor) for k in kinds):
+                _LAYER_TENSORS.update(kinds)
 
-    def _transfer_in_full(
+    def _convert_in_full(
         self,
         paged_buffer_ptrs_tensor: torch.Tensor | list[Any],
         lmcache_objects_ptrs: list[int] | list[torch.Tensor],
@@ -398,8 +398,9 @@ class KvactorsDeviceOps(DeviceOps):
         engine_kv_format: Any,
         skip_prefix_n_blocks: int,
         layerwise: bool,
-    ) -> None:
-        """:meth:`multi_layer_block_kv_transfer` with every argument converted and checked."""
+    ) -> tuple[TransferRequest, Any, int]:
+        """A call's request, layers and device index, every argument converted and checked
+        (the one place that raises what a malformed call raises, before anything is copied)."""
         if layerwise is not False:
             _refuse_layerwise(layerwise, self.kvactors_backend)
         convert.check_tensor_operands(paged_buffer_ptrs_tensor, lmcache_objects_ptrs)
@@ -439,27 +440,7 @@ class KvactorsDeviceOps(DeviceOps):
                 if len(self._requests) >= _REQUESTS_KEPT:
                     self._requests.clear()
                 self._requests[same] = request
-        # check_tensor_operands refused anything but tensors: the chunks are tensors.
-        objects: Any = lmcache_objects_ptrs
-        rt, index = self._route(device)
-        # Counted before the call (while this thread's counts are in cache; after the copy
-        # they would not be), taken back if it raises.
-        counts = getattr(_tls, "counts", None)
-        if counts is None:
-            counts = _my_counts()
-        key = self._count_keys[request.direction]
-        counts[key] = counts.get(key, 0) + 1
-        try:
-            rt.transfer(
-                request,
-                paged_buffer_ptrs_tensor,
-                objects,
-                stream_handle=rt.backend.current_stream_handle(index) if self.uses_streams else 0,
-                complete=self.complete_on_return,
-            )
-        except BaseException:
-            counts[key] -= 1
-            raise
+        return request, paged_buffer_ptrs_tensor, self._device_index(device)
 
     # -- completions and events (sync-then-publish through the StreamActor) ----------------
 

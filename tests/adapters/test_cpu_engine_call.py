@@ -70,8 +70,9 @@ def _args(layers: Any, objs: Any, ids: Any, **over: Any) -> dict[str, Any]:
 
 
 def _in_full(ops: Any, **args: Any) -> None:
-    """The op with every argument converted and checked (no reused request)."""
-    ops._transfer_in_full(**{"layerwise": False, **args})
+    """The op with its converted requests forgotten: every argument converted and checked."""
+    ops._requests.clear()
+    ops.multi_layer_block_kv_transfer(**args)
 
 
 class _Recorder:
