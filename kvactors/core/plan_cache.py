@@ -108,8 +108,12 @@ _TENSOR_TYPES: set[type] = {_Tensor}  # tensor classes seen in operand lists
 _INTS = {int}
 
 # Tensor facts, read by ``map`` over the operands: torch.Tensor's own methods for plain
-# tensors, by name for others (a subclass's overrides apply, as in ``plan_transfer``);
-# data pointer, storage offset, stride, inference flag, storage, the storage's size.
+# tensors, by name for others (a subclass's Python methods and properties apply, as in
+# ``plan_transfer``); data pointer, storage offset, stride, inference flag, storage, the
+# storage's size. Read with torch function dispatch off (``_NO_TORCH_FUNCTION``): a
+# subclass's ``__torch_function__`` runs for none of them (the tensor's own metadata, what
+# its kernels' views address), so a subclass whose ``__torch_function__`` answers these
+# reads in Python (a fake device's tensors) costs no more per fact than a plain tensor.
 _METHODS = ("data_ptr", "storage_offset", "stride", "is_inference", "untyped_storage", "nbytes")
 _PLAIN_READERS: tuple[Callable[[Any], Any], ...] = (
     *(getattr(_Tensor, name) for name in _METHODS[:-1]),
@@ -117,6 +121,7 @@ _PLAIN_READERS: tuple[Callable[[Any], Any], ...] = (
 )
 _ANY_READERS: tuple[Callable[[Any], Any], ...] = tuple(map(operator.methodcaller, _METHODS))
 _PLAIN = {_Tensor}
+_NO_TORCH_FUNCTION = torch._C.DisableTorchFunctionSubclass
 _PAGED_ATTRS = operator.attrgetter("shape", "dtype", "device")
 _CHUNK_ATTRS = operator.attrgetter("shape", "dtype", "device", "itemsize", "nbytes")
 # Errors of reading a fact of a tensor without one (no storage, a sparse layout): such
@@ -251,40 +256,45 @@ class PlanCache:
             structure, units, chunks = nested
             readers = _ANY_READERS
         data_ptr, storage_offset, stride, is_inference, untyped_storage, nbytes = readers
+        inside = True  # every chunk within its storage
         try:
-            p_inference = tuple(map(is_inference, units))
-            c_inference = tuple(map(is_inference, chunks))
-            if units:
-                s = untyped_storage(units[0])
-                storage: tuple[int, int] | None = (s._cdata, nbytes(s))
-            else:
-                storage = None
-            c_attrs = tuple(map(_CHUNK_ATTRS, chunks))
-            key = (
-                head,
-                structure,
-                tuple(map(data_ptr, units)),
-                tuple(map(storage_offset, units)),
-                tuple(map(_PAGED_ATTRS, units)),
-                tuple(map(stride, units)),
-                p_inference,
-                storage,
-                c_attrs,
-                tuple(map(stride, chunks)),
-                c_inference,
-            )
-            ptrs = tuple(map(data_ptr, chunks))
-            # A chunk outside its storage (a storage may shrink under a chunk after its plan
-            # was made) is not keyed: validation refuses it.
-            for (_, _, _, itemsize, size), offset, room in zip(
-                c_attrs,
-                map(storage_offset, chunks),
-                map(nbytes, map(untyped_storage, chunks)),
-                strict=True,
-            ):
-                if offset * itemsize + size > room:
-                    return Lookup(self._validate(request, paged, objects))
+            with _NO_TORCH_FUNCTION():
+                p_inference = tuple(map(is_inference, units))
+                c_inference = tuple(map(is_inference, chunks))
+                if units:
+                    s = untyped_storage(units[0])
+                    storage: tuple[int, int] | None = (s._cdata, nbytes(s))
+                else:
+                    storage = None
+                c_attrs = tuple(map(_CHUNK_ATTRS, chunks))
+                key = (
+                    head,
+                    structure,
+                    tuple(map(data_ptr, units)),
+                    tuple(map(storage_offset, units)),
+                    tuple(map(_PAGED_ATTRS, units)),
+                    tuple(map(stride, units)),
+                    p_inference,
+                    storage,
+                    c_attrs,
+                    tuple(map(stride, chunks)),
+                    c_inference,
+                )
+                ptrs = tuple(map(data_ptr, chunks))
+                # A chunk outside its storage (a storage may shrink under a chunk after its plan
+                # was made) is not keyed: validation refuses it.
+                for (_, _, _, itemsize, size), offset, room in zip(
+                    c_attrs,
+                    map(storage_offset, chunks),
+                    map(nbytes, map(untyped_storage, chunks)),
+                    strict=True,
+                ):
+                    if offset * itemsize + size > room:
+                        inside = False
+                        break
         except _FACT_ERRORS:  # a tensor without these facts: validated, and refused
+            return Lookup(self._validate(request, paged, objects))
+        if not inside:
             return Lookup(self._validate(request, paged, objects))
         inference = True in p_inference or True in c_inference
         try:

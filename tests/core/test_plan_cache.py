@@ -559,3 +559,47 @@ def test_a_rebind_of_plain_operands_is_one_python_frame(direction: int) -> None:
     assert frames == ["lookup"]
     assert cache.rebinds == 1
     assert found.plan == _full(req, paged, other)
+
+
+class _Counted(torch.Tensor):
+    """A subclass answering every torch call in Python (as a fake device's tensors do),
+    counting them; its ``device`` is a Python property."""
+
+    calls: int = 0
+    placed = "cpu"
+
+    @classmethod
+    def __torch_function__(cls, func: Any, types: Any, args: Any = (), kwargs: Any = None) -> Any:
+        _Counted.calls += 1
+        return super().__torch_function__(func, types, args, kwargs)
+
+    @property
+    def device(self) -> torch.device:  # type: ignore[override]
+        return torch.device(_Counted.placed)
+
+
+def test_a_rebind_of_subclass_operands_runs_no_torch_function() -> None:
+    """The key's facts are read with torch function dispatch off: a subclass answering torch
+    calls in Python costs no call of its ``__torch_function__`` on a warm lookup (other ids,
+    other chunks), while its Python properties are still read (a changed device misses)."""
+    cache = PlanCache("cpu", 0)
+    paged, objs = _operands()
+    paged = [p.as_subclass(_Counted) for p in paged]
+    objs = [o.as_subclass(_Counted) for o in objs]
+    req = _request()
+    assert _planned(cache, req, paged, objs)
+    other = [torch.zeros_like(objs[0]).as_subclass(_Counted)]
+    _Counted.calls = 0
+    found = cache.lookup(_request(block_ids=(6, 1)), paged, other)
+    assert _Counted.calls == 0
+    assert cache.rebinds == 1
+    assert found.plan == _full(_request(block_ids=(6, 1)), paged, other)
+    _Counted.placed = "meta"  # a fact only the Python property answers
+    try:
+        with pytest.raises(KvactorsError) as full:
+            _full(req, paged, objs)
+        with pytest.raises(KvactorsError) as refused:
+            cache.plan(req, paged, objs)
+        assert str(refused.value) == str(full.value)
+    finally:
+        _Counted.placed = "cpu"
