@@ -3,12 +3,14 @@
 Run in a fresh interpreter (``kvactors doctor`` does; LMCache caches its detection per
 process)::
 
-    python .../kvactors_lmcache/detect.py [--fake mlu|musa]
+    python .../kvactors_lmcache/detect.py
 
 It imports lmcache and reads LMCache's own answers (the selected backend, every registered
 spec's ``is_available()``, the MP transfer mode), reporting an import error and still reading
-the registry. ``--fake KIND`` installs kvactors' fake vendor first. Missing private names
-become ``unknown`` fields.
+the registry. Missing private names become ``unknown`` fields. It imports nothing of kvactors
+(nor torch) before lmcache: what is imported first changes LMCache's registry (with torch
+first it lists ``hpu``). ``kvactors doctor --fake KIND`` installs kvactors' fake vendor
+module in the interpreter before it runs this file.
 """
 
 from __future__ import annotations
@@ -19,10 +21,7 @@ import importlib.metadata
 import json
 import os
 import sys
-from typing import TYPE_CHECKING, Any
-
-if TYPE_CHECKING:
-    from collections.abc import Iterator
+from typing import Any
 
 __all__ = ("detect", "main")
 
@@ -133,26 +132,11 @@ def detect() -> dict[str, Any]:
     return out
 
 
-@contextlib.contextmanager
-def _maybe_fake(kind: str | None) -> Iterator[None]:
-    if kind is None:
-        yield
-        return
-    from kvactors.testing import fake_vendor
-
-    with fake_vendor(kind):
-        yield
-
-
 def main(argv: list[str] | None = None) -> int:
     """Print :func:`detect`'s answer as one JSON line; exit 0 even when detection raised."""
-    ap = argparse.ArgumentParser(description=__doc__.splitlines()[0])
-    ap.add_argument("--fake", choices=("mlu", "musa"), default=None,
-                    help="install kvactors' fake vendor module first")  # fmt: skip
-    args = ap.parse_args(argv)
+    argparse.ArgumentParser(description=__doc__.splitlines()[0]).parse_args(argv)
     os.environ.setdefault("LMCACHE_TRACK_USAGE", "false")
-    with _maybe_fake(args.fake):
-        result = detect()
+    result = detect()
     sys.stdout.flush()
     print(json.dumps(result))
     return 0

@@ -7,6 +7,10 @@ backends' probes and the command lines of this host's LMCache servers (``/proc/*
 for their ``--hash-algorithm``). When torch_mlu ships its CUDA-migration module
 (``torch_mlu.utils.gpu_migration``, which makes ``torch.cuda`` answer for the MLU), LMCache is
 asked a second time in a subprocess that imports it first.
+
+Three stages: :func:`collect` gathers a frozen :class:`DoctorReport`, :func:`judge` runs the
+small named rules of :data:`RULES` on it (each ``DoctorReport -> list[Finding]``), and
+:func:`format_doctor` prints it.
 """
 
 from __future__ import annotations
@@ -19,6 +23,7 @@ import os
 import platform
 import subprocess
 import sys
+from collections.abc import Callable
 from pathlib import Path
 from typing import TYPE_CHECKING, Literal
 
@@ -37,16 +42,27 @@ __all__ = (
     "LMCACHE_TESTED",
     "DoctorReport",
     "Finding",
+    "RULES",
     "LMCacheServerProcess",
     "RegisteredBackend",
+    "Rule",
     "Selection",
     "ask_lmcache",
+    "backend_rule",
     "collect",
+    "cpu_plugin_rule",
     "cuda_masquerades",
     "format_doctor",
     "hash_findings",
+    "hash_rule",
+    "judge",
+    "lmcache_rule",
     "lmcache_servers",
-    "migration_findings",
+    "migration_rule",
+    "plugins_rule",
+    "selection_rule",
+    "threads_rule",
+    "torch_rule",
 )
 
 BACKEND_ENV = "LMCACHE_DEVICE_BACKEND"
@@ -77,9 +93,6 @@ _VENDOR_DISTS = {
 _PLUGIN_GROUP = "lmcache.device_plugins"
 _ADAPTER = "kvactors_lmcache"
 _DETECT_TIMEOUT_S = 180.0
-_RUN_FILE = (
-    "import runpy, sys; sys.argv = sys.argv[1:]; runpy.run_path(sys.argv[0], run_name='__main__')"
-)
 CUDA_MIGRATION_MODULE = "torch_mlu.utils.gpu_migration"
 """torch_mlu's CUDA-migration mode: importing it makes ``torch.cuda`` answer for the MLU."""
 _SERVER_MODULES = ("lmcache.v1.multiprocess.server",)
@@ -157,7 +170,10 @@ class DoctorReport(msgspec.Struct, frozen=True, kw_only=True):
     adapter_importable: bool
     selection: Selection
     env: dict[str, str]
+    """The variables of :data:`ENV_VARS` and ``KVACTORS_*`` set where the report was taken
+    (the rules read them here)."""
     findings: list[Finding]
+    """What :data:`RULES` found (:func:`judge`)."""
     fake: str | None = None
     """The fake vendor module the report was taken under (``kvactors doctor --fake``)."""
     lmcache_servers: list[LMCacheServerProcess] = msgspec.field(default_factory=list)
@@ -235,8 +251,7 @@ def ask_lmcache(
         return Selection(
             outcome="unknown", error=f"the adapter package {_ADAPTER} (detect.py) cannot be found"
         )
-    run = f"import {CUDA_MIGRATION_MODULE}; " + _RUN_FILE if cuda_migration else _RUN_FILE
-    cmd = [sys.executable, "-c", run, str(script)] + (["--fake", fake] if fake else [])
+    cmd = [sys.executable, "-c", _run_detect(fake, cuda_migration=cuda_migration), str(script)]
     sub_env = {"LMCACHE_TRACK_USAGE": "false", **env}
     try:
         proc = subprocess.run(
@@ -268,6 +283,26 @@ def ask_lmcache(
         transfer_mode_reason=str(mode.get("reason") or ""),
         registry=registry,
         source=f"LMCache {raw.get('lmcache') or '?'} detection, in a subprocess",
+    )
+
+
+def _run_detect(fake: str | None, *, cuda_migration: bool) -> str:
+    """The ``python -c`` code that runs ``detect.py`` (its path: ``sys.argv[1]``): after the
+    CUDA-migration module's import with ``cuda_migration``, and inside kvactors' fake vendor
+    module of ``fake`` when one is named (else nothing of kvactors is imported before lmcache,
+    whose registry depends on what was imported first)."""
+    lines = [f"import {CUDA_MIGRATION_MODULE}"] if cuda_migration else []
+    lines += ["import runpy, sys", "sys.argv = sys.argv[1:]"]
+    run = "runpy.run_path(sys.argv[0], run_name='__main__')"
+    if fake is None:
+        return "\n".join([*lines, run])
+    return "\n".join(
+        [
+            *lines,
+            "from kvactors.testing import fake_vendor",
+            f"with fake_vendor({fake!r}):",
+            f"    {run}",
+        ]
     )
 
 
@@ -377,6 +412,7 @@ def _migration_state() -> str:
 
 @contextlib.contextmanager
 def _maybe_fake(kind: str | None) -> Iterator[None]:
+    # kvactors.testing is imported only for --fake.
     if kind is None:
         yield
         return
@@ -436,7 +472,7 @@ def collect(env: dict[str, str] | None = None, *, fake: str | None = None) -> Do
         )
     else:
         report = msgspec.structs.replace(report, cuda_migration=migration)
-    return msgspec.structs.replace(report, findings=_findings(report, e))
+    return msgspec.structs.replace(report, findings=judge(report))
 
 
 def _pick_lines(r: DoctorReport) -> list[str]:
@@ -461,22 +497,31 @@ def _pick_lines(r: DoctorReport) -> list[str]:
     ]
 
 
-def _findings(r: DoctorReport, env: dict[str, str]) -> list[Finding]:
+def torch_rule(r: DoctorReport) -> list[Finding]:
+    """The running torch against the tested range (and the vendor stacks built on it)."""
     level, message, fix = torch_range_advice(
         r.torch, {k: r.packages.get(k) for k in ("torch_mlu", "torch_musa")}
     )
-    out = [Finding(level=level, topic="torch", message=message, fix=fix)]
+    return [Finding(level=level, topic="torch", message=message, fix=fix)]
+
+
+_BACKEND_FIX = {
+    "mlu": "install Cambricon's torch_mlu built for this torch and check `cnmon` "
+    "sees a device (and MLU_VISIBLE_DEVICES)",
+    "musa": "install Moore Threads' torch_musa built for this torch and check "
+    "`mthreads-gmi` sees a device (and MUSA_VISIBLE_DEVICES)",
+    "cuda": "needs an NVIDIA GPU and a CUDA build of torch (optional: tests only)",
+}
+
+
+def backend_rule(r: DoctorReport) -> list[Finding]:
+    """Each backend: available, or why not and what would make it so."""
+    out = []
     for p in r.backends:
+        topic = f"backend {p.backend}"
         if p.available:
-            out.append(Finding(level="ok", topic=f"backend {p.backend}", message="available"))
+            out.append(Finding(level="ok", topic=topic, message="available"))
             continue
-        fix = {
-            "mlu": "install Cambricon's torch_mlu built for this torch and check `cnmon` "
-            "sees a device (and MLU_VISIBLE_DEVICES)",
-            "musa": "install Moore Threads' torch_musa built for this torch and check "
-            "`mthreads-gmi` sees a device (and MUSA_VISIBLE_DEVICES)",
-            "cuda": "needs an NVIDIA GPU and a CUDA build of torch (optional: tests only)",
-        }.get(p.backend, "")
         sim = (
             " `kvactors demo --device " + p.backend + "` still runs on the fake module"
             if p.backend in ("mlu", "musa")
@@ -485,15 +530,20 @@ def _findings(r: DoctorReport, env: dict[str, str]) -> list[Finding]:
         out.append(
             Finding(
                 level="info",
-                topic=f"backend {p.backend}",
+                topic=topic,
                 message=f"unavailable: {p.reason}.{sim}",
-                fix=fix,
+                fix=_BACKEND_FIX.get(p.backend, ""),
             )
         )
+    return out
+
+
+def lmcache_rule(r: DoctorReport) -> list[Finding]:
+    """Whether lmcache is installed, and in a version the adapter is tested against."""
     lm = r.packages.get("lmcache")
     tested = " or ".join(LMCACHE_TESTED)
     if lm is None:
-        out.append(
+        return [
             Finding(
                 level="info",
                 topic="lmcache",
@@ -501,39 +551,49 @@ def _findings(r: DoctorReport, env: dict[str, str]) -> list[Finding]:
                 "is inactive",
                 fix=f"install lmcache {tested} with scripts/install-lmcache.sh (see README)",
             )
+        ]
+    if lm in LMCACHE_TESTED:
+        return []
+    return [
+        Finding(
+            level="warn",
+            topic="lmcache",
+            message=f"lmcache {lm} is installed; the adapter is tested against {tested}",
+            fix="LMCACHE_VERSION=0.5.6 scripts/install-lmcache.sh",
         )
-    else:
-        if lm not in LMCACHE_TESTED:
-            out.append(
-                Finding(
-                    level="warn",
-                    topic="lmcache",
-                    message=f"lmcache {lm} is installed; the adapter is tested against {tested}",
-                    fix="LMCACHE_VERSION=0.5.6 scripts/install-lmcache.sh",
-                )
+    ]
+
+
+def plugins_rule(r: DoctorReport) -> list[Finding]:
+    """With lmcache installed: kvactors' entry points registered, its adapter package found."""
+    if r.packages.get("lmcache") is None:
+        return []
+    out = []
+    if not r.kvactors_plugins:
+        out.append(
+            Finding(
+                level="warn",
+                topic="plugins",
+                message="kvactors' LMCache entry points are not registered",
+                fix="reinstall kvactors into this environment (pip install -e . from the "
+                "repository, or the wheel) so its entry points are registered",
             )
-        if not r.kvactors_plugins:
-            out.append(
-                Finding(
-                    level="warn",
-                    topic="plugins",
-                    message="kvactors' LMCache entry points are not registered",
-                    fix="reinstall kvactors into this environment (pip install -e . from the "
-                    "repository, or the wheel) so its entry points are registered",
-                )
+        )
+    if not r.adapter_importable:
+        out.append(
+            Finding(
+                level="warn",
+                topic="plugins",
+                message="the adapter package kvactors_lmcache cannot be found",
+                fix="reinstall kvactors (the wheel ships adapters/kvactors_lmcache)",
             )
-        if not r.adapter_importable:
-            out.append(
-                Finding(
-                    level="warn",
-                    topic="plugins",
-                    message="the adapter package kvactors_lmcache cannot be found",
-                    fix="reinstall kvactors (the wheel ships adapters/kvactors_lmcache)",
-                )
-            )
-    out += _selection_findings(r, env)
-    out += migration_findings(r)
-    out += hash_findings(r.lmcache_servers)
+        )
+    return out
+
+
+def hash_rule(r: DoctorReport) -> list[Finding]:
+    """Each LMCache server's hash (:func:`hash_findings`); with none running, what to pick."""
+    out = hash_findings(r.lmcache_servers)
     if not r.lmcache_servers and r.packages.get("lmcache") is not None:
         out.append(
             Finding(
@@ -545,31 +605,42 @@ def _findings(r: DoctorReport, env: dict[str, str]) -> list[Finding]:
                 "would find none of what its L2 holds)",
             )
         )
-    accel = [p.backend for p in r.backends if p.available and p.backend != "cpu"]
-    if env.get("KVACTORS_LMCACHE_CPU", "").strip() == "1" and accel:
-        out.append(
-            Finding(
-                level="warn",
-                topic="KVACTORS_LMCACHE_CPU",
-                message=f"KVACTORS_LMCACHE_CPU=1 on a host with {', '.join(accel)}: the CPU plugin "
-                "wins LMCache's auto-detection (cpu comes first) and hijacks torch_dev",
-                fix="unset KVACTORS_LMCACHE_CPU outside tests",
-            )
-        )
-    if r.torch_threads > 1 and "OMP_NUM_THREADS" not in env:
-        out.append(
-            Finding(
-                level="info",
-                topic="threads",
-                message=f"torch uses {r.torch_threads} intra-op threads; on small shared hosts "
-                "parallel copies stall when any other thread runs",
-                fix="benchmarks pin 1 thread and report 2 threads separately",
-            )
-        )
     return out
 
 
-def _selection_findings(r: DoctorReport, env: dict[str, str]) -> list[Finding]:
+def cpu_plugin_rule(r: DoctorReport) -> list[Finding]:
+    """``KVACTORS_LMCACHE_CPU=1`` on a host with an accelerator: the CPU plugin wins."""
+    accel = [p.backend for p in r.backends if p.available and p.backend != "cpu"]
+    if r.env.get("KVACTORS_LMCACHE_CPU", "").strip() != "1" or not accel:
+        return []
+    return [
+        Finding(
+            level="warn",
+            topic="KVACTORS_LMCACHE_CPU",
+            message=f"KVACTORS_LMCACHE_CPU=1 on a host with {', '.join(accel)}: the CPU plugin "
+            "wins LMCache's auto-detection (cpu comes first) and hijacks torch_dev",
+            fix="unset KVACTORS_LMCACHE_CPU outside tests",
+        )
+    ]
+
+
+def threads_rule(r: DoctorReport) -> list[Finding]:
+    """More than one torch intra-op thread with ``OMP_NUM_THREADS`` unset."""
+    if r.torch_threads <= 1 or "OMP_NUM_THREADS" in r.env:
+        return []
+    return [
+        Finding(
+            level="info",
+            topic="threads",
+            message=f"torch uses {r.torch_threads} intra-op threads; on small shared hosts "
+            "parallel copies stall when any other thread runs",
+            fix="benchmarks pin 1 thread and report 2 threads separately",
+        )
+    ]
+
+
+def selection_rule(r: DoctorReport) -> list[Finding]:
+    """What LMCache selects here (asked in a subprocess), and how to make it kvactors."""
     s = r.selection
     if s.outcome == "absent":
         return []
@@ -595,7 +666,7 @@ def _selection_findings(r: DoctorReport, env: dict[str, str]) -> list[Finding]:
         if "Multiple LMCache backends" in s.error:
             fix = f"choose one: export {BACKEND_ENV}=<backend_name> in every process; " + how
         elif BACKEND_ENV in s.error:
-            named = env.get(BACKEND_ENV, "").strip().lower()
+            named = r.env.get(BACKEND_ENV, "").strip().lower()
             probe = next((b for b in r.selection.registry if b.backend == named), None)
             dev = next((p for p in r.backends if probe and p.backend == probe.device_type), None)
             why = f" ({dev.reason})" if dev is not None and not dev.available else ""
@@ -617,7 +688,7 @@ def _selection_findings(r: DoctorReport, env: dict[str, str]) -> list[Finding]:
     ]
 
 
-def migration_findings(r: DoctorReport) -> list[Finding]:
+def migration_rule(r: DoctorReport) -> list[Finding]:
     """What LMCache selects under torch_mlu's CUDA migration, and whether that is kvactors."""
     s = r.selection_under_migration
     if r.cuda_migration == "absent":
@@ -659,6 +730,30 @@ def migration_findings(r: DoctorReport) -> list[Finding]:
             "takes the MLU plugin whatever torch.cuda claims)",
         )
     ]
+
+
+Rule = Callable[[DoctorReport], list[Finding]]
+"""One judgement of a report: the findings it adds (none when it has nothing to say)."""
+
+RULES: tuple[Rule, ...] = (
+    torch_rule,
+    backend_rule,
+    lmcache_rule,
+    plugins_rule,
+    selection_rule,
+    migration_rule,
+    hash_rule,
+    cpu_plugin_rule,
+    threads_rule,
+)
+"""The doctor's rules, in the order their findings are printed."""
+
+
+def judge(r: DoctorReport) -> list[Finding]:
+    """Every rule's findings on ``r`` (its ``findings`` field is not read), in rule order.
+
+    The rules read the environment the report was taken in from ``r.env``."""
+    return [f for rule in RULES for f in rule(r)]
 
 
 _MARK = {"ok": "[ ok ]", "info": "[info]", "warn": "[WARN]", "error": "[FAIL]"}

@@ -332,19 +332,19 @@ def test_cuda_masquerade_is_seen_when_torch_cuda_is_torch_mlus(
 def test_the_selection_under_cuda_migration_is_judged(
     backend: str, kvactors: bool, level: str
 ) -> None:
-    from kvactors.cli.doctor import Selection, collect, migration_findings
+    from kvactors.cli.doctor import Selection, collect, migration_rule
 
     base = collect(_env())
     sel = Selection(outcome="selected", backend=backend, device_type="cuda", kvactors=kvactors)
     report = msgspec.structs.replace(
         base, cuda_migration="available", selection_under_migration=sel
     )
-    (finding,) = migration_findings(report)
+    (finding,) = migration_rule(report)
     assert finding.level == level
     assert f"LMCache selects {backend}" in finding.message
     if level == "warn":
         assert "LMCACHE_DEVICE_BACKEND=kvactors_mlu" in finding.fix
-    assert migration_findings(msgspec.structs.replace(report, cuda_migration="absent")) == []
+    assert migration_rule(msgspec.structs.replace(report, cuda_migration="absent")) == []
 
 
 @needs_lmcache
