@@ -42,6 +42,7 @@ __all__ = (
     "TransferValidationError",
     "UnknownMessageError",
     "UnsupportedOperationError",
+    "transfer_failed",
     "translate",
     "translating",
 )
@@ -228,6 +229,12 @@ def translate(err: BaseException, make: Callable[[str], KvactorsError]) -> BaseE
     exc = make(str(err) or type(err).__name__)
     exc.__cause__ = err
     return exc
+
+
+def transfer_failed(err: BaseException, transfer_id: int, device: str) -> BaseException:
+    """:func:`translate` for a transfer: ``err`` itself if it is a kvactors error, else a
+    :class:`TransferFailedError` of ``transfer_id`` on ``device`` caused by it."""
+    return translate(err, lambda m: TransferFailedError(m, transfer_id=transfer_id, device=device))
 
 
 @contextlib.contextmanager

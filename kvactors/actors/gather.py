@@ -72,8 +72,7 @@ from kvactors.core.protocols.stream import Launch
 from kvactors.errors import (
     OperandTypeError,
     TransferAbandonedError,
-    TransferFailedError,
-    translate,
+    transfer_failed,
 )
 from kvactors.kernels.transfer import ScratchCache
 from kvactors.kernels.transfer import torch_kernel as make_kernel
@@ -380,7 +379,8 @@ class GatherActor(Actor[GatherRequest]):
             self._release(released)
         finally:
             if done is not None:
-                done.settle(None if err is None else self._failure(err, tid))
+                device = f"{self.backend.kind}:{self.index}"
+                done.settle(None if err is None else transfer_failed(err, tid, device))
 
     def _done_now(self, tid: int, nbytes: int) -> None:
         # The ledger exit of a plain-call copy that completed in its launch (a call of its
@@ -447,14 +447,6 @@ class GatherActor(Actor[GatherRequest]):
             else:
                 self.transfers_failed += 1
         return released
-
-    def _failure(self, err: BaseException, tid: int) -> BaseException:
-        return translate(
-            err,
-            lambda m: TransferFailedError(
-                m, transfer_id=tid, device=f"{self.backend.kind}:{self.index}"
-            ),
-        )
 
     def _stream_failed(self, handle: int) -> None:
         # Work on the stream failed (any thread): block ids its kernels uploaded without

@@ -55,7 +55,7 @@ from kvactors.core.protocols.stream import (
 from kvactors.errors import (
     DeviceOpError,
     OperandTypeError,
-    TransferFailedError,
+    transfer_failed,
     translate,
 )
 
@@ -246,7 +246,7 @@ class StreamActor(Actor[StreamRequest]):
                 work.fn()
             except BaseException as exc:
                 self.count_failure()
-                env.settle(_failed(exc, tid, self._device))
+                env.settle(transfer_failed(exc, tid, self._device))
                 if isinstance(exc, Exception):
                     return DEFERRED
                 raise
@@ -261,7 +261,7 @@ class StreamActor(Actor[StreamRequest]):
         except BaseException as exc:
             # A job never submitted, or one that will find its reply failed.
             if job is None:
-                self.forget(env, _failed(exc, tid, self._device))
+                self.forget(env, transfer_failed(exc, tid, self._device))
             elif job.state is _Job.NEW and self.holds(env):
                 job.done(exc)
             raise
@@ -364,7 +364,7 @@ class StreamActor(Actor[StreamRequest]):
                     self.count_failure()
                 self._salvage(kernel, reaped, exc, launched and not completes)
             if launched and isinstance(exc, Exception):
-                raise _failed(exc, tid, self._device) from None
+                raise transfer_failed(exc, tid, self._device) from None
             raise
         finally:
             if claimed:
@@ -510,7 +510,7 @@ class _LaunchJob:
         if err is None:
             self.settle(None, Launched(transfer_id=self.tid, nbytes=self.nbytes))
         else:
-            self.settle(_failed(err, self.tid, self.actor._device), None)
+            self.settle(transfer_failed(err, self.tid, self.actor._device), None)
 
     def run(self) -> None:
         actor, work = self.actor, self.work
@@ -565,10 +565,6 @@ def _settle(fut: asyncio.Future[bool], value: bool | None, exc: BaseException | 
         fut.set_exception(exc)
     else:
         fut.set_result(bool(value))
-
-
-def _failed(err: BaseException, transfer_id: int, device: str) -> BaseException:
-    return translate(err, lambda m: TransferFailedError(m, transfer_id=transfer_id, device=device))
 
 
 def _sync_failed(err: BaseException, device: str) -> BaseException:
