@@ -174,8 +174,14 @@ class Runtime:
         """Whether :meth:`close` was called."""
         return self._closed
 
-    def close(self, timeout: float | None = None) -> None:
+    def close(self, timeout: float | None = None, *, grace: float = _GRACE) -> None:
         """Stop the actors (bounded), then the loop; idempotent. Pending calls fail.
+
+        Args:
+            timeout: The actors' stop timeout (default: the runtime's ``stop_timeout``).
+            grace: Seconds allowed past the timeouts for the loop to finish the stop and for
+                its thread to end (a loop stuck in foreign code costs ``4 * timeout + 2 *
+                grace`` before the close fails the pending calls itself).
 
         Raises:
             DeviceOpError: a stream lane's threads did not end in time (they were abandoned
@@ -192,12 +198,12 @@ class Runtime:
         stopping = actors.stop(timeout=t)
         stopped = asyncio.run_coroutine_threadsafe(stopping, loop)
         try:
-            stopped.result(timeout=3 * t + _GRACE)
+            stopped.result(timeout=3 * t + grace)
         except Exception:  # the loop is stopped regardless; pending calls are failed below
             if stopped.cancel():  # never started (a stuck loop): it never will
                 stopping.close()
         loop.call_soon_threadsafe(loop.stop)
-        thread.join(timeout=t + _GRACE)
+        thread.join(timeout=t + grace)
         closed = ActorClosedError("runtime closed before replying", actor="runtime")
         with self._lock:
             leftovers, self._outstanding = self._outstanding, {}

@@ -25,6 +25,7 @@ from kvactors.core.plans import TransferRequest
 from kvactors.errors import DeviceOpError
 from kvactors.runtime import Runtime
 from kvactors.testing.manual import ManualBackend
+from tests._device_actors import loop_of, started_actors
 
 if TYPE_CHECKING:
     from kvactors.actors.stream import StreamActor
@@ -170,15 +171,15 @@ def test_a_lane_abandoned_by_a_timed_out_stop_ends_with_its_reaper_once_unblocke
 
 @pytest.mark.parametrize("call", ["record_completion", "synchronize"])
 def test_a_call_that_races_its_stream_actors_retirement_is_served_by_the_next_actor(
-    call: str,
+    call: str, monkeypatch: pytest.MonkeyPatch
 ) -> None:
     """The directory retires a borrowed stream's idle actor right between a call's lookup and
     its send (the actor refuses: nothing ran): the call goes to the handle's new actor."""
+    started = started_actors(monkeypatch)
     with Runtime("cpu") as rt:
         rt.synchronize(1)  # handle 1 has an actor, idle
-        actors, loop = rt._actors, rt._loop
-        assert actors is not None
-        assert loop is not None
+        (actors,) = started
+        loop = loop_of(actors)
         streams = actors.streams
         lookup = streams.get
         raced: list[StreamActor] = []

@@ -16,7 +16,6 @@ from typing import TYPE_CHECKING, Any
 import pytest
 import torch
 
-import kvactors.runtime._runtime as runtime_mod
 from kvactors.actors.actor import Actor
 from kvactors.actors.group import DeviceActors
 from kvactors.core.layouts import Direction, KVFormat, ShapeDesc
@@ -164,10 +163,9 @@ class _Admitted:
         pass
 
 
-def test_close_fails_replies_the_actors_never_settled(monkeypatch: pytest.MonkeyPatch) -> None:
+def test_close_fails_replies_the_actors_never_settled() -> None:
     # A loop stuck in foreign code: neither the stop nor the queued ask ever runs on it, so
     # only close()'s own bookkeeping can answer the caller.
-    monkeypatch.setattr(runtime_mod, "_GRACE", 0.05)
     backend = _StuckOpen()
     shared = backend.alloc_shared((4,), torch.float32)
     assert shared.tensor is not None
@@ -186,7 +184,7 @@ def test_close_fails_replies_the_actors_never_settled(monkeypatch: pytest.Monkey
         )
         caller.start()
         assert admitted.gate.wait(10)  # registered before admission; queued behind the open
-        rt.close(timeout=0.05)
+        rt.close(timeout=0.05, grace=0.05)
         caller.join(10)
         assert len(results) == 1
         assert isinstance(results[0], ActorClosedError)

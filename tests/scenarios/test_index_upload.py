@@ -20,6 +20,7 @@ from kvactors.core.layouts import Direction
 from kvactors.devices.mlu import MluBackend
 from kvactors.runtime import Runtime
 from kvactors.testing import fake_vendor
+from tests._device_actors import started_actors
 from tests.scenarios._kv import BPC, NB, expected_gather, objects, paged, request, same
 
 KINDS = ["mlu", "musa"]
@@ -90,16 +91,18 @@ def test_uploads_that_have_not_run_yet_serve_later_calls_in_stream_order(kind: s
 
 @pytest.mark.parametrize("kind", KINDS)
 @pytest.mark.parametrize("layout", ["nhd", "mla"])
-def test_a_warm_call_neither_plans_nor_binds(kind: str, layout: str) -> None:
+def test_a_warm_call_neither_plans_nor_binds(
+    kind: str, layout: str, monkeypatch: pytest.MonkeyPatch
+) -> None:
     """Planned and bound once on an accelerator: after the first call of an operand set,
     calls with other block ids only rebind the plan's ids (no full validation) and run the
     entry's staged binding, made once; another pool (other operands) plans and binds anew."""
     from kvactors.kernels._bound import StagedBinding
 
+    started = started_actors(monkeypatch)
     with fake_vendor(kind) as fake, Runtime(_backend(kind), default_timeout=60.0) as rt:
         handle = rt.backend.current_stream_handle(0)
-        actors = rt._actors
-        assert actors is not None
+        (actors,) = started
         plans = actors.gather.plans
 
         def run(p: Any, ids: tuple[int, ...]) -> None:

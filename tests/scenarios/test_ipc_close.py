@@ -29,11 +29,13 @@ from kvactors.devices.musa.backend import MusaBackend
 from kvactors.runtime import Runtime
 from kvactors.testing import fake_vendor
 from kvactors.testing.manual import ManualBackend
+from tests._device_actors import started_actors
 from tests.scenarios._kv import BS, CHUNK, DTYPE, HS, NB, NH, expected_gather, request, same, shape
 
 if TYPE_CHECKING:
     from collections.abc import AsyncIterator
 
+    from kvactors.actors.group import DeviceActors
     from kvactors.actors.reply import Reply
 
 _WAIT = 10.0  # bounds a wait only a hang would exhaust; never decides a result
@@ -163,7 +165,9 @@ class _HeldMusa(MusaBackend):  # type: ignore[misc]
         return run
 
 
-def test_close_waits_for_a_transfer_queued_at_the_gather_actor_before_it() -> None:
+def test_close_waits_for_a_transfer_queued_at_the_gather_actor_before_it(
+    monkeypatch: pytest.MonkeyPatch,
+) -> None:
     """Rule 2 across actors: a transfer reading the context's view, submitted (``atransfer``)
     before the close while another caller holds the GatherActor's turn, runs before the
     owner is closed; the close answers after it."""
@@ -173,14 +177,14 @@ def test_close_waits_for_a_transfer_queued_at_the_gather_actor_before_it() -> No
     def out() -> list[torch.Tensor]:
         return [torch.full((2, 1, CHUNK, NH * HS), -1.0, dtype=DTYPE)]
 
+    started = started_actors(monkeypatch)
     with fake_vendor("musa", seed=2) as fake:
         backend = _HeldMusa()
         with Runtime(backend) as rt:
             source = torch.randn(layer).to(DTYPE)
             exported = fake.to_device(source.clone())  # the exporter keeps it alive
             view = rt.open_ipc(backend.ipc_export(exported), context_id=1)
-            actors = rt._actors
-            assert actors is not None
+            (actors,) = started
             owner = next(iter(actors.ipc._owners[1].values()))
             close = owner.close
 
@@ -237,13 +241,11 @@ class _RetiredCopy:
     idle after it. The fake runs every work item ``delay`` seconds late, so the copy lands
     well after everything else here."""
 
-    def __init__(self, fake: Any, rt: Runtime, backend: MusaBackend) -> None:
+    def __init__(self, fake: Any, rt: Runtime, backend: MusaBackend, actors: DeviceActors) -> None:
         layer = (2, NB, BS, NH, HS)
         source = torch.randn(layer).to(DTYPE)
         self.exported = fake.to_device(source.clone())  # the exporter keeps it alive
         view = rt.open_ipc(backend.ipc_export(self.exported), context_id=1)
-        actors = rt._actors
-        assert actors is not None
         self.owner = next(iter(actors.ipc._owners[1].values()))
         # Pinned (the fake pins): a D2H into pageable memory blocks its caller.
         self.got = [torch.full((2, 1, CHUNK, NH * HS), -1.0, dtype=DTYPE).pin_memory()]
@@ -270,15 +272,18 @@ class _RetiredCopy:
         return same(self.got[0], self.want)
 
 
-def test_close_waits_for_the_copy_of_a_retired_borrowed_stream_actor() -> None:
+def test_close_waits_for_the_copy_of_a_retired_borrowed_stream_actor(
+    monkeypatch: pytest.MonkeyPatch,
+) -> None:
     """Rule 2 across a retirement (audit H1): a close of the context waits for the copy a
     retired stream actor's lane still watches, although no running actor knows that stream."""
     with fake_vendor("musa", delay=1.0) as fake:
         import torch_musa  # noqa: F401  (the fake)
 
         backend = MusaBackend()
+        started = started_actors(monkeypatch)
         with Runtime(backend) as rt:
-            case = _RetiredCopy(fake, rt, backend)
+            case = _RetiredCopy(fake, rt, backend, *started)
             landed_at_close: list[bool] = []
             close = case.owner.close
 
@@ -291,7 +296,9 @@ def test_close_waits_for_the_copy_of_a_retired_borrowed_stream_actor() -> None:
             assert landed_at_close == [True], "the owner closed under the retired stream's copy"
 
 
-def test_retiring_an_actor_whose_lane_watches_a_copy_abandons_no_lane() -> None:
+def test_retiring_an_actor_whose_lane_watches_a_copy_abandons_no_lane(
+    monkeypatch: pytest.MonkeyPatch,
+) -> None:
     """A retirement is housekeeping on a healthy device: a retired actor's stop waits for the
     copy its lane watches, however short the stop timeout, so the lane is never abandoned
     and ``Runtime.close`` does not raise."""
@@ -299,9 +306,10 @@ def test_retiring_an_actor_whose_lane_watches_a_copy_abandons_no_lane() -> None:
         import torch_musa  # noqa: F401  (the fake)
 
         backend = MusaBackend()
+        started = started_actors(monkeypatch)
         rt = Runtime(backend, stop_timeout=0.3).start()  # shorter than the copy
         try:
-            case = _RetiredCopy(fake, rt, backend)
+            case = _RetiredCopy(fake, rt, backend, *started)
             rt.fence([2, 3])
             assert case.landed()
         finally:

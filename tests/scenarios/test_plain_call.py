@@ -34,6 +34,7 @@ from kvactors.errors import ActorClosedError
 from kvactors.runtime import Runtime
 from kvactors.testing import fake_vendor
 from kvactors.testing.manual import ManualBackend
+from tests._device_actors import loop_of, started_actors
 from tests.scenarios._kv import expected_gather, objects, paged, request, same
 
 if TYPE_CHECKING:
@@ -169,12 +170,14 @@ def test_a_plain_call_waiting_for_completion_holds_no_turn_and_answers_once_the_
 
 
 @pytest.mark.parametrize("kind", ["cpu", "mlu", "musa"])
-def test_a_queued_message_is_not_overtaken_by_a_plain_call(kind: str) -> None:
+def test_a_queued_message_is_not_overtaken_by_a_plain_call(
+    kind: str, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    started = started_actors(monkeypatch)
     with _runtime(kind) as (rt, layers, _fake):
         rt.transfer(request(Direction.D2H, (0, 1)), layers, objects(1))  # warm
         rt.synchronize()
-        loop = rt._loop
-        assert loop is not None
+        loop = loop_of(*started)
         held, entered = threading.Event(), threading.Event()
 
         def hold() -> None:
