@@ -72,6 +72,7 @@ def run_fast(
     staged: bool | None = None,
     checked: bool = False,
     keep: list[torch.Tensor] | None = None,
+    use_numpy: bool | None = None,
 ) -> None:
     """Execute a validated plan with the fast kernels.
 
@@ -91,6 +92,10 @@ def run_fast(
             list alive until the stream ran the copies, and calls the scratch cache's
             ``invalidate`` when work on the stream failed. Without it new ids are uploaded
             synchronously.
+        use_numpy: Whether the host paths may view tensors as numpy arrays; ``None``
+            (default): where numpy is installed (:func:`numpy_usable`). Without it a host
+            gather builds its row index with torch and a host scatter takes the per-segment
+            torch path: the same bytes.
 
     Raises:
         TransferValidationError: The operands are not the ones the plan was made for, or
@@ -109,11 +114,11 @@ def run_fast(
     if not use_staging and not plan.on_host:
         raise TransferValidationError("device tensors need the staged path", field="staged")
     if not use_staging:
-        bind = _host_binder(plan, paged, objs)
+        bind = _host_binder(plan, paged, objs, use_numpy, _ROWS_FIRST_BYTES)
         if bind is not None:
             bind(plan)(paged, objs)
             return
-    _run_general(plan, units, objs, use_staging, copy, scratch, {}, keep)
+    _run_general(plan, units, objs, use_staging, copy, scratch, {}, keep, use_numpy)
 
 
 def _run_general(
@@ -125,14 +130,15 @@ def _run_general(
     scratch: ScratchCache | None,
     indices: dict[tuple[str, int, int, str], torch.Tensor],
     keep: list[torch.Tensor] | None = None,
+    use_numpy: bool | None = None,
 ) -> None:
     """The per-segment paths (host) or the staged path (device); ``indices`` keeps the plan's
-    host index tensors between calls of the same plan."""
+    host index tensors between calls of the same plan; ``use_numpy`` as for :func:`run_fast`."""
     ctx = KernelContext(plan, units, indices)
     raw_objs = [raw(o) for o in objs]
     if not use_staging:
         d2h = plan.direction is Direction.D2H
-        np_ok = numpy_usable()
+        np_ok = numpy_usable() if use_numpy is None else use_numpy
         for seg in plan.segments:
             if d2h:
                 gather_segment(ctx, seg, raw_objs[seg.obj])
@@ -155,6 +161,7 @@ def reused_kernel(
     memo: KernelMemo,
     *,
     inference: bool = False,
+    rows_first_bytes: int = _ROWS_FIRST_BYTES,
 ) -> Kernel:
     """The kernel ``kernel(paged, objects)`` of a host plan the plan cache matched to these
     operands; ``memo`` is the cache entry's (the path and its views' geometry are decided on
@@ -162,14 +169,18 @@ def reused_kernel(
     kernel).
 
     ``inference``: an operand is an inference tensor (made under ``torch.inference_mode``),
-    which torch writes only in inference mode; the kernel then runs in it."""
+    which torch writes only in inference mode; the kernel then runs in it.
+
+    ``rows_first_bytes``: a full host gather over a stacked view of at least this many bytes
+    whose block planes are rows takes the rows path before the stacked one (default: the
+    size from which the rows path copies faster); read on the entry's first plan only."""
     ids = plan.request.block_ids
     last = memo.last
     if last is not None and last[0] == ids:
         return last[1]
     bind = memo.binder
     if bind is None:
-        bind = _binder(plan, paged, objects)
+        bind = _binder(plan, paged, objects, rows_first_bytes)
         if inference:
             bind = _in_inference_mode(bind)
         memo.binder = bind
@@ -178,9 +189,11 @@ def reused_kernel(
     return kernel
 
 
-def _binder(plan: TransferPlan, paged: Any, objects: Sequence[torch.Tensor]) -> Binder:
+def _binder(
+    plan: TransferPlan, paged: Any, objects: Sequence[torch.Tensor], rows_first_bytes: int
+) -> Binder:
     if plan.on_host and plan.segments:
-        bind = _host_binder(plan, paged, objects)
+        bind = _host_binder(plan, paged, objects, None, rows_first_bytes)
         if bind is not None:
             return bind
 
@@ -212,42 +225,52 @@ def _in_inference_mode(
     return bind_inference
 
 
-def _host_binder(plan: TransferPlan, paged: Any, objects: Sequence[torch.Tensor]) -> Binder | None:
+def _host_binder(
+    plan: TransferPlan,
+    paged: Any,
+    objects: Sequence[torch.Tensor],
+    use_numpy: bool | None,
+    rows_first_bytes: int,
+) -> Binder | None:
     """The binder of a host plan's one-call path, or ``None`` when none applies (a scatter
     without numpy, an ``HS`` axis that is not contiguous). A gather over a stacked view:
     a small one takes the stacked path first (one torch call less than the rows path's view
-    plus index_select), a big one the rows path first (one ``memcpy`` per block plane copies
-    faster), one with a partial segment (a skipped prefix, a short last chunk) the stacked
-    path; a gather without a stacked view takes one call per object and paged tensor
-    (:mod:`kvactors.kernels._units`). A scatter takes the rows path (integer rows, the GIL
-    released) where the block planes are tight and every segment full, else the block-plane
-    rows of :mod:`kvactors.kernels._planes`."""
+    plus index_select), one of ``rows_first_bytes`` or more the rows path first (one
+    ``memcpy`` per block plane copies faster), one with a partial segment (a skipped
+    prefix, a short last chunk) the stacked path; a gather without a stacked view takes one
+    call per object and paged tensor (:mod:`kvactors.kernels._units`). A scatter takes the
+    rows path (integer rows, the GIL released) where the block planes are tight and every
+    segment full, else the block-plane rows of :mod:`kvactors.kernels._planes`.
+    ``use_numpy`` as for :func:`run_fast`."""
     unit0 = first_paged(paged)
     bpo = plan.request.chunk_size // plan.request.shape.bs
     full = all(seg.count == bpo for seg in plan.segments)
     gather = plan.direction is Direction.D2H
     if not gather:
-        if not numpy_usable():
+        if not (numpy_usable() if use_numpy is None else use_numpy):
             return None
         if full and plan.rows is not None:
-            return _rows_binder(plan, unit0, objects)
+            return _rows_binder(plan, unit0, objects, True)
         return planes_scatter_binder(plan, paged, objects)
     stacked = plan.stacked is not None
     if not stacked:
         return units_gather_binder(plan, paged, objects)
     if not full:
         return _stacked_binder(plan, unit0, objects)
-    if not (plan.rows is not None and plan.nbytes >= _ROWS_FIRST_BYTES):
+    if not (plan.rows is not None and plan.nbytes >= rows_first_bytes):
         bind = _stacked_binder(plan, unit0, objects)
         if bind is not None:
             return bind
     if plan.rows is not None:
-        return _rows_binder(plan, unit0, objects)
+        return _rows_binder(plan, unit0, objects, use_numpy)
     return _stacked_binder(plan, unit0, objects)
 
 
 def _rows_binder(
-    plan: TransferPlan, unit0: torch.Tensor, objects: Sequence[torch.Tensor]
+    plan: TransferPlan,
+    unit0: torch.Tensor,
+    objects: Sequence[torch.Tensor],
+    use_numpy: bool | None,
 ) -> Binder:
     g, direction = plan.rows, plan.direction
     assert g is not None
@@ -255,7 +278,7 @@ def _rows_binder(
     as_raw = any(objects[seg.obj].dtype is not unit0.dtype for seg in plan.segments)
 
     def bind(p: TransferPlan) -> Kernel:
-        return _rows_kernel(g, direction, _rows_steps(p), as_raw)
+        return _rows_kernel(g, direction, _rows_steps(p, use_numpy), as_raw)
 
     return bind
 
@@ -401,15 +424,18 @@ def _stacked_geometry(
     return (src.shape, src.stride(), src.storage_offset()), dim, tuple(outs)
 
 
-def _rows_steps(plan: TransferPlan) -> tuple[tuple[int, torch.Tensor, Any], ...]:
+def _rows_steps(
+    plan: TransferPlan, use_numpy: bool | None
+) -> tuple[tuple[int, torch.Tensor, Any], ...]:
     """Per segment: its object, its flat row index ``[P*NL*bpo]`` as a tensor and (with
-    numpy) as an array; every segment's in a handful of calls."""
+    numpy: ``use_numpy``, ``None`` where it is installed) as an array; every segment's in a
+    handful of calls."""
     g = plan.rows
     assert g is not None
     bpo = plan.request.chunk_size // plan.request.shape.bs
     segs = plan.segments
     block_ids = [plan.request.block_ids[seg.start : seg.stop] for seg in segs]
-    if numpy_usable():
+    if numpy_usable() if use_numpy is None else use_numpy:
         import numpy as np
 
         ids_np = np.asarray(block_ids, dtype=np.int64) * g.block_rows

@@ -16,7 +16,7 @@ from kvactors.core.layouts import KVFormat
 from kvactors.core.plan_cache import KernelMemo
 from kvactors.core.plans import TransferPlan, plan_transfer
 from kvactors.errors import TransferValidationError
-from kvactors.kernels import _moves, fast
+from kvactors.kernels import fast
 from kvactors.kernels.fast import ScratchCache, run_fast
 from kvactors.kernels.reference import run_reference
 from tests._transfer_cases import ALLOCS, Case, block_view, raw, same_bytes, snapshot
@@ -72,23 +72,19 @@ def test_fast_equals_reference(fmt: KVFormat, alloc: str, direction: int) -> Non
 
 
 @pytest.mark.parametrize("fmt", [NHD, HND, KVFormat.TWO_X_NL_X_NB_BS_NH_HS])
-def test_numpy_free_fallbacks_match(fmt: KVFormat, monkeypatch: pytest.MonkeyPatch) -> None:
-    monkeypatch.setattr(_moves, "_NUMPY", False)
+def test_numpy_free_fallbacks_match(fmt: KVFormat) -> None:
     for alloc in ("stacked", "separate"):
-        both(mk(fmt, alloc=alloc), 0, [5, 0, 7, 2, 3, 6])
-        both(mk(fmt, alloc=alloc), 0, [5, 6, 7, 1], skip=2)
+        both(mk(fmt, alloc=alloc), 0, [5, 0, 7, 2, 3, 6], use_numpy=False)
+        both(mk(fmt, alloc=alloc), 0, [5, 6, 7, 1], skip=2, use_numpy=False)
 
 
 @pytest.mark.parametrize("fmt", [NHD, HND, MLA, KVFormat.TWO_X_NL_X_NB_BS_NH_HS])
 @pytest.mark.parametrize("alloc", ["stacked", "gapped", "permuted", "separate"])
-def test_numpy_free_gather_matches(
-    fmt: KVFormat, alloc: str, monkeypatch: pytest.MonkeyPatch
-) -> None:
+def test_numpy_free_gather_matches(fmt: KVFormat, alloc: str) -> None:
     # without numpy the host gather builds its rows index with torch (numpy otherwise) and
     # the per-plane paths use index_select instead of numpy take: the same bytes
-    monkeypatch.setattr(_moves, "_NUMPY", False)
-    both(mk(fmt, alloc=alloc), 1, [5, 0, 7, 2, 3, 6])
-    both(mk(fmt, alloc=alloc), 1, [5, 6, 7, 1], skip=2)
+    both(mk(fmt, alloc=alloc), 1, [5, 0, 7, 2, 3, 6], use_numpy=False)
+    both(mk(fmt, alloc=alloc), 1, [5, 6, 7, 1], skip=2, use_numpy=False)
 
 
 def test_reference_matches_lmcache_oracle_for_nhd() -> None:
@@ -299,7 +295,7 @@ def test_hot_path_allocates_nothing_chunk_sized(
 @pytest.mark.parametrize("fmt", [NHD, HND, MLA, KVFormat.TWO_X_NL_X_NB_BS_NH_HS])
 @pytest.mark.parametrize("direction", [0, 1])
 def test_reused_plan_allocates_nothing_chunk_sized(
-    fmt: KVFormat, alloc: str, direction: int, path: str, monkeypatch: pytest.MonkeyPatch
+    fmt: KVFormat, alloc: str, direction: int, path: str
 ) -> None:
     """A plan run once through ``run_fast`` or as the kernel the runtime specialises once per
     cached plan (``reused_kernel``, in either order of preference) copies nothing
@@ -314,8 +310,8 @@ def test_reused_plan_allocates_nothing_chunk_sized(
             run_fast(p, paged, objs, checked=True)
 
     else:
-        monkeypatch.setattr(fast, "_ROWS_FIRST_BYTES", 0 if "rows" in path else 1 << 62)
-        kernel = fast.reused_kernel(p, paged, objs, KernelMemo())
+        first = 0 if "rows" in path else 1 << 62
+        kernel = fast.reused_kernel(p, paged, objs, KernelMemo(), rows_first_bytes=first)
 
         def call() -> None:
             kernel(paged, objs)
@@ -332,13 +328,13 @@ def test_reused_plan_allocates_nothing_chunk_sized(
 @pytest.mark.parametrize("alloc", ALLOCS)
 @pytest.mark.parametrize("direction", [0, 1])
 def test_reused_kernel_matches_the_reference(
-    fmt: KVFormat, alloc: str, direction: int, rows_first: bool, monkeypatch: pytest.MonkeyPatch
+    fmt: KVFormat, alloc: str, direction: int, rows_first: bool
 ) -> None:
     """The kernel the runtime specialises once per cached plan (``reused_kernel``: the
     stacked gather, the rows path, or the general kernel, in either order of preference)
     moves exactly the reference's bytes on every call, and a plan of other block ids on the
     same operands (one memo: the binder decided by the first) moves its own blocks."""
-    monkeypatch.setattr(fast, "_ROWS_FIRST_BYTES", 0 if rows_first else 1 << 62)
+    first = 0 if rows_first else 1 << 62
     c = mk(fmt, alloc=alloc)
     memo = KernelMemo()
     for ids in ([5, 0, 7, 2, 3, 6], [1, 4, 6, 7, 0, 5], [5, 0, 7, 2]):
@@ -354,7 +350,7 @@ def test_reused_kernel_matches_the_reference(
                     ta.copy_(fresh)
                     tb.copy_(fresh)
             run_reference(pa, paged_a, objs_a)
-            fast.reused_kernel(pb, paged_b, objs_b, memo)(paged_b, objs_b)
+            fast.reused_kernel(pb, paged_b, objs_b, memo, rows_first_bytes=first)(paged_b, objs_b)
             assert same_bytes(back_a, back_b)
             assert same_bytes(objs_a, objs_b)
         assert memo.binder is not None
