@@ -134,14 +134,15 @@ def test_a_native_hook_with_no_native_to_run_is_never_entered(
     with Runtime(backend) as rt:
         rt.transfer(req, [fake_mlu.to_device(t) for t in cpu], objs)
         assert entered == []
-        # An instance whose hook is replaced after the start: called from then on.
-        hooked: list[bool] = []
-        hook = backend.transfer_kernel
+    # A subclass with its own hook (and still no native): its hook is called on every transfer.
+    hooked: list[bool] = []
 
-        def own(*args: Any) -> Any:
+    class Own(MluBackend):
+        def transfer_kernel(self, *args: Any) -> Any:
             hooked.append(True)
-            return hook(*args)
+            return super().transfer_kernel(*args)
 
-        backend.transfer_kernel = own  # type: ignore[method-assign,assignment]
+    with Runtime(Own(env=env)) as rt:
         rt.transfer(req, [fake_mlu.to_device(t) for t in cpu], objs)
-    assert hooked == [True]
+        rt.transfer(req, [fake_mlu.to_device(t) for t in cpu], objs)
+    assert hooked == [True, True]
