@@ -22,8 +22,9 @@ SHARED   work may run beside others' (CPU copies)                    end_turn
 IDLE     RUN: the task's loop runs the FIFO head                     TURN (on the loop)
 TURN     END: the turn ends (an interrupt ends it too)               IDLE; the task is woken
                                                                      if anything is queued
-SHARED   END: a shared hold ends                                     SHARED n-1; the last:
-                                                                     IDLE
+SHARED   END: a shared hold ends, not the last                       SHARED n-1
+SHARED   END_LAST: the last shared hold ends                         IDLE; the task is woken
+                                                                     if anything is queued
 =======  ==========================================================  ========================
 
 Besides the table: a claim and a running send also need an empty FIFO (a plain call never
@@ -127,6 +128,8 @@ class TurnEvent(str, enum.Enum):
     SEND = "send"
     RUN = "run"
     END = "end"
+    END_LAST = "end_last"
+    """The last shared hold ends (only shared holds are counted)."""
 
 
 TURNS: Final[dict[tuple[Turn, TurnEvent], Turn]] = {
@@ -136,18 +139,20 @@ TURNS: Final[dict[tuple[Turn, TurnEvent], Turn]] = {
     (Turn.SHARED, TurnEvent.CLAIM_SHARED): Turn.SHARED,
     (Turn.IDLE, TurnEvent.RUN): Turn.TURN,
     (Turn.TURN, TurnEvent.END): Turn.IDLE,
-    (Turn.SHARED, TurnEvent.END): Turn.SHARED,  # IDLE once the last shared hold ended
+    (Turn.SHARED, TurnEvent.END): Turn.SHARED,
+    (Turn.SHARED, TurnEvent.END_LAST): Turn.IDLE,
 }
 """The turn table (see the module docstring), read by every transition: ``(turn, event) ->
 next``. An event a turn does not list changes nothing (a claim is refused, a send queues)."""
 
 _IDLE, _SHARED = Turn.IDLE, Turn.SHARED
-_CLAIM, _CLAIM_SHARED, _SEND, _RUN, _END = (
+_CLAIM, _CLAIM_SHARED, _SEND, _RUN, _END, _END_LAST = (
     TurnEvent.CLAIM,
     TurnEvent.CLAIM_SHARED,
     TurnEvent.SEND,
     TurnEvent.RUN,
     TurnEvent.END,
+    TurnEvent.END_LAST,
 )
 
 
@@ -405,12 +410,12 @@ class Actor(Generic[M]):
         """End a :meth:`claim` (processed unless ``ran`` is false); once none is held, the
         task runs what queued meanwhile. Returns False: ``claimed = actor.end_turn()``."""
         with self._mutex:
-            turn = self._turn
-            nxt = TURNS.get((turn, _END), turn)
+            turn, event = self._turn, _END
             if turn is _SHARED:
                 self._holds -= 1
                 if not self._holds:
-                    nxt = _IDLE
+                    event = _END_LAST
+            nxt = TURNS.get((turn, event), turn)
             self._turn = nxt
             self._processed += ran
             more = nxt is _IDLE and bool(self._fifo)

@@ -81,12 +81,17 @@ async def test_every_pair_of_the_turn_table(turn: Turn, event: TurnEvent) -> Non
             assert actor.turn is turn
         else:
             assert [t for t, _ in actor.seen] == [nxt]
-    else:  # END
-        actor.end_turn()
-        want = turn if nxt is None else nxt
+    elif event is TurnEvent.END:
         if turn is Turn.SHARED:
-            want = Turn.IDLE  # the last shared hold ended
-        assert actor.turn is want
+            assert actor.claim(shared=True)  # a second hold: this end is not the last
+        actor.end_turn()
+        assert actor.turn is (turn if nxt is None else nxt)
+    else:  # END_LAST: only shared holds are counted, so only a shared turn has a last one
+        if turn is Turn.SHARED:
+            actor.end_turn()
+            assert actor.turn is nxt
+        else:
+            assert nxt is None
     # Whatever was refused or queued runs once the turn is given back.
     while actor.turn is not Turn.IDLE:
         actor.end_turn()
