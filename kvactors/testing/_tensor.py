@@ -6,6 +6,12 @@ in-place, ``out=`` and tensor-producing ops are enqueued on the current stream (
 allocated at once from ``meta`` shapes). Blocking or pageable copies synchronize; the
 ``strided_d2h_bug`` knob reproduces torch_mlu's async strided D2H. A reader that forgot to
 wait sees stale bytes.
+
+Dispatch is a table: the first call of a torch function resolves, from its name, the handler
+that runs it (``_HANDLERS``), and later calls go straight to it. Names whose answer never
+depends on the arguments have their own handlers (metadata queries, views, basic indexing);
+everything else takes the general path, which asks the ``meta`` device what the call
+produces, every call.
 """
 
 from __future__ import annotations
@@ -22,9 +28,14 @@ if TYPE_CHECKING:
 
     from kvactors.testing._owner import Owner
 
+    Handler = Callable[[Callable[..., Any], tuple[Any, ...], dict[str, Any]], Any]
+
 __all__ = ("FakeDeviceTensor", "move_to", "parse_to", "plain", "wrap")
 
 _NoTF = torch._C.DisableTorchFunctionSubclass
+_is_alias_of = torch._C._is_alias_of  # type: ignore[attr-defined]
+# torch's own factory: a fake installs a wrapper over ``torch.empty_strided``.
+_empty_strided = torch._C._VariableFunctions.empty_strided
 
 _METADATA_INPLACE = frozenset(
     {
@@ -68,6 +79,64 @@ _HOST_READS = frozenset(
         "__dlpack__",
     }
 )
+# Queries of a tensor's metadata: a number (or the storage) for any arguments, never a tensor,
+# and no device work (the general path would find that out on ``meta`` every call).
+_METADATA = frozenset(
+    {
+        "size",
+        "stride",
+        "dim",
+        "ndimension",
+        "numel",
+        "nelement",
+        "element_size",
+        "storage_offset",
+        "data_ptr",
+        "untyped_storage",
+        "is_contiguous",
+        "is_inference",
+        "is_floating_point",
+        "is_complex",
+        "is_signed",
+        "get_device",
+        "__len__",
+    }
+)
+# Views of their first argument for any arguments (``reshape``, ``contiguous``, ``flatten``
+# and indexing copy for some arguments, so they are not here).
+_VIEWS = frozenset(
+    {
+        "view",
+        "view_as",
+        "as_strided",
+        "select",
+        "narrow",
+        "permute",
+        "transpose",
+        "swapaxes",
+        "swapdims",
+        "t",
+        "unsqueeze",
+        "squeeze",
+        "expand",
+        "expand_as",
+        "diagonal",
+        "movedim",
+        "moveaxis",
+        "unbind",
+        "split",
+        "split_with_sizes",
+        "chunk",
+        "unfold",
+        "detach",
+        "alias",
+    }
+)
+# Ops that only allocate: no kernel runs on a real device.
+_NO_KERNEL = frozenset({"new_empty", "new_empty_strided", "empty_like"})
+# Distinct torch functions seen are few (the API's size); the bound only guards against
+# callables made per call.
+_MEMO_LIMIT = 4096
 
 
 class FakeDeviceTensor(torch.Tensor):
@@ -105,7 +174,11 @@ class FakeDeviceTensor(torch.Tensor):
         args: tuple[Any, ...] = (),
         kwargs: dict[str, Any] | None = None,
     ) -> Any:
-        return _dispatch(func, args, kwargs or {})
+        try:
+            handler = _HANDLERS[func]
+        except (KeyError, TypeError):
+            handler = _handler_of(func)
+        return handler(func, args, kwargs or {})
 
 
 def wrap(t: torch.Tensor, vendor: Owner, index: int) -> FakeDeviceTensor:
@@ -134,8 +207,70 @@ def plain(t: torch.Tensor) -> torch.Tensor:
     return t
 
 
-# Ops that only allocate: no kernel runs on a real device.
-_NO_KERNEL = frozenset({"new_empty", "new_empty_strided", "empty_like"})
+# ---- argument trees (what torch's pytree walks, without its per-call cost) ---------------
+
+_NODES = (tuple, list, dict)
+
+
+def _leaves(tree: Any, out: list[Any]) -> list[Any]:
+    """Append the pytree leaves of ``tree`` to ``out``: plain tuples, lists and dicts are
+    walked here, any other container by pytree (its order: depth first, dicts by insertion)."""
+    tp = type(tree)
+    if tp is tuple or tp is list or tp is dict:
+        for x in tree.values() if tp is dict else tree:
+            if isinstance(x, _NODES):
+                _leaves(x, out)
+            else:
+                out.append(x)
+    elif isinstance(tree, _NODES):
+        out.extend(pytree.tree_leaves(tree))
+    else:
+        out.append(tree)
+    return out
+
+
+def _map_tensors(fn: Callable[[torch.Tensor], Any], tree: Any) -> Any:
+    """``tree`` with ``fn`` applied to its tensors (``pytree.tree_map`` for tensor leaves)."""
+    tp = type(tree)
+    if tp is tuple or tp is list:
+        out = []
+        for x in tree:
+            if isinstance(x, torch.Tensor):
+                out.append(fn(x))
+            elif isinstance(x, _NODES):
+                out.append(_map_tensors(fn, x))
+            else:
+                out.append(x)
+        return tuple(out) if tp is tuple else out
+    if tp is dict:
+        res = {}
+        for k, x in tree.items():
+            if isinstance(x, torch.Tensor):
+                res[k] = fn(x)
+            elif isinstance(x, _NODES):
+                res[k] = _map_tensors(fn, x)
+            else:
+                res[k] = x
+        return res
+    if isinstance(tree, torch.Tensor):
+        return fn(tree)
+    if isinstance(tree, _NODES) and tp is not torch.Size:
+        return pytree.tree_map(lambda x: fn(x) if isinstance(x, torch.Tensor) else x, tree)
+    return tree
+
+
+def _first_fake(args: tuple[Any, ...], kwargs: dict[str, Any]) -> FakeDeviceTensor:
+    if args and isinstance(args[0], FakeDeviceTensor):
+        return args[0]
+    for x in _leaves((args, kwargs), []):
+        if isinstance(x, FakeDeviceTensor):
+            return x
+    raise TypeError("a fake device tensor's dispatch got no fake device tensor")
+
+
+# ---- the dispatch table: one handler per torch function, resolved on its first call ------
+
+_HANDLERS: dict[Callable[..., Any], Handler] = {}
 
 
 def _name(func: Callable[..., Any]) -> str:
@@ -146,36 +281,165 @@ def _name(func: Callable[..., Any]) -> str:
     return str(name)
 
 
-def _dispatch(func: Callable[..., Any], args: tuple[Any, ...], kwargs: dict[str, Any]) -> Any:
-    flat, _ = pytree.tree_flatten((args, kwargs))
-    first = next(x for x in flat if isinstance(x, FakeDeviceTensor))
-    vendor, index = first._fake_vendor, first._fake_index
-    name = _name(func)
+def _handler_of(func: Callable[..., Any]) -> Handler:
+    """Resolve (and remember, where ``func`` is hashable) the handler of ``func``."""
+    handler = _resolve(_name(func))
+    try:
+        if len(_HANDLERS) < _MEMO_LIMIT:
+            _HANDLERS[func] = handler
+    except TypeError:  # an unhashable callable: resolved on every call
+        pass
+    return handler
 
-    if name.startswith("get:") or name in _METADATA_INPLACE:
-        with _NoTF():
-            out = func(*args, **kwargs)
-        if name in _METADATA_INPLACE:
-            return args[0] if args else out
-        return _wrap_all(out, vendor, index)
+
+def _resolve(name: str) -> Handler:
+    """The handler of the torch function called ``name`` (what it does never depends on
+    the call, or the handler looks at the call)."""
+    if name.startswith("get:"):
+        return _get
+    if name in _METADATA_INPLACE:
+        return _metadata_inplace
     if name == "to":
-        device, dtype, non_blocking, copy = parse_to(args, kwargs)
-        idx = parse_fake_device(device, vendor.kind, vendor.current_device())
-        if device is not None and idx is not None:
-            return move_to(args[0], vendor, vendor.device_index(idx), dtype, non_blocking, copy)
-        if device is None and (dtype is None or dtype == args[0].dtype) and not copy:
-            return args[0]
-    if name in _HOST_READS or (name == "to" and _targets_cpu(args, kwargs)):
-        return _host_read(func, args, kwargs, vendor, index)
+        return _to
+    if name in _HOST_READS:
+        return _host_read_op
     if name == "copy_":
-        return _copy(args, kwargs, vendor, index)
-    if (
-        (name.endswith("_") and not name.startswith("__"))
-        or name == "__setitem__"
-        or ("out" in kwargs and kwargs["out"] is not None)
+        return _copy_op
+    if (name.endswith("_") and not name.startswith("__")) or name == "__setitem__":
+        return _mutation_op
+    if name in _METADATA:
+        return _metadata
+    if name in _VIEWS:
+        return _view
+    if name == "__getitem__":
+        return _getitem
+    return _general
+
+
+def _get(func: Callable[..., Any], args: tuple[Any, ...], kwargs: dict[str, Any]) -> Any:
+    """A property (``shape``, ``dtype``, ``T``...): at once; tensors stay on the device."""
+    with _NoTF():
+        out = func(*args, **kwargs)
+    if isinstance(out, torch.Tensor) or (
+        isinstance(out, _NODES) and not isinstance(out, torch.Size)
     ):
+        first = _first_fake(args, kwargs)
+        return _wrap_all(out, first._fake_vendor, first._fake_index)
+    return out
+
+
+def _metadata_inplace(
+    func: Callable[..., Any], args: tuple[Any, ...], kwargs: dict[str, Any]
+) -> Any:
+    """An in-place change of metadata only (``set_``, ``squeeze_``...): at once."""
+    with _NoTF():
+        out = func(*args, **kwargs)
+    return args[0] if args else out
+
+
+def _to(func: Callable[..., Any], args: tuple[Any, ...], kwargs: dict[str, Any]) -> Any:
+    first = _first_fake(args, kwargs)
+    vendor = first._fake_vendor
+    device, dtype, non_blocking, copy = parse_to(args, kwargs)
+    idx = parse_fake_device(device, vendor.kind, vendor.current_device())
+    if device is not None and idx is not None:
+        return move_to(args[0], vendor, vendor.device_index(idx), dtype, non_blocking, copy)
+    if device is None and (dtype is None or dtype == args[0].dtype) and not copy:
+        return args[0]
+    if _targets_cpu(args, kwargs):
+        return _host_read(func, args, kwargs, vendor, first._fake_index)
+    return _general(func, args, kwargs)
+
+
+def _host_read_op(func: Callable[..., Any], args: tuple[Any, ...], kwargs: dict[str, Any]) -> Any:
+    first = _first_fake(args, kwargs)
+    return _host_read(func, args, kwargs, first._fake_vendor, first._fake_index)
+
+
+def _copy_op(func: Callable[..., Any], args: tuple[Any, ...], kwargs: dict[str, Any]) -> Any:
+    first = _first_fake(args, kwargs)
+    return _copy(args, kwargs, first._fake_vendor, first._fake_index)
+
+
+def _mutation_op(func: Callable[..., Any], args: tuple[Any, ...], kwargs: dict[str, Any]) -> Any:
+    first = _first_fake(args, kwargs)
+    return _enqueue_mutation(func, args, kwargs, first._fake_vendor, first._fake_index)
+
+
+def _general(func: Callable[..., Any], args: tuple[Any, ...], kwargs: dict[str, Any]) -> Any:
+    """Any other function: ``out=`` is a queued mutation, the rest is computed."""
+    first = _first_fake(args, kwargs)
+    vendor, index = first._fake_vendor, first._fake_index
+    if kwargs.get("out") is not None:
         return _enqueue_mutation(func, args, kwargs, vendor, index)
     return _compute(func, args, kwargs, vendor, index)
+
+
+def _metadata(func: Callable[..., Any], args: tuple[Any, ...], kwargs: dict[str, Any]) -> Any:
+    """A metadata query (``size``, ``data_ptr``...): answered by the memory at once.
+
+    A call the query rejects takes the general path, which raises as it did.
+    """
+    if "out" in kwargs:
+        return _general(func, args, kwargs)
+    try:
+        with _NoTF():
+            return func(*args, **kwargs)
+    except Exception:
+        return _general(func, args, kwargs)
+
+
+def _view(func: Callable[..., Any], args: tuple[Any, ...], kwargs: dict[str, Any]) -> Any:
+    """A view of the first argument (``view``, ``select``, ``as_strided``...): at once.
+
+    Anything else (an argument it rejects, a result that does not alias the input) takes
+    the general path, which asks ``meta`` and raises or computes as it did.
+    """
+    base = args[0] if args else None
+    if isinstance(base, FakeDeviceTensor) and "out" not in kwargs:
+        pbase = plain(base)
+        try:
+            with _NoTF():
+                out = func(pbase, *_map_tensors(plain, args[1:]), **kwargs)
+        except Exception:
+            out = None
+        if _all_alias(out, pbase):
+            return _wrap_all(out, base._fake_vendor, base._fake_index)
+    return _general(func, args, kwargs)
+
+
+def _all_alias(out: Any, base: torch.Tensor) -> bool:
+    if isinstance(out, torch.Tensor):
+        return bool(_is_alias_of(out, base))
+    if type(out) is tuple or type(out) is list:
+        return all(isinstance(o, torch.Tensor) and _is_alias_of(o, base) for o in out)
+    return False
+
+
+def _basic_index(index: Any) -> bool:
+    """Whether ``t[index]`` is basic indexing (a view): ints, slices of ints, None, ``...``."""
+    items = index if type(index) is tuple else (index,)
+    for x in items:
+        tp = type(x)
+        if tp is int or x is None or x is Ellipsis:
+            continue
+        if tp is slice:
+            for part in (x.start, x.stop, x.step):
+                if not (part is None or type(part) is int):
+                    return False
+            continue
+        return False
+    return True
+
+
+def _getitem(func: Callable[..., Any], args: tuple[Any, ...], kwargs: dict[str, Any]) -> Any:
+    """``t[index]``: a view at once for basic indexing, the general path otherwise."""
+    if len(args) == 2 and not kwargs and _basic_index(args[1]):
+        return _view(func, args, kwargs)
+    return _general(func, args, kwargs)
+
+
+# ---- what the handlers do --------------------------------------------------------------
 
 
 def parse_to(
@@ -241,32 +505,34 @@ def move_to(
 def _wrap_all(out: Any, vendor: Owner, index: int) -> Any:
     if isinstance(out, torch.Tensor):
         return out if isinstance(out, FakeDeviceTensor) else wrap(out, vendor, index)
-    if isinstance(out, torch.Size) or not isinstance(out, (tuple, list, dict)):
+    if isinstance(out, torch.Size) or not isinstance(out, _NODES):
         return out  # metadata (shape, dtype...) keeps its type: pytree would make a tuple
 
-    def w(x: Any) -> Any:
-        if isinstance(x, torch.Tensor) and not isinstance(x, FakeDeviceTensor):
-            return wrap(x, vendor, index)
-        return x
+    def w(x: torch.Tensor) -> torch.Tensor:
+        return x if isinstance(x, FakeDeviceTensor) else wrap(x, vendor, index)
 
-    return pytree.tree_map(w, out)
+    return _map_tensors(w, out)
 
 
 def _unwrap(tree: Any, *, snapshot_host: bool, keep: tuple[object, ...] = ()) -> Any:
-    def u(x: Any) -> Any:
+    if not snapshot_host:
+        return _map_tensors(plain, tree)
+
+    def u(x: torch.Tensor) -> torch.Tensor:
         if isinstance(x, FakeDeviceTensor):
             return plain(x)
-        if snapshot_host and isinstance(x, torch.Tensor) and not any(x is k for k in keep):
-            with _NoTF():
-                return x.clone()
-        return x
+        for k in keep:
+            if x is k:
+                return x
+        with _NoTF():
+            return x.clone()
 
-    return pytree.tree_map(u, tree)
+    return _map_tensors(u, tree)
 
 
 def _count_uploads(vendor: Owner, tree: Any, keep: tuple[object, ...]) -> None:
     """Count host tensors handed to a device kernel as implicit synchronous uploads."""
-    for x in pytree.tree_flatten(tree)[0]:
+    for x in _leaves(tree, []):
         if (
             isinstance(x, torch.Tensor)
             and not isinstance(x, FakeDeviceTensor)
@@ -336,7 +602,7 @@ def _enqueue_mutation(
     func: Callable[..., Any], args: Any, kwargs: Any, vendor: Owner, index: int
 ) -> Any:
     target = kwargs["out"] if kwargs.get("out") is not None else args[0]
-    keep = tuple(pytree.tree_flatten(target)[0])
+    keep = tuple(_leaves(target, []))
     pa, pk = _unwrap((args, kwargs), snapshot_host=True, keep=keep)
     _count_uploads(vendor, (args, kwargs), keep)
     vendor.tally.add("launches")
@@ -344,19 +610,22 @@ def _enqueue_mutation(
     return target
 
 
-def _is_alias(a: torch.Tensor, b: torch.Tensor) -> bool:
-    return bool(torch._C._is_alias_of(a, b))  # type: ignore[attr-defined]
-
-
-def _to_meta(x: Any) -> Any:
-    if isinstance(x, torch.Tensor):
-        with _NoTF():
-            return torch.empty_strided(x.size(), x.stride(), dtype=x.dtype, device="meta")
-    return x
+def _tensors_of(out: Any) -> list[torch.Tensor]:
+    if isinstance(out, torch.Tensor):
+        return [out]
+    return [r for r in _leaves(out, []) if isinstance(r, torch.Tensor)]
 
 
 def _compute(func: Callable[..., Any], args: Any, kwargs: Any, vendor: Owner, index: int) -> Any:
-    margs, mkwargs = pytree.tree_map(_to_meta, (args, kwargs))
+    minputs: list[torch.Tensor] = []
+
+    def to_meta(x: torch.Tensor) -> torch.Tensor:
+        with _NoTF():
+            m = _empty_strided(x.size(), x.stride(), dtype=x.dtype, device="meta")
+        minputs.append(m)
+        return m
+
+    margs, mkwargs = _map_tensors(to_meta, args), _map_tensors(to_meta, kwargs)
     try:
         with _NoTF():
             mout = func(*margs, **mkwargs)
@@ -365,29 +634,33 @@ def _compute(func: Callable[..., Any], args: Any, kwargs: Any, vendor: Owner, in
         pa, pk = _unwrap((args, kwargs), snapshot_host=False)
         with _NoTF():
             out = func(*pa, **pk)
-        for r in pytree.tree_flatten(out)[0]:
-            if isinstance(r, torch.Tensor):
-                vendor.memory.add_device(r, index)
+        for r in _tensors_of(out):
+            vendor.memory.add_device(r, index)
         vendor.tally.add("launches")
         return _wrap_all(out, vendor, index)
-    mflat, spec = pytree.tree_flatten(mout)
+    if isinstance(mout, torch.Tensor):
+        mflat, spec = [mout], None
+    else:
+        mflat, spec = pytree.tree_flatten(mout)
     mtensors = [t for t in mflat if isinstance(t, torch.Tensor)]
     if not mtensors:  # metadata answer (size, data_ptr, ...): ask the real tensors
         pa, pk = _unwrap((args, kwargs), snapshot_host=False)
         with _NoTF():
             return func(*pa, **pk)
-    if any(t.device.type != "meta" for t in mtensors):
-        return _host_read(func, args, kwargs, vendor, index)
-    minputs = [t for t in pytree.tree_flatten((margs, mkwargs))[0] if isinstance(t, torch.Tensor)]
-    if any(_is_alias(o, i) for o in mtensors for i in minputs):  # a view
-        pa, pk = _unwrap((args, kwargs), snapshot_host=False)
-        with _NoTF():
-            return _wrap_all(func(*pa, **pk), vendor, index)
+    for t in mtensors:
+        if t.device.type != "meta":
+            return _host_read(func, args, kwargs, vendor, index)
+    for o in mtensors:
+        for i in minputs:
+            if _is_alias_of(o, i):  # a view
+                pa, pk = _unwrap((args, kwargs), snapshot_host=False)
+                with _NoTF():
+                    return _wrap_all(func(*pa, **pk), vendor, index)
     outs: list[Any] = []
     fresh: list[torch.Tensor] = []
     for m in mflat:
         if isinstance(m, torch.Tensor):
-            t = torch.empty_strided(m.size(), m.stride(), dtype=m.dtype)
+            t = _empty_strided(m.size(), m.stride(), dtype=m.dtype)
             vendor.memory.add_device(t, index)
             fresh.append(t)
             outs.append(wrap(t, vendor, index))
@@ -395,13 +668,13 @@ def _compute(func: Callable[..., Any], args: Any, kwargs: Any, vendor: Owner, in
             outs.append(m)
     pa, pk = _unwrap((args, kwargs), snapshot_host=True)
     _count_uploads(vendor, (args, kwargs), ())
-    if _name(func) not in _NO_KERNEL:
+    if getattr(func, "__name__", None) not in _NO_KERNEL:
         vendor.tally.add("launches")
 
     def run() -> None:
-        res = [r for r in pytree.tree_flatten(func(*pa, **pk))[0] if isinstance(r, torch.Tensor)]
+        res = _tensors_of(func(*pa, **pk))
         for dst, r in zip(fresh, res, strict=True):
             dst.copy_(r)
 
     vendor.current_stream(index).enqueue(run)
-    return pytree.tree_unflatten(outs, spec)
+    return outs[0] if spec is None else pytree.tree_unflatten(outs, spec)
