@@ -16,18 +16,18 @@ device memory but not an allocation.
 
 from __future__ import annotations
 
+import collections
 import threading
 import weakref
 from typing import TYPE_CHECKING, Protocol, TypeVar, cast
 
+import torch
 from torch.multiprocessing import reductions
 
 from kvactors.testing._counters import OpTally
 
 if TYPE_CHECKING:
     from collections.abc import Callable
-
-    import torch
 
 _T = TypeVar("_T")
 
@@ -43,10 +43,13 @@ __all__ = (
 BLOCK_BYTES = 512
 _COMPACT_AT = 64  # holder lists drop dead entries when they pass a power of two above this
 """The caching allocators' smallest block: allocations are counted rounded up to it."""
+_expired = torch.Storage._expired  # type: ignore[attr-defined]
 
 
 class WeakStorage(Protocol):
     """A weak reference to a storage's C++ object (alive while any view is)."""
+
+    cdata: int  # the reference torch keeps (``torch.Storage._expired(cdata)``)
 
     def expired(self) -> bool:
         """Whether the storage was freed."""
@@ -59,7 +62,7 @@ def weak_storage(storage: torch.UntypedStorage) -> WeakStorage:
 
 
 class _Range:
-    __slots__ = ("counted", "device", "end", "holders", "ref", "start")
+    __slots__ = ("counted", "device", "end", "holders", "pending", "ref", "start")
 
     def __init__(
         self, start: int, end: int, device: int, ref: WeakStorage | None, counted: bool = False
@@ -71,7 +74,8 @@ class _Range:
         self.counted = counted  # an allocation the statistics still count as allocated
         # The device tensors the program holds over this allocation (weakly); None until the
         # first one. Queued work holds the memory too, but not as a device tensor.
-        self.holders: list[weakref.ref[torch.Tensor]] | None = None
+        self.holders: list[_Holder] | None = None
+        self.pending = False  # queued for a look since one of its holders died
 
     def live(self) -> bool:
         return self.ref is None or not self.ref.expired()
@@ -85,6 +89,13 @@ class _Range:
             return True
         # The first live holder answers (a pool's views stay alive): no walk per allocation.
         return any(h() is not None for h in holders)
+
+
+class _Holder(weakref.ref["torch.Tensor"]):
+    """A weak reference to a device tensor over an allocation, naming the allocation."""
+
+    __slots__ = ("range",)
+    range: _Range
 
 
 def _span(t: torch.Tensor) -> tuple[int, int]:
@@ -224,6 +235,10 @@ class FakeMemory:
         self._pinned: list[_Range] = []
         self._stats: dict[int, DeviceMemoryStats] = {}
         self._allocations: dict[int, _Range] = {}  # counted allocations by start address
+        # Allocations whose device tensor died since the last look (a weak reference's
+        # callback, on any thread), so that an allocation does not walk every holder list.
+        self._dropped: collections.deque[_Range] = collections.deque()
+        self._compact_at = _COMPACT_AT
 
     def add_device(self, t: torch.Tensor, index: int, *, fresh: bool = True) -> None:
         """Record the storage of ``t`` as device memory of ``index``.
@@ -270,23 +285,50 @@ class FakeMemory:
         with self._lock:
             if r.counted:
                 holders = r.holders if r.holders is not None else []
-                holders.append(weakref.ref(tensor))
+                holder = _Holder(tensor, self._drop)
+                holder.range = r
+                holders.append(holder)
                 if len(holders) > _COMPACT_AT and len(holders) & (len(holders) - 1) == 0:
                     holders = [h for h in holders if h() is not None]  # at powers of two
                 r.holders = holders
 
+    def _drop(self, holder: _Holder) -> None:
+        """A device tensor over an allocation died (any thread, maybe under the lock)."""
+        r = holder.range
+        if not r.pending:  # once per allocation until looked at: the queue stays short
+            r.pending = True
+            self._dropped.append(r)
+
     def _prune_device(self) -> None:
-        """Forget freed device ranges, counting freed allocations (the lock is held)."""
-        live: list[_Range] = []
-        for r in self._device:
-            if r.counted and not r.held():
-                r.counted = False
-                self._stats_of(r.device).free(r.end - r.start)
-                if self._allocations.get(r.start) is r:
-                    del self._allocations[r.start]
-            if r.live():
-                live.append(r)
-        self._device = live
+        """Count the allocations freed since the last look (the lock is held).
+
+        An allocation is freed when the program's last device tensor over it died (its
+        holder's callback queued it in ``_dropped``) or its storage went (a device tensor
+        that held it moved to other memory with ``set_``, or none ever held it). Freed device
+        ranges leave the list once it doubled, so that an allocation walks no holder list.
+        """
+        dropped = self._dropped
+        while dropped:
+            r = dropped.popleft()
+            r.pending = False
+            self._free_if_unheld(r)
+        gone: list[_Range] = []
+        for r in self._allocations.values():
+            ref = r.ref
+            if ref is not None and _expired(ref.cdata):
+                gone.append(r)
+        for r in gone:
+            self._free_if_unheld(r)
+        if len(self._device) > self._compact_at:
+            self._device = [r for r in self._device if r.live()]
+            self._compact_at = max(_COMPACT_AT, 2 * len(self._device))
+
+    def _free_if_unheld(self, r: _Range) -> None:
+        if r.counted and not r.held():
+            r.counted = False
+            self._stats_of(r.device).free(r.end - r.start)
+            if self._allocations.get(r.start) is r:
+                del self._allocations[r.start]
 
     def _stats_of(self, index: int) -> DeviceMemoryStats:
         stats = self._stats.get(index)
@@ -340,13 +382,15 @@ class FakeMemory:
         if t.numel() == 0:
             return True
         start = t.data_ptr()
-        end = (
-            start
-            + max(1, sum((n - 1) * s for n, s in zip(t.shape, t.stride(), strict=True)) + 1)
-            * t.element_size()
-        )
+        reach = 1
+        for n, step in zip(t.shape, t.stride(), strict=True):
+            reach += (n - 1) * step
+        end = start + reach * t.element_size()
         with self._lock:
-            return any(r.start <= start and end <= r.end and r.live() for r in self._pinned)
+            for r in self._pinned:
+                if r.start <= start and end <= r.end and r.live():
+                    return True
+        return False
 
     def registered_host_ranges(self) -> list[tuple[int, int]]:
         """Explicitly registered (``musaHostRegister``) ranges as (ptr, size)."""

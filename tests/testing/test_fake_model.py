@@ -132,6 +132,32 @@ def test_kernel_outputs_and_temporaries_count_until_freed(kind: str) -> None:
         assert mod.memory_allocated() == 0
 
 
+@pytest.mark.parametrize("kind", KINDS)
+def test_a_peak_counts_only_what_the_program_still_holds(kind: str) -> None:
+    """A peak is taken at an allocation, after every free before it that nothing read: one
+    whose last tensor (a view here) died while queued work still uses the memory, and one
+    whose tensor moved to other memory with ``set_`` (which torch runs without asking the
+    tensor's type)."""
+    with fake_vendor(kind, lazy=True) as fake:
+        mod = getattr(torch, kind)
+        a = fake.empty((1024,))  # 4096 bytes
+        view = a[:10]
+        del a
+        view.fill_(1.0)  # queued, not run: the work holds the memory
+        mod.reset_peak_memory_stats()
+        del view  # freed; nothing reads the statistics before the next allocation
+        b = fake.empty((2048,))  # 8192 bytes
+        assert mod.max_memory_allocated() == 8192
+        c = fake.empty((1024,))  # 4096 bytes
+        mod.reset_peak_memory_stats()
+        c.set_(b.untyped_storage())  # c's own memory has no tensor left
+        d = fake.empty((2048,))  # 8192 bytes
+        assert mod.max_memory_allocated() == 8192 + 8192
+        del b, c, d
+        assert mod.memory_allocated() == 0
+        mod.synchronize()
+
+
 # ---- gap 3: every factory accepts a fake device, through one path; seeding --------------
 
 
