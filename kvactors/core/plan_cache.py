@@ -5,7 +5,7 @@ metadata except the chunks' addresses (one tuple of exact facts, the request par
 a hit rebinds the validated plan to the call's block ids and chunks (only the ids are
 checked, as :func:`~kvactors.core.plans.rebind_block_ids` checks them), anything else
 validates in full. Failed validations are never cached; the cache is bounded (oldest first)
-and a hit takes no lock. A lookup of plain operands (lists of tensors) is one Python frame.
+and a hit takes no lock. A lookup of lists of tensors (of one class each) is one Python frame.
 """
 
 from __future__ import annotations
@@ -239,16 +239,33 @@ class PlanCache:
             ids = _encode(request.block_ids)
         except (TypeError, ValueError, OverflowError):  # not wire-safe: validated
             return Lookup(self._validate(request, paged, objects))
-        # Lists or tuples of plain tensors (or one plain paged tensor): the flat check.
+        # Lists or tuples of tensors of one class each (or one plain paged tensor): the flat
+        # check, by torch.Tensor's own methods for plain tensors, by name for a subclass
+        # (whose class is then part of the key).
         tp, to = type(paged), type(objects)
-        plain = (to is list or to is tuple) and set(map(type, objects)) == _PLAIN  # type: ignore[call-overload]
-        if plain and tp is not _Tensor:
-            plain = (tp is list or tp is tuple) and set(map(type, paged)) == _PLAIN  # type: ignore[call-overload]
-        if plain:
+        kinds_o = set(map(type, objects)) if to is list or to is tuple else None  # type: ignore[call-overload]
+        if tp is _Tensor:
+            kinds_p: set[Any] | None = _PLAIN
+        else:
+            kinds_p = set(map(type, paged)) if tp is list or tp is tuple else None  # type: ignore[call-overload]
+        units: Sequence[torch.Tensor]
+        chunks: Sequence[torch.Tensor]
+        if kinds_o == _PLAIN and kinds_p == _PLAIN:
             structure: tuple[Any, ...] = (tp, to)
-            units: Sequence[torch.Tensor] = (paged,) if tp is _Tensor else paged  # type: ignore[assignment]
-            chunks: Sequence[torch.Tensor] = objects  # type: ignore[assignment]
+            units = (paged,) if tp is _Tensor else paged  # type: ignore[assignment]
+            chunks = objects  # type: ignore[assignment]
             readers = _PLAIN_READERS
+        elif (
+            kinds_o is not None
+            and kinds_p is not None
+            and len(kinds_o) == 1
+            and len(kinds_p) == 1
+            and issubclass(next(iter(kinds_p)), _Tensor)
+            and issubclass(next(iter(kinds_o)), _Tensor)
+        ):
+            structure = (tp, to, *kinds_p, *kinds_o)
+            units, chunks = paged, objects  # type: ignore[assignment]
+            readers = _ANY_READERS
         else:
             nested = _nested(paged, objects)
             if nested is None:

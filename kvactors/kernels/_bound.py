@@ -144,8 +144,7 @@ class StagedBinding:
                 keys.append(("ids", block_ids[s.start : s.stop]))
             else:
                 keys.append(("rows", block_ids[s.start : s.stop], *rows))
-        indices = scratch.fetch(dev, keys, index_values, keep)
-        buffers = scratch.buffers(dev, self.staging, dtype)
+        indices, buffers = scratch.fetch(dev, keys, index_values, keep, self.staging, dtype)
         flags = self.non_blocking
         decided: list[bool] = []
         for k, (seg, idx, staging) in enumerate(zip(self.segments, indices, buffers, strict=True)):

@@ -144,39 +144,36 @@ class ScratchCache:
         device: torch.device,
         keys: Sequence[Hashable],
         values: Callable[[Hashable], list[int]],
-        keep: list[torch.Tensor] | None = None,
-    ) -> list[torch.Tensor]:
-        """The index tensors of ``keys``, in order; ``values(key)`` gives a missing one's
-        integers, all of them uploaded at once as :meth:`prefetch` does."""
+        keep: list[torch.Tensor] | None,
+        shapes: Sequence[tuple[int, ...]],
+        dtype: torch.dtype,
+    ) -> tuple[list[torch.Tensor], list[torch.Tensor]]:
+        """One staged call's device tensors: the index tensors of ``keys``, in order
+        (``values(key)`` gives a missing one's integers, all of them uploaded at once as
+        :meth:`prefetch` does), and :meth:`get`'s buffer of every shape of ``shapes`` in
+        ``dtype``, in order (a shape twice: the same buffer twice)."""
         dev_name = str(device)
+        have = self._buffers
+        bufs: list[torch.Tensor] = []
+        for shape in shapes:  # a loop, not a comprehension: no Python frame
+            buf = have.get((dev_name, shape, dtype))
+            bufs.append(buf if buf is not None else self.get(device, shape, dtype))
         found = self._indices
         out: list[torch.Tensor] = []
         if not self._stale:
             try:
-                for key in keys:  # a loop, not a comprehension: no Python frame
+                for key in keys:
                     full = (dev_name, key)
                     out.append(found[full])
                     found.move_to_end(full)  # this call's are evicted last
             except KeyError:
                 out.clear()
             else:
-                return out
+                return out, bufs
         self.prefetch(device, [(key, functools.partial(values, key)) for key in keys], keep)
         for key in keys:
             out.append(found[(dev_name, key)])
-        return out
-
-    def buffers(
-        self, device: torch.device, shapes: Sequence[tuple[int, ...]], dtype: torch.dtype
-    ) -> list[torch.Tensor]:
-        """:meth:`get` of every shape, in order (a shape twice: the same buffer twice)."""
-        dev_name = str(device)
-        found = self._buffers
-        out: list[torch.Tensor] = []
-        for shape in shapes:
-            buf = found.get((dev_name, shape, dtype))
-            out.append(buf if buf is not None else self.get(device, shape, dtype))
-        return out
+        return out, bufs
 
     def clear(self) -> None:
         """Drop every buffer (only once no stream still uses them)."""

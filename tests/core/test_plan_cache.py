@@ -43,7 +43,8 @@ def _request(**kw: Any) -> TransferRequest:
 
 
 class _Sub(torch.Tensor):
-    """A tensor subclass: operands of it take the lookup's general path (not the plain one)."""
+    """A tensor subclass: operands of it are read by name and keyed with their class (not by
+    torch.Tensor's own methods)."""
 
 
 def _operands(sub: bool = False) -> tuple[list[torch.Tensor], list[torch.Tensor]]:
@@ -580,8 +581,9 @@ class _Counted(torch.Tensor):
 
 def test_a_rebind_of_subclass_operands_runs_no_torch_function() -> None:
     """The key's facts are read with torch function dispatch off: a subclass answering torch
-    calls in Python costs no call of its ``__torch_function__`` on a warm lookup (other ids,
-    other chunks), while its Python properties are still read (a changed device misses)."""
+    calls in Python costs no call of its ``__torch_function__`` and no Python frame but the
+    lookup's on a warm lookup (other ids, other chunks), while its Python properties are
+    still read (a changed device misses)."""
     cache = PlanCache("cpu", 0)
     paged, objs = _operands()
     paged = [p.as_subclass(_Counted) for p in paged]
@@ -589,11 +591,29 @@ def test_a_rebind_of_subclass_operands_runs_no_torch_function() -> None:
     req = _request()
     assert _planned(cache, req, paged, objs)
     other = [torch.zeros_like(objs[0]).as_subclass(_Counted)]
+    again = _request(block_ids=(6, 1))
     _Counted.calls = 0
-    found = cache.lookup(_request(block_ids=(6, 1)), paged, other)
+    frames: list[str] = []
+
+    def profile(frame: Any, event: str, arg: Any) -> None:
+        if event == "call":
+            frames.append(frame.f_code.co_name)
+
+    gc.collect()
+    gc.disable()
+    sys.setprofile(profile)
+    try:
+        found = cache.lookup(again, paged, other)
+    finally:
+        sys.setprofile(None)
+        gc.enable()
     assert _Counted.calls == 0
+    # One frame of the lookup's own (lists of one tensor class: no structure walk), and the
+    # subclass's Python property per tensor.
+    assert [f for f in frames if f != "device"] == ["lookup"]
+    assert frames.count("device") == len(paged) + len(other)
     assert cache.rebinds == 1
-    assert found.plan == _full(_request(block_ids=(6, 1)), paged, other)
+    assert found.plan == _full(again, paged, other)
     _Counted.placed = "meta"  # a fact only the Python property answers
     try:
         with pytest.raises(KvactorsError) as full:

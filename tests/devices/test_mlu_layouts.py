@@ -17,7 +17,11 @@ import torch
 from kvactors.core.layouts import KVFormat, ShapeDesc
 from kvactors.core.plans import TransferRequest
 from kvactors.devices.mlu import MluBackend
-from kvactors.devices.mlu.layouts import LAYOUT_SOURCE_ENV, layout_source_from_env
+from kvactors.devices.mlu.layouts import (
+    LAYOUT_SOURCE_ENV,
+    layout_source_from_env,
+    normalize_mlu_transfer,
+)
 from kvactors.errors import OperandTypeError, TransferValidationError
 from kvactors.runtime import Runtime
 from kvactors.testing import FakeVendor, fake_vendor
@@ -179,3 +183,30 @@ def test_formats_outside_the_mlu_set_are_refused(fake_mlu: FakeVendor) -> None:
             [k, list(k)],
             [torch.zeros(2, NL, BPO * 4, 2 * HS)] * 2,
         )
+
+
+class _Counted(torch.Tensor):
+    """A subclass answering torch calls in Python (as a device's fake tensors do), counted."""
+
+    calls = 0
+
+    @classmethod
+    def __torch_function__(cls, func: Any, types: Any, args: Any = (), kwargs: Any = None) -> Any:
+        _Counted.calls += 1
+        return super().__torch_function__(func, types, args, kwargs)
+
+
+def test_an_mla_request_reads_its_layers_shapes_without_torch_function() -> None:
+    """An MLA request's layers are checked for vLLM-MLU's 5-D shape by metadata alone: no
+    ``__torch_function__`` of theirs runs per layer (a per-layer cost LMCache's MLA op, one
+    tensor a layer, does not have), and 3-D layers pass through as they are."""
+    desc = ShapeDesc(kv_size=1, nl=NL, nb=NB, bs=4, nh=1, hs=HS, element_size=4, dtype="float32")
+    layers = [torch.randn(NB, 4, HS).as_subclass(_Counted) for _ in range(NL)]
+    objs = [torch.zeros(NL, BPO * 4, HS)]
+    _Counted.calls = 0
+    fmt, shape, chunk, got, got_objs = normalize_mlu_transfer(
+        int(KVFormat.NL_X_NB_BS_HS), desc, BPO * 4, layers, objs, "resolved"
+    )
+    assert _Counted.calls == 0
+    assert (fmt, shape, chunk, got_objs) == (KVFormat.NL_X_NB_BS_HS, desc, BPO * 4, objs)
+    assert all(a is b for a, b in zip(got, layers, strict=True))

@@ -71,12 +71,8 @@ def squeeze_mla(t: torch.Tensor) -> torch.Tensor:
     return t
 
 
-def _vllm_mla(shape: tuple[int, ...]) -> bool:
-    # squeeze_mla's test, on a shape.
-    return len(shape) == 5 and shape[0] == 1 and shape[2] == 1
-
-
 _SHAPE = operator.attrgetter("shape")
+_NO_TORCH_FUNCTION = torch._C.DisableTorchFunctionSubclass
 _MLA_VIEW = operator.itemgetter((0, slice(None), 0))  # squeeze_mla's view, in C
 
 
@@ -147,9 +143,14 @@ def normalize_mlu_transfer(
     else:
         layers = [unwrap_layer(v, i) for i, v in enumerate(paged)]
     if f is KVFormat.NL_X_NB_BS_HS:
-        shapes = set(map(_SHAPE, layers)) if tensors else ()
+        if tensors:  # metadata only: no subclass's __torch_function__ runs per layer
+            with _NO_TORCH_FUNCTION():
+                shapes: set[Any] | tuple[()] = set(map(_SHAPE, layers))
+        else:
+            shapes = ()
         if len(shapes) == 1:  # every layer of one shape: squeeze_mla's answer is the same
-            if _vllm_mla(next(iter(shapes))):
+            s = next(iter(shapes))
+            if len(s) == 5 and s[0] == 1 and s[2] == 1:  # squeeze_mla's test, on the shape
                 layers = list(map(_MLA_VIEW, layers))
         else:
             layers = [squeeze_mla(t) if isinstance(t, torch.Tensor) else t for t in layers]
