@@ -61,20 +61,21 @@ class OpTally:
         """Add ``n`` to ``field`` (done on the calling thread)."""
         with self._lock:
             self._values[field] += n
-            self._saw()
+            if self._watchers:
+                self._saw()
 
     def allocation(self, nbytes: int) -> None:
         """Count one device allocation of ``nbytes``."""
         with self._lock:
             self._values["allocations"] += 1
             self._values["alloc_bytes"] += nbytes
-            self._saw()
+            if self._watchers:
+                self._saw()
 
     def _saw(self) -> None:
-        if self._watchers:
-            name = threading.current_thread().name
-            for seen in self._watchers:
-                seen[name] = None
+        name = threading.current_thread().name
+        for seen in self._watchers:
+            seen[name] = None
 
     def watch(self, seen: dict[str, None]) -> None:
         """Record in ``seen`` the name of every thread that counts something from now on."""

@@ -178,6 +178,8 @@ class FakeVendor:
 
     def device_index(self, device: object) -> int:
         """The ordinal ``device`` names on this vendor; ValueError for another kind."""
+        if type(device) is int and 0 <= device < self.device_count():
+            return device  # an ordinal already (the fake's own calls pass one)
         idx = parse_fake_device(device, self.kind, self.current_device())
         if idx is None:
             raise ValueError(f"Expected a {self.kind} device, but got: {device}")
