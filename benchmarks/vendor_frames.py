@@ -8,8 +8,10 @@ The operands of ``kvactors bench``'s vendor part (``kvactors.cli.bench.vendor.po
 in one allocation, 2 chunks of 4 blocks, bf16, pinned chunks), each call with other block ids
 (64 sets cycled) on the caller's current stream, returning once its copies are enqueued, as
 LMCache calls it. After a warm cycle, ``--calls`` calls of each op run profiled, then are
-drained (stream synchronized, every block fenced). Frames: Python ``call`` events in the
-contender's own code (kvactors and its adapter; LMCache's package) on the calling thread,
+drained (the stream synchronized in the window, every block fenced after it: the fence is the
+benchmark's barrier, no call's work). Frames: Python ``call`` events in the contender's own
+code (kvactors and its adapter; LMCache's package; not the bench harness's call wrapper in
+``kvactors_lmcache/baseline.py``, which calls either op) on the calling thread,
 where LMCache's op does all of its work and kvactors' op all but its reaper's (which drops
 the lease and ends the ledger entry once the device ran the copy, off the call's path), per
 call; the fake vendor's own frames are not counted. Counts, not times: the same on every run.
@@ -68,7 +70,8 @@ def main() -> None:
         os.path.dirname(kvactors.__file__) + os.sep,
         os.path.dirname(kvactors_lmcache.__file__) + os.sep,
     )
-    fake_root = (os.path.dirname(kvactors.__file__) + os.sep + "testing" + os.sep,)
+    harness = os.path.join(os.path.dirname(kvactors_lmcache.__file__), "baseline.py")
+    skip = (os.path.dirname(kvactors.__file__) + os.sep + "testing" + os.sep, harness)
     theirs_roots = (os.path.dirname(lmcache.__file__) + os.sep,)
     out: dict[str, Any] = {"kind": args.kind, "calls": args.calls}
     with fake_vendor(args.kind) as fake:
@@ -89,17 +92,17 @@ def main() -> None:
                             call()
                         fake.synchronize()
                         rt.fence(range(64))
-                        counts, prof = _counter(roots, fake_root)
+                        counts, prof = _counter(roots, skip)
                         gc.disable()
                         sys.setprofile(prof)
                         try:
                             for _ in range(args.calls):
                                 call()
                             fake.synchronize()
-                            rt.fence(range(64))
                         finally:
                             sys.setprofile(None)
                             gc.enable()
+                        rt.fence(range(64))
                         out[f"{layout} {direction} {name}"] = counts["frames"] / args.calls
     print(json.dumps(out))
 
