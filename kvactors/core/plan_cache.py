@@ -264,7 +264,8 @@ class PlanCache:
             and issubclass(next(iter(kinds_o)), _Tensor)
         ):
             structure = (tp, to, *kinds_p, *kinds_o)
-            units, chunks = paged, objects  # type: ignore[assignment]
+            units = (paged,) if tp is _Tensor else paged  # type: ignore[assignment]
+            chunks = objects  # type: ignore[assignment]
             readers = _ANY_READERS
         else:
             nested = _nested(paged, objects)

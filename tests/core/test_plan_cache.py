@@ -623,3 +623,16 @@ def test_a_rebind_of_subclass_operands_runs_no_torch_function() -> None:
         assert str(refused.value) == str(full.value)
     finally:
         _Counted.placed = "cpu"
+
+
+def test_one_cross_layer_tensor_with_subclass_chunks_is_keyed_as_one_unit() -> None:
+    """A cross-layer pool (one plain tensor) with chunks of a tensor subclass: the pool is
+    one unit of the key (not iterated), so a call with other ids rebinds the kept plan."""
+    cache = PlanCache("cpu", 0)
+    paged = torch.randn(NB, NL, 2, BS, NH, HS).to(torch.bfloat16)
+    objs = [torch.zeros(2, NL, T, NH * HS, dtype=torch.bfloat16).as_subclass(_Sub)]
+    fmt = int(KVFormat.NB_NL_TWO_BS_NH_HS)
+    for ids in ((3, 5), (6, 1), (3, 5)):
+        found = cache.lookup(_request(fmt=fmt, block_ids=ids), paged, objs)
+        assert found.plan == _full(_request(fmt=fmt, block_ids=ids), paged, objs)
+    assert (cache.hits, cache.misses, cache.rebinds) == (0, 3, 2)
