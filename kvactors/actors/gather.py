@@ -136,9 +136,10 @@ class GatherActor(Actor[GatherRequest]):
         self._prepares = backend.prepares_transfers
         self._completes = backend.completes_on_launch
         self._route = threading.Lock()
-        # A native hook with no provider costs nothing: not called at all (read once: the
-        # backend says at the start whether its hook may replace the torch kernel).
+        # A native hook with no provider costs nothing: not called at all. An instance whose
+        # hook was replaced (its own ``transfer_kernel``, also after the start) is called.
         self._native = backend.native_kernels and backend.native_provided()
+        self._backend_attrs: dict[str, Any] = getattr(backend, "__dict__", {})
         self._plain = backend.plain_transfers
 
     @property
@@ -355,7 +356,7 @@ class GatherActor(Actor[GatherRequest]):
             scratch=scratch,
             bind_now=bind_now,
         )
-        if self._native:
+        if self._native or "transfer_kernel" in self._backend_attrs:
             kernel = self.backend.transfer_kernel(plan, paged, objects, kernel)
         return plan, kernel
 
