@@ -6,11 +6,16 @@ depend on the cache entry alone (the key holds every operand fact they read), so
 :class:`StagedBinding` keeps them as geometry, decided on the entry's first run. A call then
 reads its block ids' index tensors from the stream's :class:`ScratchCache` (one upload for new
 ids) and, per segment, runs one kernel and one host<->device copy, exactly the torch calls of
-the unbound path.
+the unbound path. The views those two read are made once too: the paged view while the call
+passes the same first paged tensor (held no longer than that tensor lives), the staging
+buffer's views with the buffer (in the :class:`ScratchCache`), and a whole contiguous chunk is
+copied as itself, to or from its staging buffer seen in the chunk's dtype and shape: a warm call
+makes two torch calls per segment and no view of its own.
 """
 
 from __future__ import annotations
 
+import weakref
 from typing import TYPE_CHECKING, Any
 
 import torch
@@ -39,7 +44,7 @@ def _geometry(t: torch.Tensor) -> _Geometry:
 class _Segment:
     """One segment's part of a binding: its chunk, staging buffer, views and index."""
 
-    __slots__ = ("host", "obj", "staging", "start", "stop", "view")
+    __slots__ = ("host", "obj", "staging", "start", "stop", "view", "whole")
 
     def __init__(
         self,
@@ -47,6 +52,7 @@ class _Segment:
         staging: tuple[int, ...],
         view: _Geometry,
         host: _Geometry,
+        whole: tuple[torch.dtype, tuple[int, ...]] | None,
         start: int,
         stop: int,
     ) -> None:
@@ -54,6 +60,9 @@ class _Segment:
         self.staging = staging  # the staging buffer's shape
         self.view = view  # the kernel's view of the staging buffer
         self.host = host  # the chunk's view: offset relative to the chunk's own
+        # The chunk is the segment, contiguous, of the paged dtype's width: the staging
+        # buffer seen as the chunk (its dtype and shape) is copied to or from the chunk itself.
+        self.whole = whole
         self.start, self.stop = start, stop  # its block ids' slice of the request's
 
 
@@ -61,10 +70,12 @@ class StagedBinding:
     """The staged path of one cache entry's plans (see the module docstring)."""
 
     __slots__ = (
+        "__weakref__",
         "d2h",
         "device",
         "dim",
         "dtype",
+        "held",
         "non_blocking",
         "rows",
         "segments",
@@ -110,12 +121,30 @@ class StagedBinding:
                 host_view = ctx.target_view(obj)[:, :, seg.slot0 : seg.slot0 + n]
             size, stride, offset = _geometry(host_view)
             host = (size, stride, offset - int(obj.storage_offset()))
-            segments.append(_Segment(seg.obj, staging, view, host, seg.start, seg.stop))
+            chunk = objects[seg.obj]
+            whole = None
+            if (
+                n == ctx.bpo
+                and chunk.is_contiguous()
+                and chunk.element_size() == self.dtype.itemsize
+            ):
+                whole = (chunk.dtype, tuple(chunk.shape))
+            segments.append(_Segment(seg.obj, staging, view, host, whole, seg.start, seg.stop))
         self.segments = tuple(segments)
         self.staging = tuple(seg.staging for seg in segments)
         # Per segment, whether its host<->device copy is non-blocking (the backend's copy
         # policy, decided on the first run, with the tensors it reads).
         self.non_blocking: tuple[bool, ...] | None = None
+        # The first paged tensor of the latest call (a weak reference: the binding never
+        # keeps the pool alive) and the paged view made of it.
+        self.held: tuple[weakref.ref[torch.Tensor], torch.Tensor] | None = None
+
+    def _let_go(self, ref: weakref.ref[torch.Tensor]) -> None:
+        # The first paged tensor the view was made of is gone: so is the view (and with it
+        # the binding's hold on the pool's memory).
+        held = self.held
+        if held is not None and held[0] is ref:
+            self.held = None
 
     def run(
         self,
@@ -135,7 +164,12 @@ class StagedBinding:
             first = first[0]
             if not isinstance(first, torch.Tensor):
                 first = first[0]
-        source = first.view(dtype).as_strided(*self.source)
+        held = self.held
+        if held is not None and held[0]() is first:
+            source = held[1]
+        else:
+            source = first.view(dtype).as_strided(*self.source)
+            self.held = (weakref.ref(first, self._let_go), source)
         block_ids = plan.request.block_ids
         rows = self.rows
         keys: list[Hashable] = []
@@ -147,22 +181,34 @@ class StagedBinding:
         indices, buffers = scratch.fetch(dev, keys, index_values, keep, self.staging, dtype)
         flags = self.non_blocking
         decided: list[bool] = []
+        views = scratch.views
         for k, (seg, idx, staging) in enumerate(zip(self.segments, indices, buffers, strict=True)):
-            view = staging.as_strided(*seg.view)
-            obj = objects[seg.obj].view(dtype)
-            size, stride, offset = seg.host
-            host = obj.as_strided(size, stride, obj.storage_offset() + offset)
+            key = (id(staging), seg.view)  # the cache's own buffer: its id is its name
+            view = views.get(key)
+            if view is None:
+                view = views[key] = staging.as_strided(*seg.view)
+            whole = seg.whole
+            if whole is None:
+                side = staging
+                obj = objects[seg.obj].view(dtype)
+                size, stride, offset = seg.host
+                host = obj.as_strided(size, stride, obj.storage_offset() + offset)
+            else:
+                alias = views.get((id(staging), whole))
+                if alias is None:
+                    alias = views[id(staging), whole] = staging.view(whole[0]).view(whole[1])
+                side, host = alias, objects[seg.obj]
             if flags is None:
-                blocks = must_block(host, staging) if d2h else must_block(staging, host)
+                blocks = must_block(host, side) if d2h else must_block(side, host)
                 decided.append(not blocks)
                 non_blocking = not blocks
             else:
                 non_blocking = flags[k]
             if d2h:
                 torch.index_select(source, dim, idx, out=view)
-                host.copy_(staging, non_blocking=non_blocking)
+                host.copy_(side, non_blocking=non_blocking)
             else:
-                staging.copy_(host, non_blocking=non_blocking)
+                side.copy_(host, non_blocking=non_blocking)
                 source.index_copy_(dim, idx, view)
         if flags is None:
             self.non_blocking = tuple(decided)

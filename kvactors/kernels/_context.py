@@ -43,7 +43,7 @@ class ScratchCache:
     first); a repeated request finds its indices on the device and uploads nothing.
     """
 
-    __slots__ = ("_buffers", "_indices", "_stale", "allocations", "index_capacity")
+    __slots__ = ("_buffers", "_indices", "_stale", "allocations", "index_capacity", "views")
 
     def __init__(self, index_capacity: int = 256) -> None:
         self._buffers: dict[tuple[str, tuple[int, ...], torch.dtype], torch.Tensor] = {}
@@ -53,6 +53,9 @@ class ScratchCache:
         self.index_capacity = index_capacity
         self.allocations = 0
         self._stale = False
+        #: Views of the staging buffers, made once each (keyed by the buffer's ``id`` and the
+        #: view's geometry): they live and go with the buffers.
+        self.views: dict[Hashable, torch.Tensor] = {}
 
     def get(self, device: torch.device, shape: Sequence[int], dtype: torch.dtype) -> torch.Tensor:
         """The buffer for ``(device, shape, dtype)``; allocated on first use only."""
@@ -178,6 +181,7 @@ class ScratchCache:
     def clear(self) -> None:
         """Drop every buffer (only once no stream still uses them)."""
         self._buffers.clear()
+        self.views.clear()
         self._indices.clear()
         self._stale = False
 
