@@ -1,0 +1,90 @@
+"""Where a waiting call's time goes after its copy finished, on a fake vendor.
+
+    KVACTORS_FAKE_VENDOR=mlu .venv/bin/python benchmarks/completion_hops.py mlu
+
+Runs ``kvactors bench``'s one-chunk part for NHD (``--quick`` operands and windows) and, for
+the calls answered at completion (``Runtime.transfer(complete=True)``), times the two
+thread hand-offs between the copy's end and the caller's return: the stream's reaper waking
+from its wait on the copy's event (after the fake stream marked the event complete), and
+the caller waking from its wait on the reply (after the reaper settled it). Prints the
+bench's host times until done (bare route, kvactors waiting, kvactors returning once
+enqueued and then synchronizing the stream) and the two hand-offs' median and 90th
+percentile in microseconds. The timing wraps ``EventMarker.synchronize``, ``Reply.settle``
+and ``Reply.wait`` for the run (restored after it).
+"""
+
+from __future__ import annotations
+
+import statistics
+import sys
+import threading
+import time
+from typing import Any
+
+
+def _q(xs: list[float]) -> str:
+    if not xs:
+        return "n/a"
+    xs = sorted(xs)
+    p90 = xs[int(len(xs) * 0.9)]
+    return f"median {statistics.median(xs) * 1e6:.0f}, p90 {p90 * 1e6:.0f} (n={len(xs)})"
+
+
+def main(kind: str) -> int:
+    import torch
+
+    from kvactors.actors.reply import Reply
+    from kvactors.cli._devenv import device_env
+    from kvactors.cli.bench.transfer import run_transfer
+    from kvactors.devices._torchlike import EventMarker
+
+    torch.set_num_threads(1)
+    reaper: list[float] = []
+    caller: list[float] = []
+    settled: dict[int, float] = {}
+    sync, settle, wait = EventMarker.synchronize, Reply.settle, Reply.wait
+
+    def timed_sync(self: EventMarker) -> None:
+        sync(self)
+        now = time.perf_counter()
+        marker = getattr(getattr(self.event, "_state", None), "marker", None)
+        if marker is not None and threading.current_thread().name.startswith("reap:"):
+            reaper.append(now - marker.time)  # the fake stream's completion time
+
+    def timed_settle(self: Reply[Any], exc: BaseException | None, value: Any = None) -> bool:
+        settled[id(self)] = time.perf_counter()
+        return settle(self, exc, value)
+
+    def timed_wait(self: Reply[Any], timeout: float, what: str) -> Any:
+        got = wait(self, timeout, what)
+        at = settled.pop(id(self), None)
+        if at is not None:
+            caller.append(time.perf_counter() - at)
+        return got
+
+    EventMarker.synchronize = timed_sync  # type: ignore[method-assign]
+    Reply.settle = timed_settle  # type: ignore[method-assign]
+    Reply.wait = timed_wait  # type: ignore[method-assign]
+    try:
+        with device_env(kind) as env:
+            if not env.simulated:
+                raise SystemExit("this lab script reads the fake vendor's completion times")
+            rows = run_transfer(env, ["nhd"], reps=8, rounds=3, blocks=256, model="small")
+    finally:
+        EventMarker.synchronize = sync  # type: ignore[method-assign]
+        Reply.settle = settle  # type: ignore[method-assign]
+        Reply.wait = wait  # type: ignore[method-assign]
+    for row in rows:
+        t = row.timings
+        cells = ", ".join(
+            f"{name} {t[f'{name}@1'].done_us:.0f}"
+            for name in ("bare", "kvactors", "kvactors_async")
+        )
+        print(f"{kind} nhd {row.direction}: us until done, 1 thread: {cells}")
+    print(f"reaper wakes after the copy's event completed, us: {_q(reaper)}")
+    print(f"caller wakes after the reaper settled its reply, us: {_q(caller)}")
+    return 0
+
+
+if __name__ == "__main__":
+    sys.exit(main(sys.argv[1] if len(sys.argv) > 1 else "mlu"))
