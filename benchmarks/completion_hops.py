@@ -9,8 +9,9 @@ from its wait on the copy's event (after the fake stream marked the event comple
 the caller waking from its wait on the reply (after the reaper settled it). Prints the
 bench's host times until done (bare route, kvactors waiting, kvactors returning once
 enqueued and then synchronizing the stream) and the two hand-offs' median and 90th
-percentile in microseconds. The timing wraps ``EventMarker.synchronize``, ``Reply.settle``
-and ``Reply.wait`` for the run (restored after it).
+percentile in microseconds, beside the same wake-up between two threads that do nothing else
+(the machine's own cost of a hand-off). The timing wraps ``EventMarker.synchronize``,
+``Reply.settle`` and ``Reply.wait`` for the run (restored after it).
 """
 
 from __future__ import annotations
@@ -28,6 +29,29 @@ def _q(xs: list[float]) -> str:
     xs = sorted(xs)
     p90 = xs[int(len(xs) * 0.9)]
     return f"median {statistics.median(xs) * 1e6:.0f}, p90 {p90 * 1e6:.0f} (n={len(xs)})"
+
+
+def _bare_wakes(n: int = 2000) -> list[float]:
+    """A ``threading.Event`` set by one thread and awaited by another, ``n`` times."""
+    ev, back, lat, at = threading.Event(), threading.Event(), [], [0.0]
+
+    def waiter() -> None:
+        for _ in range(n):
+            ev.wait()
+            lat.append(time.perf_counter() - at[0])
+            ev.clear()
+            back.set()
+
+    th = threading.Thread(target=waiter)
+    th.start()
+    for _ in range(n):
+        time.sleep(0.0005)
+        at[0] = time.perf_counter()
+        ev.set()
+        back.wait()
+        back.clear()
+    th.join()
+    return lat
 
 
 def main(kind: str) -> int:
@@ -83,6 +107,8 @@ def main(kind: str) -> int:
         print(f"{kind} nhd {row.direction}: us until done, 1 thread: {cells}")
     print(f"reaper wakes after the copy's event completed, us: {_q(reaper)}")
     print(f"caller wakes after the reaper settled its reply, us: {_q(caller)}")
+    bare = _q(_bare_wakes())
+    print(f"a thread wakes from an Event another thread set, nothing else running, us: {bare}")
     return 0
 
 
