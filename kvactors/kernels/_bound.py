@@ -10,7 +10,9 @@ the unbound path. The views those two read are made once too: the paged view whi
 passes the same first paged tensor (held no longer than that tensor lives), the staging
 buffer's views with the buffer (in the :class:`ScratchCache`), and a whole contiguous chunk is
 copied as itself, to or from its staging buffer seen in the chunk's dtype and shape: a warm call
-makes two torch calls per segment and no view of its own.
+makes two torch calls per segment and no view of its own. Paged tensors that no one view
+covers (layers allocated apart) take a :class:`UnitsBinding`: the unbound path's kernel per
+paged tensor (and plane, gathering), its views kept the same way.
 """
 
 from __future__ import annotations
@@ -32,7 +34,7 @@ if TYPE_CHECKING:
     from kvactors.core.plans import TransferPlan
     from kvactors.kernels._context import ScratchCache
 
-__all__ = ("StagedBinding", "staged_binding")
+__all__ = ("StagedBinding", "UnitsBinding", "staged_binding")
 
 _Geometry = tuple[tuple[int, ...], tuple[int, ...], int]  # as_strided's size, stride, offset
 
@@ -214,16 +216,171 @@ class StagedBinding:
             self.non_blocking = tuple(decided)
 
 
+class _UnitSegment:
+    """One segment's part of a :class:`UnitsBinding`: its chunk, the staging buffer's
+    views the per-tensor kernels write or read, and the segment's region of the buffer."""
+
+    __slots__ = ("kernels", "obj", "region", "staging", "start", "stop")
+
+    def __init__(
+        self,
+        obj: int,
+        staging: tuple[int, ...],
+        kernels: tuple[tuple[int, _Geometry], ...],
+        region: _Geometry | None,
+        start: int,
+        stop: int,
+    ) -> None:
+        self.obj = obj  # the chunk's position in ``objects``
+        self.staging = staging  # the staging buffer's shape: the (raw) chunk's
+        self.kernels = kernels  # per kernel: the paged view it reads or writes, its buffer view
+        self.region = region  # the segment's part of the buffer (None: all of it)
+        self.start, self.stop = start, stop  # its block ids' slice of the request's
+
+
+class UnitsBinding:
+    """The staged path of one cache entry's plans whose paged tensors share no one view
+    (layers allocated apart): per segment, a gather is one ``index_select`` per paged tensor
+    and plane into a staging buffer of the chunk's shape and one copy to the host chunk, a
+    scatter one copy into the buffer and one ``index_copy_`` per paged tensor, exactly the
+    torch calls of the unbound path. The paged tensors' views are kept while a call passes
+    the same tensors (weakly: the binding keeps no tensor alive), the buffer's in the
+    :class:`ScratchCache`."""
+
+    __slots__ = ("__weakref__", "d2h", "device", "dtype", "held", "non_blocking", "segments")
+
+    def __init__(self, plan: TransferPlan, paged: Any, objects: Sequence[torch.Tensor]) -> None:
+        units = paged_units(plan.spec, paged)
+        ctx = KernelContext(plan, units)
+        self.device = ctx.device
+        self.d2h = plan.direction is Direction.D2H
+        self.dtype = raw(objects[0]).dtype
+        segments = []
+        for seg in plan.segments:
+            obj = raw(objects[seg.obj])
+            meta = torch.empty(tuple(obj.shape), dtype=obj.dtype, device="meta")
+            j0, n = seg.slot0, seg.count
+            kernels: list[tuple[int, _Geometry]] = []
+            if self.d2h:
+                rows = ctx.plane_rows(meta)[:, j0 : j0 + n]
+                for v, (_, i) in enumerate(ctx.plane_views()):
+                    kernels.append((v, _geometry(rows[i])))
+            else:
+                ov = ctx.target_view(meta).permute(1, 0, 2, 3, 4, 5)[:, :, j0 : j0 + n]
+                for v, (_, layer, planes) in enumerate(ctx.unit_views()):
+                    kernels.append((v, _geometry(ov[layer, planes.start : planes.stop])))
+            region = None if n == ctx.bpo else _geometry(_region(ctx, meta, j0, n))
+            segments.append(
+                _UnitSegment(seg.obj, tuple(obj.shape), tuple(kernels), region, seg.start, seg.stop)
+            )
+        self.segments = tuple(segments)
+        self.non_blocking: tuple[bool, ...] | None = None  # per segment, as StagedBinding's
+        # The paged tensors of the latest call (weak references) and the views made of them.
+        self.held: tuple[tuple[weakref.ref[torch.Tensor], ...], list[torch.Tensor]] | None = None
+
+    def _let_go(self, ref: weakref.ref[torch.Tensor]) -> None:
+        # A paged tensor the views were made of is gone: so are the views.
+        held = self.held
+        if held is not None and ref in held[0]:
+            self.held = None
+
+    def _views(self, plan: TransferPlan, units: list[torch.Tensor]) -> list[torch.Tensor]:
+        # The paged views of this call's tensors: the kept ones if the call passes the
+        # tensors they were made of, else made now (and kept).
+        held = self.held
+        if held is not None and len(held[0]) == len(units):
+            for ref, u in zip(held[0], units, strict=True):
+                if ref() is not u:
+                    break
+            else:
+                return held[1]
+        ctx = KernelContext(plan, units)
+        if self.d2h:
+            views = [rows for rows, _ in ctx.plane_views()]
+        else:
+            views = [cu for cu, _, _ in ctx.unit_views()]
+        self.held = (tuple(weakref.ref(u, self._let_go) for u in units), views)
+        return views
+
+    def run(
+        self,
+        plan: TransferPlan,
+        paged: Any,
+        objects: Sequence[torch.Tensor],
+        must_block: Callable[[torch.Tensor, torch.Tensor], bool],
+        scratch: ScratchCache,
+        keep: list[torch.Tensor],
+    ) -> None:
+        """Move ``plan``'s segments (a plan of this binding's entry) on the current stream,
+        as :meth:`StagedBinding.run`."""
+        dev, d2h, dtype = self.device, self.d2h, self.dtype
+        views = self._views(plan, paged_units(plan.spec, paged))
+        block_ids = plan.request.block_ids
+        keys: list[Hashable] = []
+        shapes: list[tuple[int, ...]] = []
+        for s in self.segments:
+            keys.append(("ids", block_ids[s.start : s.stop]))
+            shapes.append(s.staging)
+        indices, buffers = scratch.fetch(dev, keys, index_values, keep, shapes, dtype)
+        cached = scratch.views
+        flags = self.non_blocking
+        decided: list[bool] = []
+        for k, (seg, idx, staging) in enumerate(zip(self.segments, indices, buffers, strict=True)):
+            region = seg.region
+            if region is None:  # the whole chunk: the buffer seen in the chunk's dtype
+                host = objects[seg.obj]
+                side = cached.get((id(staging), host.dtype))
+                if side is None:
+                    side = cached[id(staging), host.dtype] = staging.view(host.dtype)
+            else:
+                obj = objects[seg.obj].view(dtype)
+                part = cached.get((id(staging), region))
+                if part is None:
+                    part = cached[id(staging), region] = staging.as_strided(*region)
+                size, stride, offset = region
+                side, host = part, obj.as_strided(size, stride, obj.storage_offset() + offset)
+            if flags is None:
+                blocks = must_block(host, side) if d2h else must_block(side, host)
+                decided.append(not blocks)
+                non_blocking = not blocks
+            else:
+                non_blocking = flags[k]
+            if not d2h:
+                side.copy_(host, non_blocking=non_blocking)
+            for v, geometry in seg.kernels:
+                key = (id(staging), geometry)
+                view = cached.get(key)
+                if view is None:
+                    view = cached[key] = staging.as_strided(*geometry)
+                if d2h:
+                    torch.index_select(views[v], 0, idx, out=view)
+                else:
+                    views[v].index_copy_(1, idx, view)
+            if d2h:
+                host.copy_(side, non_blocking=non_blocking)
+        if flags is None:
+            self.non_blocking = tuple(decided)
+
+
+def _region(ctx: KernelContext, t: torch.Tensor, j0: int, n: int) -> torch.Tensor:
+    # The segment's part of a chunk-shaped tensor (as the unbound path's region).
+    return ctx.target_view(t)[:, :, j0 : j0 + n]
+
+
 def staged_binding(
     plan: TransferPlan, paged: Any, objects: Sequence[torch.Tensor]
-) -> StagedBinding | None:
-    """The binding of a device plan moved one kernel per segment (a rows or stacked view),
-    or ``None`` (the unbound path serves it)."""
+) -> StagedBinding | UnitsBinding | None:
+    """The binding of a device plan: moved one kernel per segment (a rows or stacked view),
+    or one per paged tensor (and plane, for a gather of a tight plan); ``None`` where the
+    unbound path serves it."""
     if plan.on_host or not plan.segments:
         return None
     units = paged_units(plan.spec, paged)
     if first_paged(paged) is not units[0]:
         return None
-    if not single_kernel(KernelContext(plan, units)):
-        return None
-    return StagedBinding(plan, paged, objects)
+    ctx = KernelContext(plan, units)
+    if single_kernel(ctx):
+        return StagedBinding(plan, paged, objects)
+    if plan.direction is Direction.D2H and not plan.tight:
+        return None  # the unbound path's per-tensor gather into a permuted view
+    return UnitsBinding(plan, paged, objects)
