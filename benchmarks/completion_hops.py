@@ -54,17 +54,19 @@ def _bare_wakes(n: int = 2000) -> list[float]:
     return lat
 
 
-def main(kind: str) -> int:
+def main(kind: str, calls: int = 100, rounds: int = 3) -> int:
     import torch
 
     from kvactors.actors.reply import Reply
     from kvactors.cli._devenv import device_env
-    from kvactors.cli.bench.transfer import run_transfer
+    from kvactors.cli.bench._pools import Pool
+    from kvactors.cli.bench.transfer import _Caller, _contenders, _Dev, block_sets
     from kvactors.devices._torchlike import EventMarker
+    from kvactors.runtime import Runtime
 
     torch.set_num_threads(1)
     reaper: list[float] = []
-    caller: list[float] = []
+    hops: list[float] = []
     settled: dict[int, float] = {}
     sync, settle, wait = EventMarker.synchronize, Reply.settle, Reply.wait
 
@@ -83,30 +85,41 @@ def main(kind: str) -> int:
         got = wait(self, timeout, what)
         at = settled.pop(id(self), None)
         if at is not None:
-            caller.append(time.perf_counter() - at)
+            hops.append(time.perf_counter() - at)
         return got
 
     EventMarker.synchronize = timed_sync  # type: ignore[method-assign]
     Reply.settle = timed_settle  # type: ignore[method-assign]
     Reply.wait = timed_wait  # type: ignore[method-assign]
+    done_us: dict[str, list[float]] = {}
     try:
         with device_env(kind) as env:
             if not env.simulated:
                 raise SystemExit("this lab script reads the fake vendor's completion times")
-            rows = run_transfer(env, ["nhd"], reps=8, rounds=3, blocks=256, model="small")
+            dev = _Dev(env)
+            with Runtime(dev.backend, default_timeout=120.0) as rt:
+                pool = Pool("small", "nhd", 256, 2, zeros=dev.zeros, pin=True)
+                caller = _Caller(dev, pool, 0, block_sets(256, pool.bpo, 1))
+                with dev.context(caller.stream)():
+                    fns = _contenders(rt, dev, pool, caller, True, None)
+                    for _ in range(rounds):
+                        for name in ("bare", "kvactors", "kvactors_async"):
+                            reaper_before, caller_before = len(reaper), len(hops)
+                            for _ in range(calls):
+                                t0 = time.perf_counter()
+                                fns[name]()
+                                caller.sync()
+                                done_us.setdefault(name, []).append(time.perf_counter() - t0)
+                            if name != "kvactors":  # its hand-offs alone
+                                del reaper[reaper_before:], hops[caller_before:]
     finally:
         EventMarker.synchronize = sync  # type: ignore[method-assign]
         Reply.settle = settle  # type: ignore[method-assign]
         Reply.wait = wait  # type: ignore[method-assign]
-    for row in rows:
-        t = row.timings
-        cells = ", ".join(
-            f"{name} {t[f'{name}@1'].done_us:.0f}"
-            for name in ("bare", "kvactors", "kvactors_async")
-        )
-        print(f"{kind} nhd {row.direction}: us until done, 1 thread: {cells}")
+    cells = ", ".join(f"{name} {_q(xs)}" for name, xs in done_us.items())
+    print(f"{kind} NHD gather, one thread, us until done: {cells}")
     print(f"reaper wakes after the copy's event completed, us: {_q(reaper)}")
-    print(f"caller wakes after the reaper settled its reply, us: {_q(caller)}")
+    print(f"caller wakes after the reaper settled its reply, us: {_q(hops)}")
     bare = _q(_bare_wakes())
     print(f"a thread wakes from an Event another thread set, nothing else running, us: {bare}")
     return 0
