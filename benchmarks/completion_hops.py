@@ -2,16 +2,17 @@
 
     KVACTORS_FAKE_VENDOR=mlu .venv/bin/python benchmarks/completion_hops.py mlu
 
-Runs ``kvactors bench``'s one-chunk part for NHD (``--quick`` operands and windows) and, for
-the calls answered at completion (``Runtime.transfer(complete=True)``), times the two
-thread hand-offs between the copy's end and the caller's return: the stream's reaper waking
-from its wait on the copy's event (after the fake stream marked the event complete), and
-the caller waking from its wait on the reply (after the reaper settled it). Prints the
-bench's host times until done (bare route, kvactors waiting, kvactors returning once
-enqueued and then synchronizing the stream) and the two hand-offs' median and 90th
-percentile in microseconds, beside the same wake-up between two threads that do nothing else
-(the machine's own cost of a hand-off). The timing wraps ``EventMarker.synchronize``,
-``Reply.settle`` and ``Reply.wait`` for the run (restored after it).
+The operands of ``kvactors bench``'s one-chunk part for NHD (``--quick``: the small model,
+256 blocks, the fake's jitter), one thread, nothing between calls: per round 100 gathers of
+each contender (bare route, kvactors waiting for the copy, kvactors returning once enqueued),
+each followed by its stream's synchronize. For the calls that wait, it times the two thread
+hand-offs between the copy's end and the caller's return: the stream's reaper waking from
+its wait on the copy's event (after the fake stream marked the event complete), and the
+caller waking from its wait on the reply (after the reaper settled it). Prints each
+contender's time until done and the two hand-offs (median, 90th percentile, in
+microseconds) beside one wake-up between two threads that do nothing else (the machine's own
+cost of a hand-off). The timing wraps ``EventMarker.synchronize``, ``Reply.settle`` and
+``Reply.wait`` for the run (restored after it).
 """
 
 from __future__ import annotations
