@@ -68,7 +68,13 @@ def test_on_a_fake_vendor_the_device_has_timing_events() -> None:
         assert r.simulated
         assert r.pinned
         assert r.exact is True
-        assert all(t.device_us is not None and t.device_us > 0 for t in r.timings.values())
+        # Device time from events in a pass of its own, one caller: none in timed windows.
+        for key, t in r.timings.items():
+            if key.endswith("@1"):
+                assert t.device_us is not None, key
+                assert t.device_us > 0, key
+            else:
+                assert t.device_us is None, key
         assert all(t.busy_us is None for t in r.timings.values())  # no spin kernel on a fake
 
 

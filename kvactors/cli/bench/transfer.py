@@ -18,12 +18,13 @@ operands, windows rotated (:mod:`._harness`):
 * ``lmcache`` (CPU only): LMCache's torch path on the same request (its ids fixed).
 
 Per contender and thread count (:class:`ChunkTiming`): host time until the call returned and
-until its stream's synchronize returned, the device's time between timing events recorded
-before and after the call (devices with timing events; None on CPU), aggregate calls/s and
-GB/s. ``busy_us``: the device's own time for one call's work: the same events with the
-stream held by a spin kernel while the host enqueues, so host gaps are left out (CUDA's
-``_sleep``; elsewhere None). Each case first checks that kvactors and the bare route move
-the same bytes (``exact``).
+until its stream's synchronize returned, aggregate calls/s and GB/s; at one thread also the
+device's time between timing events recorded before and after the call, in a pass of its own
+after the timed windows (devices with timing events; None on CPU): no event is recorded in a
+timed window, since on a fake stream an event is work of its own. ``busy_us``: the device's
+own time for one call's work: the same events with the stream held by a spin kernel while
+the host enqueues, so host gaps are left out (CUDA's ``_sleep``; elsewhere None). Each case
+first checks that kvactors and the bare route move the same bytes (``exact``).
 """
 
 from __future__ import annotations
@@ -55,8 +56,8 @@ _SPIN_CYCLES = 20_000_000  # about 10 ms of one SM: longer than any call's enque
 
 class ChunkTiming(msgspec.Struct, frozen=True, kw_only=True):
     """One contender at one thread count: medians per call in microseconds (``device_us``,
-    ``busy_us``: None where the device has no timing events / no spin kernel), aggregate
-    calls/s and GB/s of all its threads."""
+    ``busy_us``: one thread only, None where the device has no timing events / no spin
+    kernel), aggregate calls/s and GB/s of all its threads."""
 
     host_us: float
     done_us: float
@@ -113,15 +114,14 @@ class _Dev:
 
 
 class _Samples:
-    """One lane's per-call seconds: until return, until done; device milliseconds."""
+    """One lane's per-call seconds: until return, until done."""
 
     def __init__(self) -> None:
         self.host: list[float] = []
         self.done: list[float] = []
-        self.span: list[float] = []
 
     def clear(self) -> None:
-        for xs in (self.host, self.done, self.span):
+        for xs in (self.host, self.done):
             xs.clear()
 
 
@@ -179,27 +179,37 @@ def _contenders(
     return fns
 
 
-def _timed(fn: Callable[[], object], k: _Caller, dev: _Dev, out: _Samples) -> Callable[[], None]:
-    """``fn`` followed by its stream's synchronize, its times recorded in ``out``."""
-    e0, e1, perf = dev.event(), dev.event(), time.perf_counter
-    sync = k.sync
+def _timed(fn: Callable[[], object], k: _Caller, out: _Samples) -> Callable[[], None]:
+    """``fn`` followed by its stream's synchronize, its times recorded in ``out`` (no event
+    is recorded in a timed window: on a fake stream an event is work of its own)."""
+    perf, sync = time.perf_counter, k.sync
 
     def call() -> None:
-        if e0 is not None:
-            e0.record()
         t0 = perf()
         fn()
         t1 = perf()
-        if e1 is not None:
-            e1.record()
         sync()
         t2 = perf()
         out.host.append(t1 - t0)
         out.done.append(t2 - t0)
-        if e0 is not None:
-            out.span.append(e0.elapsed_time(e1))
 
     return call
+
+
+def _span(fn: Callable[[], object], k: _Caller, dev: _Dev, n: int) -> float | None:
+    """Median device ms between events recorded before and after ``fn`` (one caller)."""
+    e0, e1 = dev.event(), dev.event()
+    if e0 is None or e1 is None:
+        return None
+    got = []
+    with dev.context(k.stream)():
+        for _ in range(n):
+            e0.record()
+            fn()
+            e1.record()
+            k.sync()
+            got.append(e0.elapsed_time(e1))
+    return float(statistics.median(got))
 
 
 def _busy(fn: Callable[[], object], k: _Caller, dev: _Dev, n: int) -> float | None:
@@ -272,7 +282,7 @@ def _case(
             for name, fn in fns.items():
                 s = _Samples()
                 samples.setdefault((name, threads), []).append(s)
-                lane = Lane([("call", _timed(fn, k, dev, s))], context=dev.context(k.stream))
+                lane = Lane([("call", _timed(fn, k, s))], context=dev.context(k.stream))
                 lanes.setdefault((name, threads), []).append(lane)
 
     def warmed() -> None:
@@ -283,6 +293,7 @@ def _case(
     got = rates(lanes, calls, rounds, warmed=warmed)
     spun = ("raw", "bare", "kvactors_async")
     busy: dict[str, float | None] = {n: _busy(plain[n], one, dev, 8) for n in spun if n in plain}
+    spans = {n: _span(fn, one, dev, 8) for n, fn in plain.items()}
     nbytes = callers[0].chunk.nbytes
     out: dict[str, ChunkTiming] = {}
 
@@ -292,12 +303,12 @@ def _case(
     for (name, threads), t in got.items():
         ss = samples[name, threads]
 
-        span = [x for s in ss for x in s.span]
+        span = spans.get(name) if threads == 1 else None
         b = busy.get(name) if threads == 1 else None
         out[f"{name}@{threads}"] = ChunkTiming(
             host_us=med([x for s in ss for x in s.host], 1e6),
             done_us=med([x for s in ss for x in s.done], 1e6),
-            device_us=med(span, 1e3) if span else None,
+            device_us=None if span is None else span * 1e3,
             busy_us=None if b is None else b * 1e3,
             calls_per_s=t.calls_per_s,
             gbps=t.calls_per_s * nbytes / 1e9,
