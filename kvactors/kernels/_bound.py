@@ -68,16 +68,47 @@ class _Segment:
         self.start, self.stop = start, stop  # its block ids' slice of the request's
 
 
-class StagedBinding:
+class _WeakHold:
+    """A binding's views of the paged tensors of its latest call: ``held`` is ``(weak
+    references to those tensors, the views)``, dropped as soon as one of the tensors goes (the
+    binding never keeps the pool alive)."""
+
+    __slots__ = ("held",)
+
+    def __init__(self) -> None:
+        self.held: tuple[tuple[weakref.ref[torch.Tensor], ...], Any] | None = None
+
+    def _hold(self, tensors: Sequence[torch.Tensor], views: Any) -> None:
+        self.held = (tuple(weakref.ref(t, self._let_go) for t in tensors), views)
+
+    def _let_go(self, ref: weakref.ref[torch.Tensor]) -> None:
+        held = self.held
+        if held is not None and ref in held[0]:
+            self.held = None
+
+
+def _non_blocking(
+    must_block: Callable[[torch.Tensor, torch.Tensor], bool],
+    d2h: bool,
+    host: torch.Tensor,
+    side: torch.Tensor,
+    decided: list[bool],
+) -> bool:
+    # A segment's copy policy, decided on a binding's first run (the backend's must_block,
+    # with the tensors the copy reads and writes) and recorded in ``decided``.
+    non_blocking = not (must_block(host, side) if d2h else must_block(side, host))
+    decided.append(non_blocking)
+    return non_blocking
+
+
+class StagedBinding(_WeakHold):
     """The staged path of one cache entry's plans (see the module docstring)."""
 
     __slots__ = (
-        "__weakref__",
         "d2h",
         "device",
         "dim",
         "dtype",
-        "held",
         "non_blocking",
         "rows",
         "segments",
@@ -86,6 +117,7 @@ class StagedBinding:
     )
 
     def __init__(self, plan: TransferPlan, paged: Any, objects: Sequence[torch.Tensor]) -> None:
+        super().__init__()  # held: the first paged tensor, the paged view made of it
         units = paged_units(plan.spec, paged)
         ctx = KernelContext(plan, units)
         self.device = ctx.device
@@ -137,16 +169,6 @@ class StagedBinding:
         # Per segment, whether its host<->device copy is non-blocking (the backend's copy
         # policy, decided on the first run, with the tensors it reads).
         self.non_blocking: tuple[bool, ...] | None = None
-        # The first paged tensor of the latest call (a weak reference: the binding never
-        # keeps the pool alive) and the paged view made of it.
-        self.held: tuple[weakref.ref[torch.Tensor], torch.Tensor] | None = None
-
-    def _let_go(self, ref: weakref.ref[torch.Tensor]) -> None:
-        # The first paged tensor the view was made of is gone: so is the view (and with it
-        # the binding's hold on the pool's memory).
-        held = self.held
-        if held is not None and held[0] is ref:
-            self.held = None
 
     def run(
         self,
@@ -167,11 +189,11 @@ class StagedBinding:
             if not isinstance(first, torch.Tensor):
                 first = first[0]
         held = self.held
-        if held is not None and held[0]() is first:
+        if held is not None and held[0][0]() is first:
             source = held[1]
         else:
             source = first.view(dtype).as_strided(*self.source)
-            self.held = (weakref.ref(first, self._let_go), source)
+            self._hold((first,), source)
         block_ids = plan.request.block_ids
         rows = self.rows
         keys: list[Hashable] = []
@@ -201,9 +223,7 @@ class StagedBinding:
                     alias = views[id(staging), whole] = staging.view(whole[0]).view(whole[1])
                 side, host = alias, objects[seg.obj]
             if flags is None:
-                blocks = must_block(host, side) if d2h else must_block(side, host)
-                decided.append(not blocks)
-                non_blocking = not blocks
+                non_blocking = _non_blocking(must_block, d2h, host, side, decided)
             else:
                 non_blocking = flags[k]
             if d2h:
@@ -238,7 +258,7 @@ class _UnitSegment:
         self.start, self.stop = start, stop  # its block ids' slice of the request's
 
 
-class UnitsBinding:
+class UnitsBinding(_WeakHold):
     """The staged path of one cache entry's plans whose paged tensors share no one view
     (layers allocated apart): per segment, a gather is one ``index_select`` per paged tensor
     and plane into a staging buffer of the chunk's shape and one copy to the host chunk, a
@@ -247,9 +267,10 @@ class UnitsBinding:
     the same tensors (weakly: the binding keeps no tensor alive), the buffer's in the
     :class:`ScratchCache`."""
 
-    __slots__ = ("__weakref__", "d2h", "device", "dtype", "held", "non_blocking", "segments")
+    __slots__ = ("d2h", "device", "dtype", "non_blocking", "segments")
 
     def __init__(self, plan: TransferPlan, paged: Any, objects: Sequence[torch.Tensor]) -> None:
+        super().__init__()  # held: the paged tensors, the views the kernels read or write
         units = paged_units(plan.spec, paged)
         ctx = KernelContext(plan, units)
         self.device = ctx.device
@@ -269,20 +290,19 @@ class UnitsBinding:
                 ov = ctx.target_view(meta).permute(1, 0, 2, 3, 4, 5)[:, :, j0 : j0 + n]
                 for v, (_, layer, planes) in enumerate(ctx.unit_views()):
                     kernels.append((v, _geometry(ov[layer, planes.start : planes.stop])))
-            region = None if n == ctx.bpo else _geometry(_region(ctx, meta, j0, n))
+            region = None if n == ctx.bpo else _geometry(ctx.region(meta, seg))
             segments.append(
                 _UnitSegment(seg.obj, tuple(obj.shape), tuple(kernels), region, seg.start, seg.stop)
             )
         self.segments = tuple(segments)
         self.non_blocking: tuple[bool, ...] | None = None  # per segment, as StagedBinding's
-        # The paged tensors of the latest call (weak references) and the views made of them.
-        self.held: tuple[tuple[weakref.ref[torch.Tensor], ...], list[torch.Tensor]] | None = None
+        self._hold(units, self._made(ctx))
 
-    def _let_go(self, ref: weakref.ref[torch.Tensor]) -> None:
-        # A paged tensor the views were made of is gone: so are the views.
-        held = self.held
-        if held is not None and ref in held[0]:
-            self.held = None
+    def _made(self, ctx: KernelContext) -> list[torch.Tensor]:
+        # The paged views the kernels read (gather: each tensor's planes as rows) or write.
+        if self.d2h:
+            return [rows for rows, _ in ctx.plane_views()]
+        return [cu for cu, _, _ in ctx.unit_views()]
 
     def _views(self, plan: TransferPlan, units: list[torch.Tensor]) -> list[torch.Tensor]:
         # The paged views of this call's tensors: the kept ones if the call passes the
@@ -293,13 +313,10 @@ class UnitsBinding:
                 if ref() is not u:
                     break
             else:
-                return held[1]
-        ctx = KernelContext(plan, units)
-        if self.d2h:
-            views = [rows for rows, _ in ctx.plane_views()]
-        else:
-            views = [cu for cu, _, _ in ctx.unit_views()]
-        self.held = (tuple(weakref.ref(u, self._let_go) for u in units), views)
+                views: list[torch.Tensor] = held[1]
+                return views
+        views = self._made(KernelContext(plan, units))
+        self._hold(units, views)
         return views
 
     def run(
@@ -340,9 +357,7 @@ class UnitsBinding:
                 size, stride, offset = region
                 side, host = part, obj.as_strided(size, stride, obj.storage_offset() + offset)
             if flags is None:
-                blocks = must_block(host, side) if d2h else must_block(side, host)
-                decided.append(not blocks)
-                non_blocking = not blocks
+                non_blocking = _non_blocking(must_block, d2h, host, side, decided)
             else:
                 non_blocking = flags[k]
             if not d2h:
@@ -360,11 +375,6 @@ class UnitsBinding:
                 host.copy_(side, non_blocking=non_blocking)
         if flags is None:
             self.non_blocking = tuple(decided)
-
-
-def _region(ctx: KernelContext, t: torch.Tensor, j0: int, n: int) -> torch.Tensor:
-    # The segment's part of a chunk-shaped tensor (as the unbound path's region).
-    return ctx.target_view(t)[:, :, j0 : j0 + n]
 
 
 def staged_binding(

@@ -328,6 +328,12 @@ class KernelContext:
         shape = self.plan.request.shape
         return object_view(self.plan.spec, obj, shape.nl, shape.nh, shape.hs, shape.bs)
 
+    def region(self, t: torch.Tensor, seg: Segment) -> torch.Tensor:
+        """The part of a chunk-shaped tensor the segment covers (the whole tensor when full)."""
+        if seg.count == self.bpo:
+            return t
+        return self.target_view(t)[:, :, seg.slot0 : seg.slot0 + seg.count]
+
     def plane_rows(self, obj: torch.Tensor) -> torch.Tensor:
         """A (raw) host chunk or staging buffer as ``[P*NL, J, BS*NH*HS]``."""
         return obj.view(self.planes * self.nl, self.bpo, -1)

@@ -32,7 +32,7 @@ if TYPE_CHECKING:
     from collections.abc import Callable, Sequence
 
     from kvactors.core.plan_cache import Binder, Kernel, KernelMemo
-    from kvactors.core.plans import RowGeometry, Segment, TransferPlan
+    from kvactors.core.plans import RowGeometry, TransferPlan
 
 __all__ = ("ScratchCache", "index_tensor", "reused_kernel", "run_fast")
 
@@ -53,13 +53,6 @@ def _thread_scratch() -> ScratchCache:
 
 def _default_copy(dst: torch.Tensor, src: torch.Tensor) -> None:
     dst.copy_(src, non_blocking=True)
-
-
-def _region(ctx: KernelContext, t: torch.Tensor, seg: Segment) -> torch.Tensor:
-    """The part of a chunk-shaped tensor the segment covers (the whole tensor when full)."""
-    if seg.count == ctx.bpo:
-        return t
-    return ctx.target_view(t)[:, :, seg.slot0 : seg.slot0 + seg.count]
 
 
 def run_fast(
@@ -472,7 +465,7 @@ def _run_staged(
         staging = scratch.get(ctx.device, obj.shape, obj.dtype)
         if d2h:
             gather_segment(ctx, seg, staging)
-            copy(_region(ctx, obj, seg), _region(ctx, staging, seg))
+            copy(ctx.region(obj, seg), ctx.region(staging, seg))
         else:
-            copy(_region(ctx, staging, seg), _region(ctx, obj, seg))
+            copy(ctx.region(staging, seg), ctx.region(obj, seg))
             scatter_segment(ctx, seg, staging, use_numpy=False)
