@@ -8,11 +8,11 @@ logprob bits equal a native-prefix-caching server with the same parallelism; the
 two worker processes, each restored every hit of its own heads, bit-identical to its stores;
 vLLM's own /metrics (multiprocess mode) adds up both workers' kvactors transfers.
 
-Two TP=2 servers on two cores: a PING or lookup from the connector to the LMCache server can go
-unanswered for longer than LMCache's 10 s heartbeat, which puts the connector in degraded mode,
-where lookups answer no hit. The kvactors server's heartbeat is 30 s
-(``lmcache.mp.heartbeat_interval``), the native server is stopped once its answers are in, and
-a degraded connector fails the test by name.
+The two TP=2 servers run one after the other: started together on two cores, their eight
+processes starved the connector's heartbeat, and a PING from the connector to the LMCache server
+unanswered for longer than ``lmcache.mp.heartbeat_interval`` puts the connector in degraded mode,
+where lookups answer no hit. The kvactors server's heartbeat is 30 s (LMCache's default 10 s),
+and a degraded connector fails the test by name, with the log lines before it.
 """
 
 from __future__ import annotations
@@ -39,7 +39,7 @@ HEARTBEAT_S = 30.0  # LMCache's server reaps a silent worker after 120 s: at lea
 
 @pytest.fixture(scope="module")
 def tp(tmp_path_factory: pytest.TempPathFactory) -> dict[str, Any]:
-    from kvactors_serving.api_server import DEGRADED, ApiServer
+    from kvactors_serving.api_server import ApiServer
     from kvactors_serving.model import TINY_LLAMA, make_model
     from kvactors_serving.procedure import engine_env
     from kvactors_serving.server import LMCacheServer
@@ -51,27 +51,27 @@ def tp(tmp_path_factory: pytest.TempPathFactory) -> dict[str, Any]:
     wl = make_workload(seed=0, vocab=int(TINY_LLAMA["vocab_size"]), max_tokens=MAX_TOKENS)
     bind = {"VLLM_CPU_OMP_THREADS_BIND": TP_BIND}
     res: dict[str, Any] = {"wl": wl}
+    prompts = (*wl.store, *wl.warm)
     with contextlib.ExitStack() as stack:
         lmc = LMCacheServer(chunk_size=CHUNK, env=engine_env(None))
         stack.callback(lmc.stop)
+        # One TP=2 server at a time: four vLLM processes of each on two cores starved the
+        # connector's heartbeat.
         native = ApiServer(model, env=engine_env(None) | bind, prefix_caching=True,
                            name="vllm-native-tp2", tensor_parallel_size=2)  # fmt: skip
         stack.callback(native.stop)
+        native.wait_ready()
+        res["native"] = [native.complete(list(p.tokens), max_tokens=MAX_TOKENS) for p in prompts]
+        native.stop()
         env = engine_env("kvactors") | bind | {TAP_ENV: str(work / "tap"),
                                                **vm.metrics_env(work / "prometheus")}  # fmt: skip
         lmc.wait_ready()
         kv = ApiServer(model, env=env, lmcache_port=lmc.port, name="vllm-kvactors-tp2",
                        tensor_parallel_size=2, heartbeat_s=HEARTBEAT_S)  # fmt: skip
         stack.callback(kv.stop)
-        native.wait_ready()
         kv.wait_ready()
-        for name, srv in (("native", native), ("kvactors", kv)):
-            res[name] = [
-                srv.complete(list(p.tokens), max_tokens=MAX_TOKENS) for p in (*wl.store, *wl.warm)
-            ]
-            if srv is native:
-                native.stop()  # its two workers leave the two cores to the kvactors server's
-        res["degraded"] = DEGRADED in kv.log(tail=None)
+        res["kvactors"] = [kv.complete(list(p.tokens), max_tokens=MAX_TOKENS) for p in prompts]
+        res["degraded"] = _degraded_lines(kv.log(tail=None))
         res["tap"] = read_reports(work / "tap")
         calls = _tap_calls(res["tap"])  # both ranks' files, added up by vLLM's collector
         res["metrics"] = vm.wait_for(kv.port, lambda m: _ok(m) >= calls)
@@ -79,6 +79,14 @@ def tp(tmp_path_factory: pytest.TempPathFactory) -> dict[str, Any]:
                          "hits": [a.hit for a in res["kvactors"][len(wl.store):]],
                          "tap": tap_totals(res["tap"])})  # fmt: skip
     return res
+
+
+def _degraded_lines(log: str) -> list[str]:
+    """The log's lines from each time the connector went degraded, with the three before."""
+    from kvactors_serving.api_server import DEGRADED
+
+    lines = log.splitlines()
+    return ["\n".join(lines[max(0, i - 3) : i + 1]) for i, ln in enumerate(lines) if DEGRADED in ln]
 
 
 @pytest.mark.timeout(900)
@@ -89,7 +97,8 @@ def test_two_tp_workers_each_move_their_heads_bit_identical_to_native(tp: dict[s
     n_store = len(wl.store)
     assert not tp["degraded"], (
         "LMCache's connector went degraded (a PING to the LMCache server unanswered in "
-        f"{HEARTBEAT_S} s): its lookups answered no hit from then on"
+        f"{HEARTBEAT_S} s): its lookups answered no hit from then on:\n"
+        + "\n---\n".join(tp["degraded"])
     )
     for p, n, k in zip(wl.warm, tp["native"][n_store:], tp["kvactors"][n_store:], strict=True):
         assert n.hit == k.hit == p.expected_hit, p.label
