@@ -251,9 +251,7 @@ class PlanCache:
         units: Sequence[torch.Tensor]
         chunks: Sequence[torch.Tensor]
         if kinds_o == _PLAIN and kinds_p == _PLAIN:
-            structure: tuple[Any, ...] = (tp, to)
-            units = (paged,) if tp is _Tensor else paged  # type: ignore[assignment]
-            chunks = objects  # type: ignore[assignment]
+            structure: tuple[Any, ...] | None = (tp, to)
             readers = _PLAIN_READERS
         elif (
             kinds_o is not None
@@ -264,9 +262,12 @@ class PlanCache:
             and issubclass(next(iter(kinds_o)), _Tensor)
         ):
             structure = (tp, to, *kinds_p, *kinds_o)
+            readers = _ANY_READERS
+        else:
+            structure = None
+        if structure is not None:  # the flat structure: the paged tensors and the chunks
             units = (paged,) if tp is _Tensor else paged  # type: ignore[assignment]
             chunks = objects  # type: ignore[assignment]
-            readers = _ANY_READERS
         else:
             nested = _nested(paged, objects)
             if nested is None:

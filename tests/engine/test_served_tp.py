@@ -33,6 +33,7 @@ pytestmark = pytest.mark.skipif(
     ".venv-vllm/bin/python -m pytest tests/engine",
 )
 
+TP = 2
 TP_BIND = "0|1"  # one core per rank (vLLM's CPU syntax: ranks separated by "|")
 HEARTBEAT_S = 30.0  # LMCache's server reaps a silent worker after 120 s: at least 3 heartbeats
 
@@ -53,12 +54,13 @@ def tp(tmp_path_factory: pytest.TempPathFactory) -> dict[str, Any]:
     res: dict[str, Any] = {"wl": wl}
     prompts = (*wl.store, *wl.warm)
     with contextlib.ExitStack() as stack:
-        lmc = LMCacheServer(chunk_size=CHUNK, env=engine_env(None))
+        # A request thread per rank (with one, LMCache warns, the ranks' tasks serialize).
+        lmc = LMCacheServer(chunk_size=CHUNK, env=engine_env(None), max_workers=TP)
         stack.callback(lmc.stop)
-        # One TP=2 server at a time: four vLLM processes of each on two cores starved the
-        # connector's heartbeat.
+        # One TP=2 server at a time: with more processes than cores a worker's forward pass
+        # stalls for a minute and the connector's heartbeat goes unanswered meanwhile.
         native = ApiServer(model, env=engine_env(None) | bind, prefix_caching=True,
-                           name="vllm-native-tp2", tensor_parallel_size=2)  # fmt: skip
+                           name="vllm-native-tp2", tensor_parallel_size=TP)  # fmt: skip
         stack.callback(native.stop)
         native.wait_ready()
         res["native"] = [native.complete(list(p.tokens), max_tokens=MAX_TOKENS) for p in prompts]
@@ -67,7 +69,7 @@ def tp(tmp_path_factory: pytest.TempPathFactory) -> dict[str, Any]:
                                                **vm.metrics_env(work / "prometheus")}  # fmt: skip
         lmc.wait_ready()
         kv = ApiServer(model, env=env, lmcache_port=lmc.port, name="vllm-kvactors-tp2",
-                       tensor_parallel_size=2, heartbeat_s=HEARTBEAT_S)  # fmt: skip
+                       tensor_parallel_size=TP, heartbeat_s=HEARTBEAT_S)  # fmt: skip
         stack.callback(kv.stop)
         kv.wait_ready()
         res["kvactors"] = [kv.complete(list(p.tokens), max_tokens=MAX_TOKENS) for p in prompts]

@@ -37,9 +37,11 @@ def server_command(
     *,
     hash_algorithm: str = HASH_ALGORITHM,
     l2_adapters: tuple[dict[str, object], ...] = (),
+    max_workers: int | None = None,
 ) -> list[str]:
     """The server's command line (engine-driven transfers, blake3 hashing, no metrics; each of
-    ``l2_adapters`` one ``--l2-adapter`` JSON spec)."""
+    ``l2_adapters`` one ``--l2-adapter`` JSON spec; ``max_workers``: the threads of each of its
+    request pools, LMCache's default 1)."""
     cmd = [
         python, "-m", "lmcache.v1.multiprocess.server",
         "--host", "127.0.0.1", "--port", str(port),
@@ -49,6 +51,8 @@ def server_command(
     ]  # fmt: skip
     for spec in l2_adapters:
         cmd += ["--l2-adapter", json.dumps(spec)]
+    if max_workers is not None:
+        cmd += ["--max-workers", str(max_workers)]
     return cmd
 
 
@@ -63,6 +67,7 @@ class LMCacheServer:
         python: str | None = None,
         hash_algorithm: str = HASH_ALGORITHM,
         l2_adapters: tuple[dict[str, object], ...] = (),
+        max_workers: int | None = None,
     ) -> None:
         self.port = free_port()
         fd, name = tempfile.mkstemp(prefix="kvactors-lmcache-server-", suffix=".log")
@@ -76,6 +81,7 @@ class LMCacheServer:
                 chunk_size,
                 hash_algorithm=hash_algorithm,
                 l2_adapters=l2_adapters,
+                max_workers=max_workers,
             ),
             env=env,
             stdout=self._log,
