@@ -17,7 +17,6 @@ paged tensor (and plane, gathering), its views kept the same way.
 
 from __future__ import annotations
 
-import weakref
 from typing import TYPE_CHECKING, Any
 
 import torch
@@ -26,7 +25,7 @@ from kvactors.core.layouts import Direction
 from kvactors.core.plans import paged_units
 from kvactors.kernels._context import KernelContext, index_values
 from kvactors.kernels._staged import single_kernel
-from kvactors.kernels._views import first_paged, physical_order, raw
+from kvactors.kernels._views import WeakHold, first_paged, physical_order, raw
 
 if TYPE_CHECKING:
     from collections.abc import Callable, Hashable, Sequence
@@ -68,25 +67,6 @@ class _Segment:
         self.start, self.stop = start, stop  # its block ids' slice of the request's
 
 
-class _WeakHold:
-    """A binding's views of the paged tensors of its latest call: ``held`` is ``(weak
-    references to those tensors, the views)``, dropped as soon as one of the tensors goes (the
-    binding never keeps the pool alive)."""
-
-    __slots__ = ("held",)
-
-    def __init__(self) -> None:
-        self.held: tuple[tuple[weakref.ref[torch.Tensor], ...], Any] | None = None
-
-    def _hold(self, tensors: Sequence[torch.Tensor], views: Any) -> None:
-        self.held = (tuple(weakref.ref(t, self._let_go) for t in tensors), views)
-
-    def _let_go(self, ref: weakref.ref[torch.Tensor]) -> None:
-        held = self.held
-        if held is not None and ref in held[0]:
-            self.held = None
-
-
 def _non_blocking(
     must_block: Callable[[torch.Tensor, torch.Tensor], bool],
     d2h: bool,
@@ -101,7 +81,7 @@ def _non_blocking(
     return non_blocking
 
 
-class StagedBinding(_WeakHold):
+class StagedBinding(WeakHold):
     """The staged path of one cache entry's plans (see the module docstring)."""
 
     __slots__ = (
@@ -193,7 +173,7 @@ class StagedBinding(_WeakHold):
             source = held[1]
         else:
             source = first.view(dtype).as_strided(*self.source)
-            self._hold((first,), source)
+            self.hold((first,), source)
         block_ids = plan.request.block_ids
         rows = self.rows
         keys: list[Hashable] = []
@@ -258,7 +238,7 @@ class _UnitSegment:
         self.start, self.stop = start, stop  # its block ids' slice of the request's
 
 
-class UnitsBinding(_WeakHold):
+class UnitsBinding(WeakHold):
     """The staged path of one cache entry's plans whose paged tensors share no one view
     (layers allocated apart): per segment, a gather is one ``index_select`` per paged tensor
     and plane into a staging buffer of the chunk's shape and one copy to the host chunk, a
@@ -296,7 +276,7 @@ class UnitsBinding(_WeakHold):
             )
         self.segments = tuple(segments)
         self.non_blocking: tuple[bool, ...] | None = None  # per segment, as StagedBinding's
-        self._hold(units, self._made(ctx))
+        self.hold(units, self._made(ctx))
 
     def _made(self, ctx: KernelContext) -> list[torch.Tensor]:
         # The paged views the kernels read (gather: each tensor's planes as rows) or write.
@@ -316,7 +296,7 @@ class UnitsBinding(_WeakHold):
                 views: list[torch.Tensor] = held[1]
                 return views
         views = self._made(KernelContext(plan, units))
-        self._hold(units, views)
+        self.hold(units, views)
         return views
 
     def run(

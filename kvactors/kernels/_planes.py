@@ -28,7 +28,14 @@ from typing import TYPE_CHECKING, Any
 import torch
 
 from kvactors.core.plans import paged_units
-from kvactors.kernels._views import canonical_unit, first_paged, raw, stacked_view, unit_planes
+from kvactors.kernels._views import (
+    WeakHold,
+    canonical_unit,
+    first_paged,
+    raw,
+    stacked_view,
+    unit_planes,
+)
 
 if TYPE_CHECKING:
     from collections.abc import Sequence
@@ -97,6 +104,7 @@ def planes_scatter_binder(
         objs_order = tuple(seg.obj for seg in segs)
         first, stop = segs[0].start, segs[-1].stop
         contiguous = all(b.start == a.stop for a, b in itertools.pairwise(segs))
+        kept = WeakHold()  # the rows array of the latest first paged tensor
 
         def bind_whole(p: TransferPlan) -> Kernel:
             if contiguous:
@@ -107,18 +115,25 @@ def planes_scatter_binder(
                 )
             index = base[None, :, :, None] + (ids * block_rows).reshape(len(segs), 1, 1, bpo)
             steps = tuple(zip(objs_order, index, strict=True))
-            if as_raw:
-                return _whole_kernel(geo, item, obj_shape, True, steps)
 
             def scatter(paged: Any, objs: Sequence[torch.Tensor]) -> None:
-                # _whole_kernel's plain scatter with first_paged and _void_rows in line (no Python
-                # frame but this one): the first paged tensor of one or a list of them.
+                # The first paged tensor's rows array is kept while calls pass that very
+                # tensor (a warm scatter makes no torch call of the pool's); no Python frame
+                # but this one. A chunk's last axis is contiguous and holds whole HS runs:
+                # viewed as items in place (``raw`` first where numpy has no such dtype).
                 u0 = paged if type(paged) is _Tensor else paged[0]
                 if type(u0) is not _Tensor:
                     u0 = first_paged(paged)
-                rows = u0.as_strided(*whole).numpy().view(item)[..., 0]
+                held = kept.held
+                if held is not None and held[0][0]() is u0:
+                    rows = held[1]
+                else:
+                    rows = _void_rows(u0, whole, item, as_raw)
+                    kept.hold((u0,), rows)
                 for obj, idx in steps:
-                    rows[idx] = objs[obj].numpy().view(item).reshape(obj_shape)
+                    chunk = objs[obj]
+                    chunk_np = (raw(chunk) if as_raw else chunk).numpy()
+                    rows[idx] = chunk_np.view(item).reshape(obj_shape)
 
             return scatter
 
@@ -140,31 +155,6 @@ def planes_scatter_binder(
 
 def _host_array(t: torch.Tensor, as_raw: bool) -> np.ndarray[Any, Any]:
     return (raw(t) if as_raw else t).numpy()
-
-
-def _whole_kernel(
-    geo: tuple[Any, ...],
-    item: np.dtype[Any],
-    obj_shape: tuple[int, ...],
-    as_raw: bool,
-    steps: tuple[tuple[int, Any], ...],
-) -> Kernel:
-    if as_raw:
-
-        def scatter_raw(paged: Any, objs: Sequence[torch.Tensor]) -> None:
-            rows = _void_rows(first_paged(paged), geo, item, True)
-            for obj, index in steps:
-                rows[index] = raw(objs[obj]).numpy().view(item).reshape(obj_shape)
-
-        return scatter_raw
-
-    def scatter(paged: Any, objs: Sequence[torch.Tensor]) -> None:
-        # A chunk's last axis is contiguous and holds whole HS runs: viewed as items in place.
-        rows = _void_rows(first_paged(paged), geo, item, False)
-        for obj, index in steps:
-            rows[index] = objs[obj].numpy().view(item).reshape(obj_shape)
-
-    return scatter
 
 
 def _kernel(

@@ -9,6 +9,7 @@ memory's physical order, the order in which torch's ``index_select`` is fast.
 from __future__ import annotations
 
 import array
+import weakref
 from typing import TYPE_CHECKING, Any
 
 import torch
@@ -21,6 +22,7 @@ if TYPE_CHECKING:
     from kvactors.core.plans import StackedView
 
 __all__ = (
+    "WeakHold",
     "block_runs",
     "canonical_unit",
     "first_paged",
@@ -31,6 +33,27 @@ __all__ = (
     "stacked_view",
     "unit_planes",
 )
+
+
+class WeakHold:
+    """A kernel's views of the paged tensors of its latest call, kept while calls pass those
+    very tensors: ``held`` is ``(weak references to the tensors, the views)``, dropped as soon
+    as one of the tensors goes (a kept view never keeps the pool alive)."""
+
+    __slots__ = ("held",)
+
+    def __init__(self) -> None:
+        self.held: tuple[tuple[weakref.ref[torch.Tensor], ...], Any] | None = None
+
+    def hold(self, tensors: Sequence[torch.Tensor], views: Any) -> None:
+        """Keep ``views`` while every one of ``tensors`` lives."""
+        self.held = (tuple(weakref.ref(t, self._let_go) for t in tensors), views)
+
+    def _let_go(self, ref: weakref.ref[torch.Tensor]) -> None:
+        held = self.held
+        if held is not None and ref in held[0]:
+            self.held = None
+
 
 _RAW = {1: torch.uint8, 2: torch.int16, 4: torch.int32, 8: torch.int64}
 

@@ -26,7 +26,7 @@ from kvactors.kernels._moves import gather_segment, numpy_usable, scatter_segmen
 from kvactors.kernels._planes import planes_scatter_binder
 from kvactors.kernels._staged import single_kernel, staged_segment
 from kvactors.kernels._units import units_gather_binder
-from kvactors.kernels._views import first_paged, index_tensor, object_view, raw
+from kvactors.kernels._views import WeakHold, first_paged, index_tensor, object_view, raw
 
 if TYPE_CHECKING:
     from collections.abc import Callable, Sequence
@@ -270,38 +270,66 @@ def _rows_binder(
     # Same dtype on both sides (validated); one whose index_select is missing goes raw.
     as_raw = any(objects[seg.obj].dtype is not unit0.dtype for seg in plan.segments)
 
-    def bind(p: TransferPlan) -> Kernel:
-        return _rows_kernel(g, direction, _rows_steps(p, use_numpy), as_raw)
+    kept = WeakHold()  # the rows view of the latest first paged tensor (an array, scattering)
+    if direction is Direction.D2H:
+
+        def bind(p: TransferPlan) -> Kernel:
+            return _rows_gather(g, _rows_steps(p, use_numpy), as_raw, kept)
+
+    else:
+        order = [seg.obj for seg in plan.segments]
+
+        def bind(p: TransferPlan) -> Kernel:
+            return _rows_scatter(g, order, _rows_array(p), kept)
 
     return bind
 
 
-def _rows_kernel(
+def _rows_gather(
     g: RowGeometry,
-    direction: Direction,
     steps: tuple[tuple[int, torch.Tensor, Any], ...],
     as_raw: bool,
+    kept: WeakHold,
 ) -> Kernel:
     size, stride, offset = (g.nrows, g.piece), (g.row_stride, 1), g.storage_offset
-    if direction is Direction.D2H:
-        outs = tuple((obj, idx, (idx.numel(), -1)) for obj, idx, _ in steps)
+    outs = tuple((obj, idx, (idx.numel(), -1)) for obj, idx, _ in steps)
 
-        def gather(paged: Any, objs: Sequence[torch.Tensor]) -> None:
+    def gather(paged: Any, objs: Sequence[torch.Tensor]) -> None:
+        u0 = paged if type(paged) is _Tensor else paged[0]
+        if type(u0) is not _Tensor:
             u0 = first_paged(paged)
+        held = kept.held
+        if held is not None and held[0][0]() is u0:
+            rows = held[1]
+        else:
             rows = (raw(u0) if as_raw else u0).as_strided(size, stride, offset)
-            for obj, idx, view in outs:
-                out = objs[obj]
-                torch.index_select(rows, 0, idx, out=(raw(out) if as_raw else out).view(view))
+            kept.hold((u0,), rows)
+        for obj, idx, view in outs:
+            out = objs[obj]
+            torch.index_select(rows, 0, idx, out=(raw(out) if as_raw else out).view(view))
 
-        return gather
-    ins = tuple((obj, idx_np, (idx.numel(), -1)) for obj, idx, idx_np in steps)
+    return gather
+
+
+def _rows_scatter(g: RowGeometry, order: list[int], flat_np: Any, kept: WeakHold) -> Kernel:
+    size, stride, offset = (g.nrows, g.piece), (g.row_stride, 1), g.storage_offset
+    ins = tuple((o, idx_np, (idx_np.size, -1)) for o, idx_np in zip(order, flat_np, strict=True))
 
     def scatter(paged: Any, objs: Sequence[torch.Tensor]) -> None:
         # Rows of integers, not opaque void items: numpy's fancy assignment of void items
-        # holds the GIL, of 2-D integer rows it copies each row with the GIL released.
-        rows_np = raw(first_paged(paged)).as_strided(size, stride, offset).numpy()
+        # holds the GIL, of 2-D integer rows it copies each row with the GIL released. The
+        # pool's rows array is kept (no torch call per scatter but the chunk's integer view).
+        u0 = paged if type(paged) is _Tensor else paged[0]
+        if type(u0) is not _Tensor:
+            u0 = first_paged(paged)
+        held = kept.held
+        if held is not None and held[0][0]() is u0:
+            rows_np = held[1]
+        else:
+            rows_np = raw(u0).as_strided(size, stride, offset).numpy()
+            kept.hold((u0,), rows_np)
         for obj, idx_np, view in ins:
-            rows_np[idx_np] = raw(objs[obj]).view(view).numpy()
+            rows_np[idx_np] = raw(objs[obj]).numpy().reshape(view)
 
     return scatter
 
@@ -328,17 +356,25 @@ def _stacked_binder(
         # positive), split into views; no Python frame but the bind's and the kernel's.
         positions = [obj for obj, _ in outs]
         views = [out for _, out in outs]
+        one = len(counts) == 1
+        kept = WeakHold()  # the stacked view of the latest first paged tensor
 
         def bind(p: TransferPlan) -> Kernel:
             ids = torch.frombuffer(array.array("q", p.request.block_ids[first:stop]), dtype=_I64)
-            steps = tuple(zip(positions, torch.split_with_sizes(ids, counts), views, strict=True))
+            split = (ids,) if one else torch.split_with_sizes(ids, counts)
+            steps = tuple(zip(positions, split, views, strict=True))
 
             def gather(paged: Any, objs: Sequence[torch.Tensor]) -> None:
                 # The first paged tensor: in line for one plain tensor or a list of them.
                 u0 = paged if type(paged) is _Tensor else paged[0]
                 if type(u0) is not _Tensor:
                     u0 = first_paged(paged)
-                src = u0.as_strided(*src_geo)
+                held = kept.held
+                if held is not None and held[0][0]() is u0:
+                    src = held[1]
+                else:
+                    src = u0.as_strided(*src_geo)
+                    kept.hold((u0,), src)
                 for obj, idx, (size, stride, offset) in steps:
                     out = objs[obj]
                     # A view from the chunk's start keeps its storage offset (as_strided's
@@ -423,24 +459,33 @@ def _rows_steps(
     """Per segment: its object, its flat row index ``[P*NL*bpo]`` as a tensor and (with
     numpy: ``use_numpy``, ``None`` where it is installed) as an array; every segment's in a
     handful of calls."""
+    segs = plan.segments
+    if numpy_usable() if use_numpy is None else use_numpy:
+        flat_np = _rows_array(plan)
+        flat = torch.from_numpy(flat_np).unbind(0)
+        return tuple(zip([seg.obj for seg in segs], flat, flat_np, strict=True))
     g = plan.rows
     assert g is not None
     bpo = plan.request.chunk_size // plan.request.shape.bs
-    segs = plan.segments
     block_ids = [plan.request.block_ids[seg.start : seg.stop] for seg in segs]
-    if numpy_usable() if use_numpy is None else use_numpy:
-        import numpy as np
-
-        ids_np = np.asarray(block_ids, dtype=np.int64) * g.block_rows
-        flat_np = np.add.outer(np.asarray(g.plane_layer_rows, dtype=np.int64), ids_np)
-        flat_np = flat_np.transpose(1, 0, 2).reshape(len(segs), -1)  # [segments, P*NL*bpo]
-        flat = torch.from_numpy(flat_np).unbind(0)
-        return tuple(zip([seg.obj for seg in segs], flat, flat_np, strict=True))
     ids = torch.tensor(block_ids, dtype=torch.int64)
     base = torch.tensor(g.plane_layer_rows, dtype=torch.int64)
     idx = torch.add(base.view(1, -1, 1), ids.view(len(segs), 1, bpo), alpha=g.block_rows)
     flat = idx.view(len(segs), -1).unbind(0)
     return tuple((seg.obj, t, None) for seg, t in zip(segs, flat, strict=True))
+
+
+def _rows_array(plan: TransferPlan) -> Any:
+    """Every segment's flat row index, ``[segments, P*NL*bpo]`` (numpy only: no torch
+    call)."""
+    import numpy as np
+
+    g = plan.rows
+    assert g is not None
+    block_ids = [plan.request.block_ids[seg.start : seg.stop] for seg in plan.segments]
+    ids_np = np.asarray(block_ids, dtype=np.int64) * g.block_rows
+    flat_np = np.add.outer(np.asarray(g.plane_layer_rows, dtype=np.int64), ids_np)
+    return flat_np.transpose(1, 0, 2).reshape(len(block_ids), -1)
 
 
 def _run_staged(
