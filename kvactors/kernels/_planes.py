@@ -139,6 +139,8 @@ def planes_scatter_binder(
 
         return bind_whole
 
+    kept_units = WeakHold()  # the latest call's paged tensors' rows arrays
+
     def bind(p: TransferPlan) -> Kernel:
         ids = np.asarray(p.request.block_ids, dtype=np.int64)
         steps = []
@@ -148,7 +150,7 @@ def planes_scatter_binder(
             for u, _, base, block_rows, sel in targets:
                 index = np.add.outer(base, blocks * block_rows)  # [P, L, n] or [P', n]
                 steps.append((seg.obj, u, (*sel, j), index))
-        return _kernel(p, targets, item, obj_shape, as_raw, tuple(steps))
+        return _kernel(p, targets, item, obj_shape, as_raw, tuple(steps), kept_units)
 
     return bind
 
@@ -164,16 +166,28 @@ def _kernel(
     obj_shape: tuple[int, ...],
     as_raw: bool,
     steps: tuple[tuple[int, int, tuple[Any, ...], Any], ...],
+    kept: WeakHold,
 ) -> Kernel:
     spec = plan.spec
     geos = {t[0]: t[1] for t in targets}
 
     def scatter(paged: Any, objs: Sequence[torch.Tensor]) -> None:
-        if -1 in geos:
-            rows = {-1: _void_rows(first_paged(paged), geos[-1], item, as_raw)}
-        else:
-            units = paged_units(spec, paged)
-            rows = {u: _void_rows(units[u], geo, item, as_raw) for u, geo in geos.items()}
+        # The paged tensors' rows arrays are kept while calls pass those very tensors.
+        units = [first_paged(paged)] if -1 in geos else paged_units(spec, paged)
+        held = kept.held
+        rows: dict[int, Any] | None = None
+        if held is not None and len(held[0]) == len(units):
+            rows = held[1]
+            for ref, t in zip(held[0], units, strict=True):
+                if ref() is not t:
+                    rows = None
+                    break
+        if rows is None:
+            if -1 in geos:
+                rows = {-1: _void_rows(units[0], geos[-1], item, as_raw)}
+            else:
+                rows = {u: _void_rows(units[u], geo, item, as_raw) for u, geo in geos.items()}
+            kept.hold(units, rows)
         chunks: dict[int, Any] = {}
         for obj, u, sel, index in steps:
             chunk = chunks.get(obj)

@@ -20,6 +20,7 @@ import torch
 
 from kvactors.core.plans import paged_units
 from kvactors.kernels._views import (
+    WeakHold,
     canonical_unit,
     index_tensor,
     object_view,
@@ -85,6 +86,7 @@ def units_gather_binder(
     spec = plan.spec
     # Same-width integers where torch's index_select may lack the dtype (fp8): same bytes.
     as_raw = units[0].dtype not in _SELECTABLE
+    kept = WeakHold()  # the views of the latest call's paged tensors
 
     def bind(p: TransferPlan) -> Kernel:
         ids = p.request.block_ids
@@ -95,7 +97,7 @@ def units_gather_binder(
             if idx is None:
                 idx = index[start, stop] = index_tensor(ids[start:stop])
             steps.append((obj, u, dims[u], idx, geo))
-        return _kernel(spec, srcs, tuple(steps), as_raw)
+        return _kernel(spec, srcs, tuple(steps), as_raw, kept)
 
     return bind
 
@@ -105,13 +107,25 @@ def _kernel(
     srcs: list[_Geometry],
     steps: tuple[tuple[int, int, int, torch.Tensor, _Geometry], ...],
     as_raw: bool,
+    kept: WeakHold,
 ) -> Kernel:
     def gather(paged: Any, objs: Sequence[torch.Tensor]) -> None:
         units = paged_units(spec, paged)
-        views = [
-            (raw(t) if as_raw else t).as_strided(size, stride, t.storage_offset() + off)
-            for t, (size, stride, off) in zip(units, srcs, strict=True)
-        ]
+        # The paged tensors' views are kept while calls pass those very tensors.
+        held = kept.held
+        views: list[torch.Tensor] | None = None
+        if held is not None and len(held[0]) == len(units):
+            views = held[1]
+            for ref, t in zip(held[0], units, strict=True):
+                if ref() is not t:
+                    views = None
+                    break
+        if views is None:
+            views = [
+                (raw(t) if as_raw else t).as_strided(size, stride, t.storage_offset() + off)
+                for t, (size, stride, off) in zip(units, srcs, strict=True)
+            ]
+            kept.hold(units, views)
         for obj, u, dim, idx, (size, stride, off) in steps:
             out = raw(objs[obj]) if as_raw else objs[obj]
             view = out.as_strided(size, stride, out.storage_offset() + off)
