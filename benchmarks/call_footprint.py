@@ -10,8 +10,10 @@ block ids and other chunk buffers on every call (64 sets cycled). After two warm
 both ops, ``--calls`` calls of each run under ``sys.setprofile`` (the garbage collector off, so
 no finalizer runs inside the window). Per call: ``frames`` = ``call`` events (Python frames,
 generator resumes included), ``events`` = ``call`` + ``c_call`` events (every Python and C
-call; the return events mirror them), the loop's own events subtracted (an empty call measured
-the same way). Events on other threads in the window (profiled from their start) are counted
+call; the return events mirror them), ``torch_calls`` = the ``c_call`` events of torch's own
+functions and tensor methods (each dispatched torch call releases the GIL, which callers side
+by side then queue for), the loop's own events subtracted (an empty call measured the same
+way). Events on other threads in the window (profiled from their start) are counted
 apart as ``other_threads``. Counts, not times: the same on every run. The metrics mirror is
 off (``KVACTORS_METRICS=off``): its thread's timed passes are no call's work, and would land in
 a window or not by the clock.
@@ -45,12 +47,22 @@ def _other_thread(frame: Any, event: str, arg: Any) -> None:
 threading.setprofile(_other_thread)  # every thread started from here on (the runtime's)
 
 
+def _is_torch(fn: Any) -> bool:
+    """Whether a builtin is torch's: a function of a torch module or a tensor's method."""
+    import torch
+
+    owner = getattr(fn, "__self__", None)
+    return isinstance(owner, torch.Tensor) or str(getattr(fn, "__module__", "")).startswith("torch")
+
+
 def _count(fn: Any, n: int) -> tuple[Counter[str], Counter[str]]:
     """Profile events of ``fn(i)`` for i in range(n): this thread's and other threads'."""
     mine: Counter[str] = Counter()
 
     def prof(frame: Any, event: str, arg: Any) -> None:
         mine[event] += 1
+        if event == "c_call" and _is_torch(arg):
+            mine["torch"] += 1
 
     _others.clear()
     gc.collect()
@@ -110,7 +122,12 @@ def measure(calls: int = SETS) -> dict[str, Any]:
             frames = (mine["call"] - empty["call"]) / calls
             events = (mine["call"] + mine["c_call"] - empty["call"] - empty["c_call"]) / calls
             other = (others["call"] + others["c_call"]) / calls
-            out[f"{who}_{dname}"] = {"frames": frames, "events": events, "other_threads": other}
+            out[f"{who}_{dname}"] = {
+                "frames": frames,
+                "events": events,
+                "torch_calls": (mine["torch"] - empty["torch"]) / calls,
+                "other_threads": other,
+            }
     # The counted calls do the work: both ops store the same (nonzero) bytes for one call.
     stored = []
     for who in ops:

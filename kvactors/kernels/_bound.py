@@ -287,14 +287,9 @@ class UnitsBinding(WeakHold):
     def _views(self, plan: TransferPlan, units: list[torch.Tensor]) -> list[torch.Tensor]:
         # The paged views of this call's tensors: the kept ones if the call passes the
         # tensors they were made of, else made now (and kept).
-        held = self.held
-        if held is not None and len(held[0]) == len(units):
-            for ref, u in zip(held[0], units, strict=True):
-                if ref() is not u:
-                    break
-            else:
-                views: list[torch.Tensor] = held[1]
-                return views
+        views: list[torch.Tensor] | None = self.kept(units)
+        if views is not None:
+            return views
         views = self._made(KernelContext(plan, units))
         self.hold(units, views)
         return views

@@ -14,9 +14,10 @@ allocations), ONE numpy fancy assignment ``rows[index] = chunk[P, L, n, S, H]``:
 the chunk sequentially, token-major, and writes whole ``HS`` runs, the fast order of a C
 loop over the same runs (performance.md section 2), whatever the order of ``S`` and ``H`` in
 the paged memory (NHD, HND, the fused K/V formats 10-13). Nothing chunk-sized is allocated;
-what a call builds is a numpy view of each operand (a few microseconds), which is why this
-path beats the per-segment views of :mod:`kvactors.kernels._moves` on small chunks (an
-engine's 64-token chunks of a small model) as well as on large ones.
+what a call builds is a numpy view of each chunk (the paged tensors' rows arrays are kept
+while calls pass those very tensors, weakly: :class:`WeakHold`), which is why this path beats
+the per-segment views of :mod:`kvactors.kernels._moves` on small chunks (an engine's 64-token
+chunks of a small model) as well as on large ones.
 """
 
 from __future__ import annotations
@@ -174,14 +175,7 @@ def _kernel(
     def scatter(paged: Any, objs: Sequence[torch.Tensor]) -> None:
         # The paged tensors' rows arrays are kept while calls pass those very tensors.
         units = [first_paged(paged)] if -1 in geos else paged_units(spec, paged)
-        held = kept.held
-        rows: dict[int, Any] | None = None
-        if held is not None and len(held[0]) == len(units):
-            rows = held[1]
-            for ref, t in zip(held[0], units, strict=True):
-                if ref() is not t:
-                    rows = None
-                    break
+        rows: dict[int, Any] | None = kept.kept(units)
         if rows is None:
             if -1 in geos:
                 rows = {-1: _void_rows(units[0], geos[-1], item, as_raw)}

@@ -8,8 +8,9 @@ section 2), the object's slots of that layer permuted the same way, the block ax
 That is the per-tensor path of :mod:`kvactors.kernels._moves`; here the permutations, the
 output views' geometry (relative to their chunk's storage offset, so other chunk buffers of
 the same layout share it) and the index tensors are built when the plan is bound, and a call
-makes one ``as_strided`` per view and the ``index_select`` calls. An engine's small chunks
-(two blocks of a few layers) then pay for the copies, not for building views.
+makes one ``as_strided`` per output view and the ``index_select`` calls; the paged tensors'
+views are kept while calls pass those very tensors (weakly: :class:`WeakHold`). An engine's
+small chunks (two blocks of a few layers) then pay for the copies, not for building views.
 """
 
 from __future__ import annotations
@@ -112,14 +113,7 @@ def _kernel(
     def gather(paged: Any, objs: Sequence[torch.Tensor]) -> None:
         units = paged_units(spec, paged)
         # The paged tensors' views are kept while calls pass those very tensors.
-        held = kept.held
-        views: list[torch.Tensor] | None = None
-        if held is not None and len(held[0]) == len(units):
-            views = held[1]
-            for ref, t in zip(held[0], units, strict=True):
-                if ref() is not t:
-                    views = None
-                    break
+        views: list[torch.Tensor] | None = kept.kept(units)
         if views is None:
             views = [
                 (raw(t) if as_raw else t).as_strided(size, stride, t.storage_offset() + off)

@@ -49,6 +49,16 @@ class WeakHold:
         """Keep ``views`` while every one of ``tensors`` lives."""
         self.held = (tuple(weakref.ref(t, self._let_go) for t in tensors), views)
 
+    def kept(self, tensors: Sequence[torch.Tensor]) -> Any:
+        """The views kept for these very tensors (the same objects, in order), else None."""
+        held = self.held
+        if held is None or len(held[0]) != len(tensors):
+            return None
+        for ref, t in zip(held[0], tensors, strict=True):
+            if ref() is not t:
+                return None
+        return held[1]
+
     def _let_go(self, ref: weakref.ref[torch.Tensor]) -> None:
         held = self.held
         if held is not None and ref in held[0]:

@@ -342,7 +342,8 @@ def _stacked_binder(
     is only fast on such a source), the chunk's view permuted the same way, the block axis
     selected: exactly the single torch call of the same bytes. The views' geometry is kept
     (each chunk view's storage offset relative to its chunk's, so other chunk buffers of the
-    same layout share it); each call makes one ``as_strided`` per view."""
+    same layout share it); the stacked view is kept while calls pass the same first paged
+    tensor (weakly: :class:`WeakHold`), and each call makes one ``as_strided`` per chunk."""
     geo = _stacked_geometry(plan, unit0, objects)
     if geo is None:
         return None
