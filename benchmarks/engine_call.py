@@ -11,7 +11,9 @@ median time of: the kernel bound to the call's ids (``reused_kernel`` on a cache
 plan cache's lookup, ``Runtime.transfer`` in all and the ``kvactors_cpu`` plugin's op in all,
 each timed back to back; then the plugin's op and LMCache's own CPU op (``CpuDeviceOps``)
 alternated ABBA, so each finds the other's traces in the caches, as in the engine's A/B.
-One thread (``torch.set_num_threads(1)``). ``--before memory`` copies 32 MiB before every timed
+``--nb`` sets the blocks per layer (the engine's pool is 32,768; its two layers one 1 GiB
+allocation), ``--apart`` gives each layer an allocation of its own. One thread
+(``torch.set_num_threads(1)``). ``--before memory`` copies 32 MiB before every timed
 call, untimed: the caches start as cold as after an engine's forward pass.
 """
 
@@ -35,16 +37,22 @@ NL, NB, NH, BS, CS = 2, 256, 2, 32, 64  # layers, blocks, heads, block size, pac
 CHUNK, CHUNKS = 64, 4
 
 
-def operands() -> tuple[list[torch.Tensor], torch.Tensor, list[Any]]:
-    """The engine's paged layers (views of one allocation), the host pool, and 64 calls'
-    ``(block ids, chunk buffers)``: other ids and other views of the pool on every call."""
+def operands(
+    nb: int = NB, apart: bool = False
+) -> tuple[list[torch.Tensor], torch.Tensor, list[Any]]:
+    """The engine's paged layers (views of one allocation of ``nb`` blocks each, or with
+    ``apart`` one allocation each), the host pool, and 64 calls' ``(block ids, chunk
+    buffers)``: other ids and other views of the pool on every call."""
     page = NH * BS * CS
-    kv = torch.randn(NL * NB * page)  # [L, B, H, N, C], the layers one allocation
-    layers = [kv[i * NB * page : (i + 1) * NB * page].view(NB, NH, BS, CS) for i in range(NL)]
+    if apart:
+        layers = [torch.randn(nb * page).view(nb, NH, BS, CS) for _ in range(NL)]
+    else:
+        kv = torch.randn(NL * nb * page)  # [L, B, H, N, C], the layers one allocation
+        layers = [kv[i * nb * page : (i + 1) * nb * page].view(nb, NH, BS, CS) for i in range(NL)]
     pool = torch.zeros(16 * CHUNKS, NL, CHUNK, NH * CS)
     rng = random.Random(0)
     calls = [
-        (rng.sample(range(1, NB), CHUNKS * CHUNK // BS),
+        (rng.sample(range(1, nb), CHUNKS * CHUNK // BS),
          [pool[(CHUNKS * k + j) % len(pool)] for j in range(CHUNKS)])
         for k in range(64)
     ]  # fmt: skip
@@ -59,6 +67,11 @@ def main() -> int:
         help="memory: copy 32 MiB (untimed) before every timed call, as an engine's forward "
         "pass between two transfers evicts the caches",
     )  # fmt: skip
+    ap.add_argument(
+        "--nb", type=int, default=NB,
+        help="blocks per layer (validate-serving's engine: 32768, its layers one 1 GiB allocation)",
+    )  # fmt: skip
+    ap.add_argument("--apart", action="store_true", help="each layer its own allocation")
     args = ap.parse_args()
     torch.set_num_threads(1)
 
@@ -73,9 +86,9 @@ def main() -> int:
     from kvactors_lmcache.ops import KvactorsCpuOps
 
     page = NH * BS * CS
-    layers, _, calls = operands()
+    layers, _, calls = operands(args.nb, args.apart)
     shape = ShapeDesc(
-        kv_size=1, nl=NL, nb=NB, bs=BS, nh=NH, hs=CS, element_size=4,
+        kv_size=1, nl=NL, nb=args.nb, bs=BS, nh=NH, hs=CS, element_size=4,
         block_stride_elems=page, dtype="float32",
     )  # fmt: skip
     lm, kva = CpuDeviceOps(), KvactorsCpuOps()
